@@ -1,0 +1,31 @@
+"""Policy-gradient objectives: pure functions of tensors, selectable by config key.
+
+>>> from polopt_lightning.objectives import build_objective
+>>> build_objective("gspo").clip_low
+0.0003
+"""
+
+from .base import (
+    Objective,
+    ObjectiveOutput,
+    available_objectives,
+    build_objective,
+    k3_kl,
+    register_objective,
+)
+from .grpo import AGGREGATIONS, GRPO, dapo, dr_grpo
+from .gspo import GSPO
+
+__all__ = [
+    "AGGREGATIONS",
+    "GRPO",
+    "GSPO",
+    "Objective",
+    "ObjectiveOutput",
+    "available_objectives",
+    "build_objective",
+    "dapo",
+    "dr_grpo",
+    "k3_kl",
+    "register_objective",
+]

@@ -1,0 +1,136 @@
+"""GRPO (DeepSeekMath, Shao et al. 2024) with the aggregation variants of DAPO and Dr. GRPO."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .base import (
+    LOG_RATIO_LIMIT,
+    Objective,
+    ObjectiveOutput,
+    check_advantage_scale,
+    check_beta,
+    check_clip,
+    clipped_surrogate,
+    k3_kl,
+    masked_max,
+    masked_mean,
+    mean_over_sequences,
+    register_objective,
+    sequence_mean,
+)
+
+AGGREGATIONS = ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm")
+
+
+def aggregate(per_token: Tensor, mask: Tensor, aggregation: str, max_completion_length: int | None) -> Tensor:
+    """Reduce a ``[B, T]`` per-token loss to a scalar.
+
+    - ``seq-mean-token-mean`` (DeepSeekMath): each sequence's token mean (1/|o_i|), then the mean over sequences.
+    - ``token-mean`` (DAPO): one mean over every token of the batch, so long sequences weigh more.
+    - ``seq-mean-token-sum-norm`` (Dr. GRPO): each sequence's token sum over a constant (max completion length),
+      then the mean over sequences; removes the length bias of 1/|o_i|.
+    Sequences whose mask is empty contribute nothing and do not count in the sequence mean.
+    """
+    maskf = mask.to(per_token.dtype)
+    nonempty = mask.any(-1)
+    if aggregation == "token-mean":
+        return (per_token * maskf).sum() / maskf.sum().clamp(min=1.0)
+    if aggregation == "seq-mean-token-mean":
+        return mean_over_sequences(sequence_mean(per_token, mask), nonempty)
+    if aggregation == "seq-mean-token-sum-norm":
+        return mean_over_sequences((per_token * maskf).sum(-1) / float(max_completion_length), nonempty)
+    raise ValueError(f"aggregation must be one of {AGGREGATIONS}, got {aggregation!r}")
+
+
+@register_objective("grpo")
+class GRPO(Objective):
+    """Group Relative Policy Optimization with a per-token importance ratio.
+
+    Per token ``-min(r*A, clip(r, 1-clip_low, 1+clip_high)*A) + beta*k3`` with ``r = exp(lp - old)``,
+    reduced by ``aggregation``.
+
+    Args:
+        clip_low: lower clip range (ratio floor ``1 - clip_low``).
+        clip_high: upper clip range (ratio ceiling ``1 + clip_high``); ``None`` means ``clip_low`` (symmetric).
+        beta: weight of the k3 KL penalty to the reference policy; needs ``ref_logprobs`` when ``> 0``.
+        aggregation: ``"seq-mean-token-mean"`` | ``"token-mean"`` (DAPO) | ``"seq-mean-token-sum-norm"`` (Dr. GRPO).
+        max_completion_length: the constant normaliser of ``seq-mean-token-sum-norm`` (required there).
+        advantage_scale: how the trainer scales group advantages: ``"group"`` std, ``"batch"`` std or ``"none"``.
+    """
+
+    accepts_token_advantages = True
+
+    def __init__(
+        self,
+        clip_low: float = 0.2,
+        clip_high: float | None = None,
+        beta: float = 0.0,
+        aggregation: str = "seq-mean-token-mean",
+        max_completion_length: int | None = None,
+        advantage_scale: str = "group",
+    ) -> None:
+        self.clip_low, self.clip_high = check_clip(clip_low, clip_high)
+        self.beta = check_beta(beta)
+        if aggregation not in AGGREGATIONS:
+            raise ValueError(f"aggregation must be one of {AGGREGATIONS}, got {aggregation!r}")
+        if aggregation == "seq-mean-token-sum-norm":
+            if max_completion_length is None or int(max_completion_length) <= 0:
+                raise ValueError(
+                    "aggregation='seq-mean-token-sum-norm' needs max_completion_length > 0 "
+                    f"(the constant normaliser), got {max_completion_length!r}"
+                )
+            max_completion_length = int(max_completion_length)
+        self.aggregation = aggregation
+        self.max_completion_length = max_completion_length
+        self.advantage_scale = check_advantage_scale(advantage_scale)
+
+    def compute(self, logprobs, old_logprobs, advantages, mask, ref_logprobs) -> ObjectiveOutput:
+        log_ratio = (logprobs - old_logprobs).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)  # [B, T]
+        ratio = torch.exp(log_ratio)
+        token_adv = advantages if advantages.dim() == 2 else advantages.unsqueeze(-1)
+        per_token, clipped_low, clipped_high = clipped_surrogate(ratio, token_adv, self.clip_low, self.clip_high)
+        metrics: dict[str, Tensor] = {}
+        if self.beta > 0:
+            kl = k3_kl(logprobs, ref_logprobs)
+            per_token = per_token + self.beta * kl
+            metrics["kl"] = aggregate(kl, mask, self.aggregation, self.max_completion_length).detach()
+        loss = aggregate(per_token, mask, self.aggregation, self.max_completion_length)
+        with torch.no_grad():
+            low = masked_mean(clipped_low.float(), mask)
+            high = masked_mean(clipped_high.float(), mask)
+            metrics.update(
+                clip_frac_low=low,
+                clip_frac_high=high,
+                clip_frac=low + high,
+                ratio_mean=masked_mean(ratio, mask),
+                ratio_max=masked_max(ratio, mask),
+            )
+        return ObjectiveOutput(loss=loss, metrics=metrics)
+
+
+@register_objective("dapo")
+def dapo(
+    clip_low: float = 0.2,
+    clip_high: float | None = 0.28,
+    beta: float = 0.0,
+    aggregation: str = "token-mean",
+    max_completion_length: int | None = None,
+    advantage_scale: str = "group",
+) -> GRPO:
+    """DAPO (Yu et al. 2025): GRPO with clip-higher (0.2 / 0.28) and token-mean aggregation."""
+    return GRPO(clip_low, clip_high, beta, aggregation, max_completion_length, advantage_scale)
+
+
+@register_objective("dr_grpo")
+def dr_grpo(
+    max_completion_length: int | None = None,
+    clip_low: float = 0.2,
+    clip_high: float | None = None,
+    beta: float = 0.0,
+    aggregation: str = "seq-mean-token-sum-norm",
+    advantage_scale: str = "none",
+) -> GRPO:
+    """Dr. GRPO (Liu et al. 2025): token sums over a constant and advantages not divided by the group std."""
+    return GRPO(clip_low, clip_high, beta, aggregation, max_completion_length, advantage_scale)

@@ -1,0 +1,137 @@
+"""Built-in reward functions for verifiable tasks. Each is a small configurable callable (Hydra can build it) that
+follows TRL's convention ``fn(prompts, completions, **columns) -> list[float | None]``."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from typing import Any
+
+_NUMBER = re.compile(r"[-+]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?")
+
+
+def _column(columns: dict[str, Any], key: str, fn_name: str) -> Sequence[Any]:
+    if key not in columns:
+        raise KeyError(f"{fn_name} needs the column {key!r}; the batch has {sorted(columns)}")
+    return columns[key]
+
+
+def _text(completion: Any) -> str:
+    """Completion text; conversational completions (a list of messages) use the last message's content."""
+    if isinstance(completion, list) and completion and isinstance(completion[-1], dict):
+        return str(completion[-1].get("content", ""))
+    return str(completion)
+
+
+def last_number(text: str) -> float | None:
+    """The last number written in ``text`` (commas in thousands ignored), or ``None``."""
+    matches = _NUMBER.findall(text.replace(",", ""))
+    if not matches:
+        return None
+    try:
+        return float(matches[-1])
+    except ValueError:
+        return None
+
+
+class ExactMatchReward:
+    """1.0 when the completion equals the reference answer, else 0.0.
+
+    Args:
+        answer_column: dataset column with the reference answer.
+        strip: compare after stripping surrounding white space.
+        case_sensitive: compare letter case.
+    """
+
+    def __init__(self, answer_column: str = "answer", strip: bool = True, case_sensitive: bool = True) -> None:
+        self.answer_column, self.strip, self.case_sensitive = answer_column, strip, case_sensitive
+        self.__name__ = "exact_match"
+
+    def _norm(self, s: str) -> str:
+        s = s.strip() if self.strip else s
+        return s if self.case_sensitive else s.lower()
+
+    def __call__(self, prompts: list[str], completions: list[Any], **columns: Any) -> list[float]:
+        answers = _column(columns, self.answer_column, self.__name__)
+        return [float(self._norm(_text(c)) == self._norm(str(a))) for c, a in zip(completions, answers)]
+
+
+class NumericMatchReward:
+    """1.0 when the last number in the completion equals the reference answer within ``tolerance``.
+
+    Args:
+        answer_column: dataset column with the reference answer (a number or a string holding one).
+        tolerance: absolute tolerance.
+        missing: reward when the completion holds no number (0.0; ``None`` to leave the sample out).
+    """
+
+    def __init__(self, answer_column: str = "answer", tolerance: float = 1e-6, missing: float | None = 0.0) -> None:
+        self.answer_column, self.tolerance, self.missing = answer_column, tolerance, missing
+        self.__name__ = "numeric_match"
+
+    def __call__(self, prompts: list[str], completions: list[Any], **columns: Any) -> list[float | None]:
+        answers = _column(columns, self.answer_column, self.__name__)
+        out: list[float | None] = []
+        for i, (completion, answer) in enumerate(zip(completions, answers)):
+            target = answer if isinstance(answer, (int, float)) else last_number(str(answer))
+            if target is None:
+                raise ValueError(f"{self.__name__}: reference answer {answer!r} of sample {i} holds no number")
+            got = last_number(_text(completion))
+            out.append(self.missing if got is None else float(abs(got - float(target)) <= self.tolerance))
+        return out
+
+
+class RegexFormatReward:
+    """``reward`` when the completion matches ``pattern`` (``re.search``, or ``re.fullmatch`` if ``full``).
+
+    Args:
+        pattern: regular expression.
+        full: require the whole (stripped) completion to match.
+        reward: value on a match; 0.0 otherwise.
+        name: name the reward is logged under.
+    """
+
+    def __init__(self, pattern: str, full: bool = False, reward: float = 1.0, name: str = "format") -> None:
+        try:
+            self.regex = re.compile(pattern, re.DOTALL)
+        except re.error as exc:
+            raise ValueError(f"RegexFormatReward pattern {pattern!r} is not a valid regular expression: {exc}") from exc
+        self.full, self.reward = full, float(reward)
+        self.__name__ = name
+
+    def __call__(self, prompts: list[str], completions: list[Any], **columns: Any) -> list[float]:
+        match = self.regex.fullmatch if self.full else self.regex.search
+        return [self.reward if match(_text(c).strip() if self.full else _text(c)) else 0.0 for c in completions]
+
+
+class SoftOverlongPenalty:
+    """DAPO's soft overlong punishment (Yu et al. 2025, eq. 13).
+
+    With ``L = max_completion_length`` and buffer ``C = overlong_buffer``: 0 for ``|y| <= L - C``,
+    ``(L - C - |y|) / C`` in between (falls linearly to -1), and -1 beyond ``L``; times ``penalty_factor``.
+    ``|y|`` is the token count from the ``completion_ids`` column the trainer passes (the character count when
+    called without it).
+    """
+
+    def __init__(self, max_completion_length: int, overlong_buffer: int, penalty_factor: float = 1.0) -> None:
+        if not 0 < overlong_buffer <= max_completion_length:
+            raise ValueError(
+                f"overlong_buffer must be in (0, max_completion_length={max_completion_length}], got {overlong_buffer}"
+            )
+        self.max_completion_length, self.overlong_buffer = int(max_completion_length), int(overlong_buffer)
+        self.penalty_factor = float(penalty_factor)
+        self.__name__ = "overlong_penalty"
+
+    def __call__(self, prompts: list[str], completions: list[Any], **columns: Any) -> list[float]:
+        ids = columns.get("completion_ids")
+        lengths = [len(x) for x in ids] if ids is not None else [len(_text(c)) for c in completions]
+        expected = self.max_completion_length - self.overlong_buffer
+        out = []
+        for length in lengths:
+            if length <= expected:
+                out.append(0.0)
+            elif length <= self.max_completion_length:
+                out.append(self.penalty_factor * (expected - length) / self.overlong_buffer)
+            else:
+                out.append(-self.penalty_factor)
+        return out

@@ -1,0 +1,266 @@
+"""Reward protocol and :class:`RewardComposer`: runs reward functions, checks what they return, weights them."""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import math
+import numbers
+import threading
+import warnings
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+from torch import Tensor
+
+ON_ERROR = ("raise", "none")
+
+
+@runtime_checkable
+class RewardFunction(Protocol):
+    """TRL's reward convention, so existing reward functions work unchanged.
+
+    ``fn(prompts, completions, **columns) -> list[float | None]``; ``columns`` holds every extra dataset column
+    (one value per completion) plus ``completion_ids``. ``None`` means "not applicable to this sample". The
+    function may be ``async``.
+    """
+
+    def __call__(self, prompts: list[str], completions: list[str], **columns: Any) -> list[float | None]: ...
+
+
+class RewardError(RuntimeError):
+    """A reward function failed or returned something unusable; the message names the function and sample."""
+
+
+def reward_name(fn: Callable) -> str:
+    """The name a reward function is logged under: ``__name__``, the wrapped function's, or the class name."""
+    for obj in (fn, getattr(fn, "func", None)):
+        name = getattr(obj, "__name__", None)
+        if isinstance(name, str) and name != "<lambda>":
+            return name
+    return type(fn).__name__ if not inspect.isfunction(fn) else "reward"
+
+
+def _unique_names(fns: Sequence[Callable]) -> list[str]:
+    names: list[str] = []
+    for fn in fns:
+        base = reward_name(fn)
+        name, k = base, 1
+        while name in names:
+            k += 1
+            name = f"{base}_{k}"
+        names.append(name)
+    return names
+
+
+def _run_coroutines(coros: list[Awaitable]) -> list[Any]:
+    """Run coroutines concurrently, also when the caller already sits in an event loop (a notebook)."""
+
+    async def gather() -> list[Any]:
+        return list(await asyncio.gather(*coros, return_exceptions=True))
+
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(gather())
+    box: dict[str, Any] = {}
+    thread = threading.Thread(target=lambda: box.update(result=asyncio.run(gather())))
+    thread.start()
+    thread.join()
+    return box["result"]
+
+
+@dataclass
+class RewardOutput:
+    """What :class:`RewardComposer` returns for a batch of ``N`` completions.
+
+    Attributes:
+        per_function: ``[N, F]`` rewards, NaN where a function gave ``None`` (or failed with ``on_error="none"``).
+        total: ``[N]`` weighted sum over the functions that gave a value; NaN where none did.
+        metrics: ``reward``, ``reward_std``, ``rewards/<name>/mean``, ``rewards/<name>/std``,
+            ``rewards/<name>/none_frac`` and ``reward_errors/<name>`` (count of failures turned into ``None``).
+    """
+
+    per_function: Tensor
+    total: Tensor
+    metrics: dict[str, Tensor] = field(default_factory=dict)
+
+
+def _nan_std(values: Tensor) -> Tensor:
+    valid = values[torch.isfinite(values)]
+    return valid.std() if valid.numel() > 1 else values.new_zeros(())
+
+
+def _nan_mean(values: Tensor) -> Tensor:
+    valid = values[torch.isfinite(values)]
+    return valid.mean() if valid.numel() else values.new_full((), float("nan"))
+
+
+class RewardComposer:
+    """Runs reward functions on a batch and combines them with weights.
+
+    Args:
+        reward_fns: callables following :class:`RewardFunction` (sync or async).
+        weights: one weight per function (list, or mapping from function name); default all 1.
+        on_error: ``"raise"`` (default) raises :class:`RewardError` naming the function and sample index;
+            ``"none"`` turns the bad sample's reward into ``None`` with a warning and counts it in
+            ``reward_errors/<name>``. Nothing is silently zeroed.
+    """
+
+    def __init__(
+        self,
+        reward_fns: Sequence[Callable] | Callable,
+        weights: Sequence[float] | Mapping[str, float] | None = None,
+        on_error: str = "raise",
+    ) -> None:
+        if callable(reward_fns):
+            reward_fns = [reward_fns]
+        self.reward_fns = list(reward_fns)
+        if not self.reward_fns:
+            raise ValueError("RewardComposer needs at least one reward function")
+        for i, fn in enumerate(self.reward_fns):
+            if not callable(fn):
+                raise TypeError(f"reward_fns[{i}] is not callable: {fn!r}")
+        if on_error not in ON_ERROR:
+            raise ValueError(f"on_error must be one of {ON_ERROR}, got {on_error!r}")
+        self.on_error = on_error
+        self.names = _unique_names(self.reward_fns)
+        self.weights = self._check_weights(weights)
+
+    def _check_weights(self, weights: Sequence[float] | Mapping[str, float] | None) -> Tensor:
+        if weights is None:
+            return torch.ones(len(self.reward_fns))
+        if isinstance(weights, Mapping):
+            unknown = sorted(set(weights) - set(self.names))
+            if unknown:
+                raise ValueError(f"reward weights name unknown functions {unknown}; known: {self.names}")
+            weights = [float(weights.get(name, 1.0)) for name in self.names]
+        weights = [float(w) for w in weights]
+        if len(weights) != len(self.reward_fns):
+            raise ValueError(f"got {len(weights)} reward weights for {len(self.reward_fns)} reward functions {self.names}")
+        for name, w in zip(self.names, weights):
+            if not math.isfinite(w):
+                raise ValueError(f"reward weight of {name!r} is not finite: {w}")
+        return torch.tensor(weights, dtype=torch.float32)
+
+    def set_weights(self, weights: Sequence[float] | Mapping[str, float]) -> None:
+        """Replace the weights (dynamic weighting schedules call this between steps)."""
+        self.weights = self._check_weights(weights)
+
+    # ------------------------------------------------------------------------------------------------------------
+    def __call__(self, prompts: list[str], completions: list[str], **columns: Any) -> RewardOutput:
+        n = len(completions)
+        if len(prompts) != n:
+            raise ValueError(f"got {len(prompts)} prompts for {n} completions; pass one prompt per completion")
+        for key, col in columns.items():
+            if isinstance(col, (list, tuple)) and len(col) != n:
+                raise ValueError(f"column {key!r} has {len(col)} values for {n} completions")
+        raw: list[Any] = []
+        pending: dict[int, Awaitable] = {}
+        for i, fn in enumerate(self.reward_fns):
+            try:
+                out = fn(prompts=prompts, completions=completions, **columns)
+            except Exception as exc:  # located per sample below
+                out = exc
+            if inspect.isawaitable(out):
+                pending[i] = out
+            raw.append(out)
+        if pending:
+            for i, result in zip(pending, _run_coroutines(list(pending.values()))):
+                raw[i] = result
+
+        per_function = torch.full((n, len(self.reward_fns)), float("nan"))
+        errors = torch.zeros(len(self.reward_fns))
+        for j, (fn, name, out) in enumerate(zip(self.reward_fns, self.names, raw)):
+            values, n_err = self._check_output(fn, name, out, prompts, completions, columns)
+            per_function[:, j] = values
+            errors[j] = n_err
+
+        total = self.combine(per_function)
+        return RewardOutput(per_function=per_function, total=total, metrics=self._metrics(per_function, total, errors))
+
+    def combine(self, per_function: Tensor) -> Tensor:
+        """Weighted sum over the functions that gave a value (TRL's nansum); NaN where none did."""
+        valid = torch.isfinite(per_function)
+        weighted = torch.where(valid, per_function * self.weights.to(per_function), torch.zeros_like(per_function))
+        return torch.where(valid.any(-1), weighted.sum(-1), torch.full_like(weighted[:, 0], float("nan")))
+
+    def _metrics(self, per_function: Tensor, total: Tensor, errors: Tensor) -> dict[str, Tensor]:
+        metrics = {"reward": _nan_mean(total), "reward_std": _nan_std(total)}
+        for j, name in enumerate(self.names):
+            col = per_function[:, j]
+            metrics[f"rewards/{name}/mean"] = _nan_mean(col)
+            metrics[f"rewards/{name}/std"] = _nan_std(col)
+            metrics[f"rewards/{name}/none_frac"] = (~torch.isfinite(col)).float().mean()
+            metrics[f"reward_errors/{name}"] = errors[j]
+        return metrics
+
+    # ------------------------------------------------------------------------------------------------------------
+    def _fail(self, message: str, cause: BaseException | None = None) -> None:
+        """Raise or warn, per ``on_error``."""
+        if self.on_error == "raise":
+            raise RewardError(message) from cause
+        warnings.warn(message + " -> treated as None (on_error='none')", RuntimeWarning, stacklevel=4)
+
+    def _check_output(self, fn, name, out, prompts, completions, columns, offset: int = 0) -> tuple[Tensor, int]:
+        n = len(completions)
+        values = torch.full((n,), float("nan"))
+        if isinstance(out, BaseException):
+            return self._locate_exception(fn, name, out, prompts, completions, columns)
+        if isinstance(out, Tensor):
+            out = out.detach().cpu().reshape(-1).tolist()
+        try:
+            out = list(out)
+        except TypeError:
+            self._fail(f"reward function {name!r} returned {type(out).__name__}, expected a list of {n} floats/None")
+            return values, n
+        if len(out) != n:
+            self._fail(f"reward function {name!r} returned {len(out)} values for {n} completions")
+            return values, n
+        n_err = 0
+        for i, v in enumerate(out):
+            if v is None:
+                continue
+            if isinstance(v, Tensor) and v.numel() == 1:
+                v = v.item()
+            if not isinstance(v, numbers.Real):
+                self._fail(f"reward function {name!r} returned {type(v).__name__} {v!r} for sample {offset + i}, expected float or None")
+                n_err += 1
+                continue
+            if not math.isfinite(float(v)):
+                self._fail(f"reward function {name!r} returned non-finite {float(v)} for sample {offset + i}")
+                n_err += 1
+                continue
+            values[i] = float(v)
+        return values, n_err
+
+    def _locate_exception(self, fn, name, exc, prompts, completions, columns) -> tuple[Tensor, int]:
+        """Re-run a failing function one sample at a time to name the sample(s) that make it raise."""
+        n = len(completions)
+        values = torch.full((n,), float("nan"))
+        n_err = 0
+        for i in range(n):
+            cols = {k: ([v[i]] if isinstance(v, (list, tuple)) else v) for k, v in columns.items()}
+            try:
+                out = fn(prompts=[prompts[i]], completions=[completions[i]], **cols)
+                if inspect.isawaitable(out):
+                    out = _run_coroutines([out])[0]
+                    if isinstance(out, BaseException):
+                        raise out
+            except Exception as sample_exc:
+                self._fail(
+                    f"reward function {name!r} raised on sample {i}: {type(sample_exc).__name__}: {sample_exc}",
+                    sample_exc,
+                )
+                n_err += 1
+                continue
+            single, err = self._check_output(fn, name, out, [prompts[i]], [completions[i]], cols, offset=i)
+            values[i] = single[0]
+            n_err += err
+        if n_err == 0:
+            # Every sample passes alone, so the batch call itself is what fails.
+            self._fail(f"reward function {name!r} raised on the batch of {n}: {type(exc).__name__}: {exc}", exc)
+            return torch.full((n,), float("nan")), n
+        return values, n_err

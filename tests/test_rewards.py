@@ -1,0 +1,187 @@
+import asyncio
+import math
+
+import pytest
+import torch
+
+from polopt_lightning.rewards import (
+    ExactMatchReward,
+    NumericMatchReward,
+    RegexFormatReward,
+    RewardComposer,
+    RewardError,
+    SoftOverlongPenalty,
+    last_number,
+)
+
+PROMPTS = ["1+1=", "2+2=", "3+3="]
+COMPLETIONS = ["2", "5", "6"]
+ANSWERS = ["2", "4", "6"]
+
+
+def length_reward(prompts, completions, **kwargs):
+    return [float(len(c)) for c in completions]
+
+
+def test_weighted_composition_and_metrics():
+    comp = RewardComposer([ExactMatchReward(), length_reward], weights=[2.0, 0.5])
+    out = comp(PROMPTS, ["2", "55", "6"], answer=ANSWERS)
+    torch.testing.assert_close(out.per_function, torch.tensor([[1.0, 1.0], [0.0, 2.0], [1.0, 1.0]]))
+    torch.testing.assert_close(out.total, torch.tensor([2.5, 1.0, 2.5]))
+    assert out.metrics["reward"].item() == pytest.approx(2.0)
+    assert out.metrics["reward_std"].item() == pytest.approx(torch.tensor([2.5, 1.0, 2.5]).std().item())
+    assert out.metrics["rewards/exact_match/mean"].item() == pytest.approx(2 / 3)
+    assert out.metrics["rewards/length_reward/mean"].item() == pytest.approx(4 / 3)
+    assert out.metrics["reward_errors/exact_match"].item() == 0
+    # weights by name, and replaced between steps
+    comp.set_weights({"exact_match": 1.0, "length_reward": 0.0})
+    torch.testing.assert_close(comp(PROMPTS, COMPLETIONS, answer=ANSWERS).total, torch.tensor([1.0, 0.0, 1.0]))
+
+
+def test_none_is_left_out_of_the_total():
+    def sometimes(prompts, completions, **kw):
+        return [None, 1.0, None]
+
+    def never(prompts, completions, **kw):
+        return [None, None, None]
+
+    out = RewardComposer([sometimes, never]).__call__(PROMPTS, COMPLETIONS)
+    assert math.isnan(out.total[0]) and out.total[1] == 1.0
+    assert out.metrics["rewards/never/none_frac"].item() == 1.0
+    assert math.isnan(out.metrics["rewards/never/mean"].item())
+
+
+def test_async_functions_run_concurrently():
+    async def slow_a(prompts, completions, **kw):
+        await asyncio.sleep(0.05)
+        return [1.0] * len(completions)
+
+    async def slow_b(prompts, completions, **kw):
+        await asyncio.sleep(0.05)
+        return [2.0] * len(completions)
+
+    out = RewardComposer([slow_a, slow_b, length_reward])(PROMPTS, COMPLETIONS)
+    torch.testing.assert_close(out.total, torch.tensor([4.0, 4.0, 4.0]))
+
+
+def test_async_inside_running_event_loop():
+    async def a(prompts, completions, **kw):
+        return [1.0] * len(completions)
+
+    async def main():  # a notebook cell runs inside a loop
+        return RewardComposer([a])(PROMPTS, COMPLETIONS)
+
+    assert asyncio.run(main()).total.tolist() == [1.0, 1.0, 1.0]
+
+
+def raises_on_five(prompts, completions, **kw):
+    return [1.0 / (5 - int(c)) for c in completions]
+
+
+def wrong_length(prompts, completions, **kw):
+    return [1.0]
+
+
+def returns_string(prompts, completions, **kw):
+    return [0.0, "good", 1.0]
+
+
+def returns_nan(prompts, completions, **kw):
+    return [0.0, 1.0, float("inf")]
+
+
+def returns_scalar(prompts, completions, **kw):
+    return 1.0
+
+
+@pytest.mark.parametrize(
+    "fn,match",
+    [
+        (raises_on_five, r"'raises_on_five' raised on sample 1: ZeroDivisionError"),
+        (wrong_length, r"'wrong_length' returned 1 values for 3 completions"),
+        (returns_string, r"'returns_string' returned str 'good' for sample 1"),
+        (returns_nan, r"'returns_nan' returned non-finite inf for sample 2"),
+        (returns_scalar, r"'returns_scalar' returned float, expected a list"),
+    ],
+)
+def test_bad_reward_raises_with_name_and_index(fn, match):
+    with pytest.raises(RewardError, match=match):
+        RewardComposer([length_reward, fn])(PROMPTS, COMPLETIONS)
+
+
+@pytest.mark.parametrize(
+    "fn,bad",
+    [(raises_on_five, [1]), (returns_string, [1]), (returns_nan, [2]), (wrong_length, [0, 1, 2])],
+)
+def test_on_error_none_warns_counts_and_keeps_the_rest(fn, bad):
+    comp = RewardComposer([fn, length_reward], on_error="none")
+    with pytest.warns(RuntimeWarning, match=fn.__name__):
+        out = comp(PROMPTS, COMPLETIONS)
+    col = out.per_function[:, 0]
+    assert [i for i in range(3) if math.isnan(col[i])] == bad
+    assert out.metrics[f"reward_errors/{fn.__name__}"].item() == len(bad)
+    # the other function's rewards are intact, and the total still counts them
+    assert out.per_function[:, 1].tolist() == [1.0, 1.0, 1.0]
+    assert torch.isfinite(out.total).all()
+
+
+def test_batch_only_failure_is_reported():
+    def fails_on_batches(prompts, completions, **kw):
+        if len(completions) > 1:
+            raise RuntimeError("batch too large")
+        return [1.0]
+
+    with pytest.raises(RewardError, match="'fails_on_batches' raised on the batch of 3"):
+        RewardComposer([fails_on_batches])(PROMPTS, COMPLETIONS)
+
+
+def test_async_failure_is_located():
+    async def bad_async(prompts, completions, **kw):
+        if "5" in completions:
+            raise ValueError("five")
+        return [1.0] * len(completions)
+
+    with pytest.raises(RewardError, match="'bad_async' raised on sample 1: ValueError: five"):
+        RewardComposer([bad_async])(PROMPTS, COMPLETIONS)
+
+
+def test_constructor_validation():
+    with pytest.raises(ValueError, match="2 reward weights for 1 reward functions"):
+        RewardComposer([length_reward], weights=[1.0, 2.0])
+    with pytest.raises(ValueError, match="unknown functions"):
+        RewardComposer([length_reward], weights={"nope": 1.0})
+    with pytest.raises(ValueError, match="on_error"):
+        RewardComposer([length_reward], on_error="ignore")
+    with pytest.raises(ValueError, match="column 'answer' has 2 values for 3"):
+        RewardComposer([length_reward])(PROMPTS, COMPLETIONS, answer=["1", "2"])
+
+
+def test_duplicate_names_are_made_unique():
+    comp = RewardComposer([ExactMatchReward(), ExactMatchReward(strip=False)])
+    assert comp.names == ["exact_match", "exact_match_2"]
+
+
+def test_exact_and_numeric_match():
+    assert ExactMatchReward()(PROMPTS, [" 2\n", "4 ", "x"], answer=ANSWERS) == [1.0, 1.0, 0.0]
+    assert NumericMatchReward()(PROMPTS, ["so 1,000", "it is 4.0", "none"], answer=[1000, "4", "6"]) == [1.0, 1.0, 0.0]
+    assert NumericMatchReward(missing=None)(["p"], ["no digits"], answer=["3"]) == [None]
+    assert last_number("a -3.5e2 then 7") == 7.0 and last_number("x") is None
+    with pytest.raises(KeyError, match="needs the column 'answer'"):
+        ExactMatchReward()(PROMPTS, COMPLETIONS)
+    # conversational completions use the last message
+    assert ExactMatchReward()(["p"], [[{"role": "assistant", "content": "4"}]], answer=["4"]) == [1.0]
+
+
+def test_regex_format():
+    fn = RegexFormatReward(r"<answer>\d+</answer>", full=True)
+    assert fn(["p"] * 2, ["<answer>12</answer>", "12"]) == [1.0, 0.0]
+    with pytest.raises(ValueError, match="not a valid regular expression"):
+        RegexFormatReward("(")
+
+
+def test_soft_overlong_penalty():
+    fn = SoftOverlongPenalty(max_completion_length=10, overlong_buffer=4)
+    ids = [[0] * n for n in (6, 8, 10, 11)]
+    assert fn(["p"] * 4, ["x"] * 4, completion_ids=ids) == [0.0, -0.5, -1.0, -1.0]
+    with pytest.raises(ValueError, match="overlong_buffer"):
+        SoftOverlongPenalty(10, 0)
