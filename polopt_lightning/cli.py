@@ -1,0 +1,150 @@
+"""Hydra entry point ``polopt-train`` (also ``python -m polopt_lightning``).
+
+``polopt-train`` with no arguments runs the embedded default: a tiny model, a cached supervised warm start on
+the built-in arithmetic task, then RL with the default objective. Everything is a config group; for example
+``polopt-train objective=gspo trainer.max_steps=50`` or ``polopt-train -m objective=grpo,gspo seed=0,1,2``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import hydra
+from omegaconf import DictConfig, OmegaConf
+
+log = logging.getLogger("polopt_lightning")
+
+
+def config_dir() -> str:
+    """The shipped configs: ``polopt_lightning.conf`` in a wheel, or ``conf/`` beside the package in a checkout."""
+    import importlib.util
+
+    source = Path(__file__).resolve().parents[1] / "conf"
+    if (source / "train.yaml").is_file():
+        return str(source)
+    spec = importlib.util.find_spec("polopt_lightning.conf")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("polopt_lightning.conf is missing: reinstall polopt-lightning")
+    return str(Path(list(spec.submodule_search_locations)[0]))
+
+
+def _run_dir(cfg: DictConfig) -> Path:
+    from hydra.core.hydra_config import HydraConfig
+
+    if HydraConfig.initialized():
+        return Path(HydraConfig.get().runtime.output_dir)
+    return Path(cfg.get("output_dir") or ".").resolve()
+
+
+def _instantiate_all(group: Any) -> list[Any]:
+    """Instantiate every entry of a mapping of ``_target_`` configs (null entries are skipped)."""
+    from hydra.utils import instantiate
+
+    if not group:
+        return []
+    return [instantiate(v) for v in group.values() if v is not None]
+
+
+def _validate(trainer, module, datamodule) -> dict[str, float]:
+    if not datamodule.val_rows:
+        return {}
+    results = trainer.validate(module, datamodule=datamodule, verbose=False)
+    return {k: float(v) for k, v in (results[0] if results else {}).items()}
+
+
+def train(cfg: DictConfig) -> dict[str, Any]:
+    """Build everything from ``cfg`` and run: warm start, validation before, RL, validation after.
+
+    Returns the summary written to ``results.json`` in the run directory.
+    """
+    import lightning as L
+    import torch
+    from hydra.utils import instantiate
+
+    from .data import PromptDataModule
+    from .module import PolicyOptimizationModule
+    from .warmstart import WarmStartConfig, default_cache_dir, supervised_warm_start
+
+    start = time.perf_counter()
+    run_dir = _run_dir(cfg)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if cfg.get("num_threads"):
+        torch.set_num_threads(int(cfg.num_threads))
+    L.seed_everything(cfg.seed, workers=True, verbose=False)
+
+    model, tokenizer = instantiate(cfg.model)
+    task = instantiate(cfg.task) if cfg.get("task") is not None else None
+    datamodule = PromptDataModule(task=task, tokenizer=tokenizer, **OmegaConf.to_container(cfg.data, resolve=True))
+
+    warm = {"cached": False, "wall_s": 0.0}
+    ws_cfg = OmegaConf.to_container(cfg.warm_start, resolve=True) if cfg.get("warm_start") else {"enabled": False}
+    if ws_cfg.pop("enabled", False):
+        ws_cfg["cache_dir"] = ws_cfg.get("cache_dir") or str(default_cache_dir())
+        warm = supervised_warm_start(model, tokenizer, datamodule.train_rows, WarmStartConfig(**ws_cfg))
+
+    objective = instantiate(cfg.objective)
+    reward_fns = _instantiate_all(cfg.reward.functions)
+    module = PolicyOptimizationModule(
+        model, tokenizer, objective=objective, reward_fns=reward_fns,
+        reward_weights=OmegaConf.to_container(cfg.reward.weights) if cfg.reward.get("weights") else None,
+        reward_on_error=cfg.reward.get("on_error", "raise"), accuracy_reward=cfg.reward.get("accuracy"),
+        generation=OmegaConf.to_container(cfg.generation, resolve=True), seed=cfg.seed,
+        **OmegaConf.to_container(cfg.module, resolve=True),
+    )
+    loggers = _instantiate_all(cfg.get("logger"))
+    callbacks = _instantiate_all(cfg.get("callbacks"))
+    trainer: L.Trainer = instantiate(cfg.trainer, logger=loggers or False, callbacks=callbacks,
+                                     default_root_dir=str(run_dir))
+
+    before = _validate(trainer, module, datamodule) if cfg.get("validate_before", True) else {}
+    rl_start = time.perf_counter()
+    trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
+    rl_wall = time.perf_counter() - rl_start
+    after = _validate(trainer, module, datamodule)
+
+    results = {
+        "objective": cfg.objective.get("name", type(objective).__name__.lower()),
+        "steps": int(trainer.global_step),
+        "wall_s": round(time.perf_counter() - start, 2),
+        "rl_wall_s": round(rl_wall, 2),
+        "warm_start_wall_s": round(float(warm.get("wall_s", 0.0)), 2),
+        "warm_start_cached": bool(warm.get("cached", False)),
+        "val_accuracy_before": before.get("val/accuracy"),
+        "val_accuracy_after": after.get("val/accuracy"),
+        "val_reward_before": before.get("val/reward"),
+        "val_reward_after": after.get("val/reward"),
+        "seed": int(cfg.seed),
+        "run_dir": str(run_dir),
+    }
+    (run_dir / "results.json").write_text(json.dumps(results, indent=2))
+    print(summary_table(results))
+    return results
+
+
+def summary_table(results: dict[str, Any]) -> str:
+    def fmt(v: Any) -> str:
+        return f"{v:.3f}" if isinstance(v, float) else str(v)
+
+    rows = [(k, fmt(results[k])) for k in ("objective", "steps", "val_accuracy_before", "val_accuracy_after",
+                                           "warm_start_wall_s", "rl_wall_s", "wall_s", "run_dir")]
+    width = max(len(k) for k, _ in rows)
+    lines = ["polopt-train summary", "-" * (width + 30)] + [f"{k:<{width}}  {v}" for k, v in rows]
+    return "\n".join(lines)
+
+
+@hydra.main(config_path=config_dir(), config_name="train", version_base="1.3")
+def _hydra_main(cfg: DictConfig) -> float | None:
+    results = train(cfg)
+    return results.get("val_accuracy_after")
+
+
+def main() -> None:
+    _hydra_main()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,174 @@
+"""PromptDataModule: prompts (and any extra columns for the reward functions) into tokenised batches."""
+
+from __future__ import annotations
+
+import json
+import warnings
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+TRUNCATION = ("left", "error")
+
+
+def _load_rows(source: Any, what: str) -> list[dict[str, Any]]:
+    """A list of dicts from a list, a JSON-lines path or a ``datasets.Dataset``."""
+    if source is None:
+        return []
+    if isinstance(source, (str, Path)):
+        path = Path(source)
+        if not path.is_file():
+            raise FileNotFoundError(f"{what}: no JSON-lines file at {path}")
+        rows = []
+        with path.open() as fh:
+            for lineno, line in enumerate(fh, 1):
+                if line.strip():
+                    try:
+                        rows.append(json.loads(line))
+                    except json.JSONDecodeError as exc:
+                        raise ValueError(f"{what}: {path}:{lineno} is not valid JSON: {exc}") from exc
+        return rows
+    if hasattr(source, "column_names") and hasattr(source, "to_list"):  # datasets.Dataset
+        return list(source.to_list())
+    if isinstance(source, Iterable):
+        rows = list(source)
+        for i, row in enumerate(rows):
+            if not isinstance(row, dict):
+                raise TypeError(f"{what}: row {i} is {type(row).__name__}, expected a dict of columns")
+        return rows
+    raise TypeError(f"{what}: expected a list of dicts, a JSON-lines path or a datasets.Dataset, got {type(source).__name__}")
+
+
+class _Rows(Dataset):
+    def __init__(self, rows: list[dict[str, Any]]) -> None:
+        self.rows = rows
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        return self.rows[i]
+
+
+class PromptDataModule(L.LightningDataModule):
+    """Prompts for RL training and validation.
+
+    Args:
+        train: training rows (list of dicts, JSON-lines path, or ``datasets.Dataset``).
+        val: validation rows (same forms); validation decodes greedily.
+        task: a built-in task with ``splits() -> (train, val)`` used when ``train`` is not given.
+        tokenizer: set here or later with :meth:`set_tokenizer` (the CLI and the module do that).
+        prompt_column: the column holding the prompt: a string, or a list of chat messages.
+        batch_size: prompts per training step (each gets ``num_generations`` completions).
+        val_batch_size: prompts per validation batch.
+        max_prompt_length: longer prompts are cut from the left (``truncation="left"``, with a warning) or
+            rejected (``truncation="error"``); ``None`` keeps them whole.
+        shuffle: shuffle training prompts each epoch.
+        num_workers: DataLoader workers.
+        seed: shuffling seed.
+
+    Every column other than the prompt reaches the reward functions as a keyword argument (a list per batch).
+    """
+
+    def __init__(
+        self,
+        train: Any = None,
+        val: Any = None,
+        task: Any = None,
+        tokenizer: Any = None,
+        prompt_column: str = "prompt",
+        batch_size: int = 8,
+        val_batch_size: int = 64,
+        max_prompt_length: int | None = 512,
+        truncation: str = "left",
+        shuffle: bool = True,
+        num_workers: int = 0,
+        seed: int = 0,
+    ) -> None:
+        super().__init__()
+        if batch_size < 1:
+            raise ValueError(f"data.batch_size must be >= 1, got {batch_size}")
+        if truncation not in TRUNCATION:
+            raise ValueError(f"data.truncation must be one of {TRUNCATION}, got {truncation!r}")
+        if max_prompt_length is not None and max_prompt_length < 1:
+            raise ValueError(f"data.max_prompt_length must be >= 1 or null, got {max_prompt_length}")
+        if train is None and task is not None:
+            train, task_val = task.splits()
+            val = task_val if val is None else val
+        self.train_rows = _load_rows(train, "data.train")
+        self.val_rows = _load_rows(val, "data.val")
+        if not self.train_rows:
+            raise ValueError("data.train is empty: give training prompts (a list, a JSON-lines file, a Dataset or a task)")
+        for name, rows in (("data.train", self.train_rows), ("data.val", self.val_rows)):
+            for i, row in enumerate(rows):
+                if prompt_column not in row:
+                    raise KeyError(f"{name}: row {i} has no prompt column {prompt_column!r}; its columns: {sorted(row)}")
+        self.prompt_column = prompt_column
+        self.batch_size, self.val_batch_size = batch_size, val_batch_size
+        self.max_prompt_length, self.truncation = max_prompt_length, truncation
+        self.shuffle, self.num_workers, self.seed = shuffle, num_workers, seed
+        self.tokenizer = None
+        self._warned_truncation = False
+        if tokenizer is not None:
+            self.set_tokenizer(tokenizer)
+
+    def set_tokenizer(self, tokenizer: Any) -> None:
+        from ..models import prepare_tokenizer
+
+        self.tokenizer = prepare_tokenizer(tokenizer)
+
+    # ------------------------------------------------------------------------------------------------------------
+    def prompt_text(self, prompt: Any) -> str:
+        """Apply the chat template to message lists when the tokenizer has one."""
+        if isinstance(prompt, str):
+            return prompt
+        if isinstance(prompt, list) and all(isinstance(m, dict) and "content" in m for m in prompt):
+            if getattr(self.tokenizer, "chat_template", None):
+                return self.tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+            return "\n".join(str(m["content"]) for m in prompt)
+        raise TypeError(f"prompt must be a string or a list of chat messages, got {type(prompt).__name__}: {prompt!r}")
+
+    def collate(self, rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
+        if self.tokenizer is None:
+            raise RuntimeError("PromptDataModule has no tokenizer: pass tokenizer= or call set_tokenizer()")
+        texts = [self.prompt_text(r[self.prompt_column]) for r in rows]
+        encoded = [self.tokenizer(t, add_special_tokens=True)["input_ids"] for t in texts]
+        limit = self.max_prompt_length
+        for i, ids in enumerate(encoded):
+            if limit is not None and len(ids) > limit:
+                if self.truncation == "error":
+                    raise ValueError(
+                        f"prompt {texts[i][:60]!r}... has {len(ids)} tokens > data.max_prompt_length={limit} "
+                        "(set data.truncation=left to cut it from the left)"
+                    )
+                if not self._warned_truncation:
+                    warnings.warn(f"prompts longer than data.max_prompt_length={limit} tokens are cut from the left",
+                                  stacklevel=2)
+                    self._warned_truncation = True
+                encoded[i] = ids[-limit:]
+        width = max(len(ids) for ids in encoded)
+        pad = self.tokenizer.pad_token_id
+        prompt_ids = torch.full((len(rows), width), pad, dtype=torch.long)
+        prompt_mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for i, ids in enumerate(encoded):  # left padding
+            if ids:
+                prompt_ids[i, width - len(ids):] = torch.tensor(ids)
+                prompt_mask[i, width - len(ids):] = 1
+        columns = {k: [r.get(k) for r in rows] for k in rows[0] if k != self.prompt_column}
+        return {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "prompts": texts, "columns": columns}
+
+    def train_dataloader(self) -> DataLoader:
+        generator = torch.Generator().manual_seed(self.seed)
+        return DataLoader(_Rows(self.train_rows), batch_size=self.batch_size, shuffle=self.shuffle, drop_last=True
+                          if len(self.train_rows) >= self.batch_size else False, collate_fn=self.collate,
+                          num_workers=self.num_workers, generator=generator)
+
+    def val_dataloader(self) -> DataLoader | list:
+        if not self.val_rows:
+            return []
+        return DataLoader(_Rows(self.val_rows), batch_size=self.val_batch_size, shuffle=False,
+                          collate_fn=self.collate, num_workers=self.num_workers)

@@ -1,0 +1,68 @@
+"""Log-probabilities of chosen tokens without materialising a full-vocabulary log-softmax for the whole batch."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+# Rows of [*, V] logits processed at once: memory for the softmax stays at chunk x V whatever the batch.
+DEFAULT_CHUNK_ROWS = 1024
+
+
+def selective_log_softmax(logits: Tensor, index: Tensor, temperature: float = 1.0, chunk_rows: int = DEFAULT_CHUNK_ROWS,
+                          with_entropy: bool = False) -> tuple[Tensor, Tensor | None]:
+    """``log_softmax(logits / temperature).gather(-1, index)`` chunk by chunk, in float32.
+
+    Args:
+        logits: ``[..., V]``.
+        index: ``[...]`` chosen token ids.
+        temperature: the sampling temperature the log-probs must match.
+        with_entropy: also return the per-position entropy of the tempered distribution (no gradient).
+
+    Returns:
+        ``([...], [...] | None)`` log-probs (with gradient through ``logits``) and entropies.
+    """
+    shape = index.shape
+    flat_logits = logits.reshape(-1, logits.shape[-1])
+    flat_index = index.reshape(-1)
+    out, ent = [], []
+    for start in range(0, flat_logits.shape[0], chunk_rows):
+        chunk = flat_logits[start : start + chunk_rows].float()
+        if temperature != 1.0:
+            chunk = chunk / temperature
+        lse = torch.logsumexp(chunk, dim=-1)
+        out.append(chunk.gather(-1, flat_index[start : start + chunk_rows, None]).squeeze(-1) - lse)
+        if with_entropy:
+            with torch.no_grad():
+                probs = torch.softmax(chunk, dim=-1)
+                ent.append(lse - (probs * chunk).sum(-1))
+    logp = torch.cat(out).view(shape) if out else flat_logits.new_zeros(shape, dtype=torch.float32)
+    entropy = (torch.cat(ent).view(shape) if ent else logp.detach().new_zeros(shape)) if with_entropy else None
+    return logp, entropy
+
+
+def completion_logprobs(
+    model: nn.Module,
+    prompt_ids: Tensor,
+    prompt_mask: Tensor,
+    completion_ids: Tensor,
+    completion_mask: Tensor,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    chunk_rows: int = DEFAULT_CHUNK_ROWS,
+) -> tuple[Tensor, Tensor | None]:
+    """Log-probs ``[N, T]`` of ``completion_ids`` given left-padded prompts, one forward pass.
+
+    ``prompt_ids``/``prompt_mask`` are ``[N, Lp]`` (one row per completion) and the completion ``[N, T]``. Position
+    ids follow the attention mask so left padding does not shift positions (what the sampler does too). The
+    language-model head runs only on the ``T`` positions that predict completion tokens (``logits_to_keep``).
+    """
+    input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
+    attention_mask = torch.cat([prompt_mask, completion_mask.to(prompt_mask.dtype)], dim=1)
+    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+    T = completion_ids.shape[1]
+    logits = model(
+        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False,
+        logits_to_keep=T + 1,
+    ).logits[:, :-1]  # [N, T, V]: position t predicts completion token t
+    return selective_log_softmax(logits, completion_ids, temperature, chunk_rows, with_entropy)

@@ -1,0 +1,176 @@
+"""Policy and reference loading: a hub id or local path through ``from_pretrained``, or a tiny model built from a
+``transformers`` config with a character-level tokenizer built locally (the defaults and tests: no downloads)."""
+
+from __future__ import annotations
+
+import copy
+import logging
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16}
+
+
+def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
+    if dtype is None or isinstance(dtype, torch.dtype) or dtype == "auto":
+        return dtype
+    if dtype not in DTYPES:
+        raise ValueError(f"model.dtype must be one of {sorted(DTYPES)} or 'auto', got {dtype!r}")
+    return DTYPES[dtype]
+
+
+def char_tokenizer(extra_chars: str = "", chat_template: str | None = None):
+    """A character-level fast tokenizer over printable ASCII and newline, with ``<pad>``, ``<eos>``, ``<unk>``.
+
+    Left padding (what batched generation needs). Saved and reloaded with ``save_pretrained``/``AutoTokenizer``.
+    """
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<eos>": 1, "<unk>": 2}
+    for ch in [chr(i) for i in range(32, 127)] + ["\n"] + list(extra_chars):
+        vocab.setdefault(ch, len(vocab))
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    backend.decoder = decoders.Fuse()
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>", padding_side="left"
+    )
+    if chat_template is not None:
+        tok.chat_template = chat_template
+    return tok
+
+
+ARCHITECTURES = ("qwen2", "llama")
+
+
+def build_tiny_model(
+    architecture: str = "qwen2",
+    hidden_size: int = 256,
+    num_layers: int = 4,
+    num_heads: int = 4,
+    num_kv_heads: int | None = None,
+    intermediate_size: int | None = None,
+    vocab_size: int | None = None,
+    max_position_embeddings: int = 512,
+    tie_word_embeddings: bool = True,
+    dropout: float = 0.0,
+    seed: int = 0,
+    tokenizer: PreTrainedTokenizerBase | None = None,
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Build a small randomly initialised causal LM from a ``transformers`` config, with a char tokenizer.
+
+    Args:
+        architecture: ``"qwen2"`` or ``"llama"`` (config class of that family).
+        hidden_size, num_layers, num_heads, num_kv_heads, intermediate_size: model shape
+            (``intermediate_size`` defaults to ``4 * hidden_size``; ``num_kv_heads`` to ``num_heads``).
+        vocab_size: defaults to the tokenizer's size (a larger one simulates a big vocabulary).
+        dropout: attention dropout.
+        seed: initialisation seed.
+        tokenizer: defaults to :func:`char_tokenizer`.
+    """
+    if architecture not in ARCHITECTURES:
+        raise ValueError(f"model.architecture must be one of {ARCHITECTURES}, got {architecture!r}")
+    if hidden_size % num_heads:
+        raise ValueError(f"model.hidden_size={hidden_size} is not divisible by model.num_heads={num_heads}")
+    tokenizer = char_tokenizer() if tokenizer is None else tokenizer
+    vocab_size = vocab_size or len(tokenizer)
+    if vocab_size < len(tokenizer):
+        raise ValueError(f"model.vocab_size={vocab_size} is smaller than the tokenizer's {len(tokenizer)} tokens")
+    kwargs: dict[str, Any] = dict(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads or num_heads,
+        intermediate_size=intermediate_size or 4 * hidden_size,
+        max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=tie_word_embeddings,
+        attention_dropout=dropout,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None,
+    )
+    config = AutoConfig.for_model(architecture, **kwargs)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    return model, tokenizer
+
+
+def load_pretrained(
+    name_or_path: str,
+    dtype: str | torch.dtype | None = "auto",
+    attn_implementation: str | None = None,
+    trust_remote_code: bool = False,
+    revision: str | None = None,
+    tokenizer_name_or_path: str | None = None,
+    quantization_config: Any = None,
+    **model_kwargs: Any,
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Load a policy and its tokenizer from a hub id or a local folder with ``from_pretrained``.
+
+    ``trust_remote_code`` is off by default: a repository's own Python code runs only when you say so.
+    A tokenizer without a pad token gets its EOS token as pad (logged), and left padding for generation.
+    """
+    model = AutoModelForCausalLM.from_pretrained(
+        name_or_path,
+        dtype=resolve_dtype(dtype),
+        attn_implementation=attn_implementation,
+        trust_remote_code=trust_remote_code,
+        revision=revision,
+        quantization_config=quantization_config,
+        **model_kwargs,
+    )
+    tokenizer = AutoTokenizer.from_pretrained(
+        tokenizer_name_or_path or name_or_path, trust_remote_code=trust_remote_code, revision=revision
+    )
+    prepare_tokenizer(tokenizer)
+    return model, tokenizer
+
+
+def prepare_tokenizer(tokenizer: PreTrainedTokenizerBase) -> PreTrainedTokenizerBase:
+    """Left padding for batched generation; EOS as pad when the tokenizer has no pad token (said in the log)."""
+    if tokenizer.pad_token is None:
+        if tokenizer.eos_token is None:
+            raise ValueError("the tokenizer has neither a pad token nor an EOS token; set tokenizer.pad_token")
+        log.warning("tokenizer has no pad token: using its EOS token %r as pad", tokenizer.eos_token)
+        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.padding_side = "left"
+    return tokenizer
+
+
+def frozen_copy(model: nn.Module) -> nn.Module:
+    """A frozen deep copy in eval mode: the reference policy for the KL term."""
+    ref = copy.deepcopy(model)
+    ref.eval()
+    ref.requires_grad_(False)
+    return ref
+
+
+def disable_dropout(model: nn.Module) -> None:
+    """Set every dropout probability to 0 (the peers' default during the RL update: ratios stay exact)."""
+    for module in model.modules():
+        if isinstance(module, nn.Dropout):
+            module.p = 0.0
+    config = getattr(model, "config", None)
+    for key in ("attention_dropout", "hidden_dropout", "resid_pdrop", "attn_pdrop", "embd_pdrop", "dropout"):
+        if config is not None and isinstance(getattr(config, key, None), float):
+            setattr(config, key, 0.0)
+
+
+def count_parameters(model: nn.Module, non_embedding: bool = False) -> int:
+    total = sum(p.numel() for p in model.parameters())
+    if non_embedding:
+        emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+        if emb is not None:
+            total -= emb.weight.numel()
+    return total

@@ -1,0 +1,391 @@
+"""PolicyOptimizationModule: the LightningModule that turns prompts into policy updates.
+
+It orchestrates; the algorithms are the pure pieces it calls: rollout -> rewards -> advantages -> objective.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import asdict
+from functools import partial
+from typing import Any
+
+import lightning as L
+import torch
+from torch import Tensor, nn
+from torchmetrics import MeanMetric
+
+from .advantages import group_relative_advantages, zero_std_groups
+from .logprobs import completion_logprobs
+from .models import disable_dropout as _disable_dropout
+from .models import frozen_copy, prepare_tokenizer
+from .objectives import Objective, build_objective
+from .rewards import RewardComposer
+from .rollout import HFRolloutEngine, RolloutBatch, RolloutEngine, SamplingConfig
+
+LR_SCHEDULES = ("constant", "linear", "cosine")
+
+
+def _sampling(value: SamplingConfig | Mapping[str, Any] | None, **defaults: Any) -> SamplingConfig:
+    if isinstance(value, SamplingConfig):
+        return value
+    return SamplingConfig(**{**defaults, **dict(value or {})})
+
+
+class PolicyOptimizationModule(L.LightningModule):
+    """RL post-training of a causal LM with a group-relative objective (GRPO, GSPO, DAPO, Dr. GRPO, ...).
+
+    Each training batch holds ``P`` prompts. One ``training_step`` samples ``G = num_generations`` completions per
+    prompt, scores them, computes group-relative advantages, then runs ``num_iterations`` passes over the rollout
+    split into ``mini_batches`` optimizer steps each (``trainer.max_steps`` counts optimizer steps, as Lightning does).
+
+    Args:
+        model: the policy, a ``transformers`` causal LM (or anything with its forward signature).
+        tokenizer: its tokenizer (EOS is used as pad when it has none, and said so in the log).
+        objective: an :class:`~polopt_lightning.objectives.Objective`, a registry key (``"grpo"``, ``"gspo"``, ...)
+            or a dict with ``name`` and arguments.
+        reward_fns: TRL-style reward functions, or a ready :class:`RewardComposer`.
+        reward_weights: one weight per function (or by name).
+        reward_on_error: ``"raise"`` or ``"none"`` (see :class:`RewardComposer`).
+        num_generations: completions per prompt (``G >= 2``: a group of one has no relative signal).
+        num_iterations: passes over each rollout (``mu``); > 1 makes the update off-policy.
+        mini_batches: optimizer steps per pass; > 1 makes the update off-policy.
+        generation: sampling settings (:class:`SamplingConfig` fields) for training rollouts.
+        val_generation: settings for validation (greedy by default).
+        lr, weight_decay, betas: AdamW settings, used when ``optimizer`` is None.
+        optimizer: a factory ``params -> Optimizer`` (e.g. ``functools.partial(torch.optim.AdamW, lr=1e-5)``).
+        lr_schedule: ``"constant"``, ``"linear"`` or ``"cosine"`` decay over ``trainer.max_steps``, after
+            ``warmup_steps`` of linear warm-up; ``min_lr_ratio`` is the floor as a fraction of the peak.
+        max_grad_norm: gradient clipping by global norm (``None`` or 0 disables).
+        ref_model: reference policy for the KL term; default a frozen copy of ``model`` taken at construction,
+            made only when the objective's ``beta > 0``.
+        advantage_scale: ``"group"``, ``"batch"`` or ``"none"``; default the objective's own (Dr. GRPO: none).
+        dynamic_sampling: DAPO's dynamic sampling: drop groups whose rewards are all equal and draw more prompts
+            until the batch is full again, at most ``max_extra_draws`` extra batches per step.
+        mask_truncated_completions: DAPO's overlong filtering: completions cut by ``max_new_tokens`` do not count.
+        disable_dropout: dropout off in the policy (the peers' default; keeps importance ratios exact).
+        accuracy_reward: name of the reward function whose mean is ``val/accuracy`` (default: the first).
+        rollout_engine: default :class:`HFRolloutEngine`.
+        seed: seeds the sampling generator (offset by the global rank).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        tokenizer: Any,
+        objective: Objective | str | Mapping[str, Any] = "grpo",
+        reward_fns: Sequence[Callable] | RewardComposer | None = None,
+        reward_weights: Sequence[float] | Mapping[str, float] | None = None,
+        reward_on_error: str = "raise",
+        num_generations: int = 8,
+        num_iterations: int = 1,
+        mini_batches: int = 1,
+        generation: SamplingConfig | Mapping[str, Any] | None = None,
+        val_generation: SamplingConfig | Mapping[str, Any] | None = None,
+        lr: float = 1e-5,
+        weight_decay: float = 0.0,
+        betas: Sequence[float] = (0.9, 0.99),
+        optimizer: Callable[..., torch.optim.Optimizer] | None = None,
+        lr_schedule: str = "constant",
+        warmup_steps: int = 0,
+        min_lr_ratio: float = 0.0,
+        max_grad_norm: float | None = 1.0,
+        ref_model: nn.Module | None = None,
+        advantage_scale: str | None = None,
+        dynamic_sampling: bool = False,
+        max_extra_draws: int = 4,
+        mask_truncated_completions: bool = False,
+        disable_dropout: bool = True,
+        accuracy_reward: str | None = None,
+        rollout_engine: RolloutEngine | None = None,
+        seed: int = 0,
+    ) -> None:
+        super().__init__()
+        if num_generations < 2:
+            raise ValueError(f"num_generations must be >= 2 (a group of one has no relative advantage), got {num_generations}")
+        if num_iterations < 1:
+            raise ValueError(f"num_iterations must be >= 1, got {num_iterations}")
+        if mini_batches < 1:
+            raise ValueError(f"mini_batches must be >= 1, got {mini_batches}")
+        if lr_schedule not in LR_SCHEDULES:
+            raise ValueError(f"lr_schedule must be one of {LR_SCHEDULES}, got {lr_schedule!r}")
+        if reward_fns is None:
+            raise ValueError("reward_fns is required: give at least one reward function")
+        self.automatic_optimization = False
+
+        self.policy = model
+        self.tokenizer = prepare_tokenizer(tokenizer)
+        if isinstance(objective, str):
+            objective = build_objective(objective)
+        elif isinstance(objective, Mapping):
+            objective = build_objective(**objective)
+        if not isinstance(objective, Objective):
+            raise TypeError(f"objective must be an Objective, a registry key or a dict, got {type(objective).__name__}")
+        self.objective = objective
+        self.rewards = reward_fns if isinstance(reward_fns, RewardComposer) else RewardComposer(
+            reward_fns, weights=reward_weights, on_error=reward_on_error)
+        if accuracy_reward is not None and accuracy_reward not in self.rewards.names:
+            raise ValueError(f"accuracy_reward={accuracy_reward!r} is not a reward function; known: {self.rewards.names}")
+        self.accuracy_reward = accuracy_reward or self.rewards.names[0]
+        self.num_generations, self.num_iterations, self.mini_batches = num_generations, num_iterations, mini_batches
+        self.sampling = _sampling(generation)
+        self.val_sampling = _sampling(val_generation, max_new_tokens=self.sampling.max_new_tokens, temperature=0.0)
+        self.lr, self.weight_decay, self.betas, self.optimizer_factory = lr, weight_decay, tuple(betas), optimizer
+        self.lr_schedule, self.warmup_steps, self.min_lr_ratio = lr_schedule, warmup_steps, min_lr_ratio
+        self.max_grad_norm = max_grad_norm
+        self.advantage_scale = advantage_scale or objective.advantage_scale
+        group_relative_advantages(torch.zeros(2), 2, self.advantage_scale)  # validates the name now
+        self.dynamic_sampling, self.max_extra_draws = dynamic_sampling, max_extra_draws
+        self.mask_truncated_completions = mask_truncated_completions
+        self.engine = rollout_engine or HFRolloutEngine()
+        self.seed = seed
+        if disable_dropout:
+            _disable_dropout(self.policy)
+        # The reference exists only when the KL term needs it: no copy, no forward pass otherwise.
+        self.ref_model = (ref_model if ref_model is not None else frozen_copy(model)) if objective.beta > 0 else None
+        self.val_accuracy = MeanMetric(nan_strategy="ignore")
+        self.val_reward = MeanMetric(nan_strategy="ignore")
+        self._generator: torch.Generator | None = None
+        self._prompt_iter: Iterator | None = None
+        self.save_hyperparameters(ignore=["model", "tokenizer", "objective", "reward_fns", "ref_model",
+                                          "rollout_engine", "optimizer"])
+
+    # ------------------------------------------------------------------------------------------------------------
+    @property
+    def off_policy(self) -> bool:
+        """Whether the policy moves between sampling and some update: then old log-probs are needed."""
+        return self.num_iterations > 1 or self.mini_batches > 1
+
+    def configure_optimizers(self):
+        params = [p for p in self.policy.parameters() if p.requires_grad]
+        if self.optimizer_factory is not None:
+            optimizer = self.optimizer_factory(params)
+        else:
+            optimizer = torch.optim.AdamW(params, lr=self.lr, weight_decay=self.weight_decay, betas=self.betas)
+        total = self.trainer.max_steps if self.trainer is not None and self.trainer.max_steps > 0 else 0
+        scheduler = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, partial(_lr_factor, schedule=self.lr_schedule, warmup=self.warmup_steps, total=total,
+                               floor=self.min_lr_ratio))
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def _sampling_generator(self) -> torch.Generator:
+        if self._generator is None or self._generator.device != self.device:
+            self._generator = torch.Generator(device=self.device)
+            self._generator.manual_seed(self.seed + 1000003 * self.global_rank)
+        return self._generator
+
+    # ------------------------------------------------------------------------------------------------------------
+    def rollout(self, batch: Mapping[str, Any], sampling: SamplingConfig, num_generations: int) -> RolloutBatch:
+        return self.engine.generate(
+            self.policy, batch["prompt_ids"], batch["prompt_mask"], num_generations, sampling,
+            self.tokenizer.eos_token_id, self.tokenizer.pad_token_id, generator=self._sampling_generator(),
+        )
+
+    def score(self, batch: Mapping[str, Any], rollout: RolloutBatch):
+        """Decode completions and run the reward functions; columns are repeated for the G completions."""
+        G = rollout.group_size
+        ids = [row[mask.bool()].tolist() for row, mask in zip(rollout.completion_ids, rollout.completion_mask)]
+        completions = self.tokenizer.batch_decode(ids, skip_special_tokens=True)
+        prompts = [p for p in batch["prompts"] for _ in range(G)]
+        columns = {k: [v for v in col for _ in range(G)] for k, col in batch.get("columns", {}).items()}
+        return self.rewards(prompts, completions, completion_ids=ids, **columns), completions
+
+    def _next_prompts(self) -> Mapping[str, Any]:
+        """Another batch of prompts for dynamic sampling, from the training data's own loader."""
+        if self._prompt_iter is None:
+            dm = getattr(self.trainer, "datamodule", None)
+            loader = dm.train_dataloader() if dm is not None else self.trainer.train_dataloader
+            self._prompt_iter = iter(loader)
+        try:
+            batch = next(self._prompt_iter)
+        except StopIteration:
+            self._prompt_iter = None
+            return self._next_prompts()
+        return {k: (v.to(self.device) if isinstance(v, Tensor) else v) for k, v in batch.items()}
+
+    def make_experience(self, batch: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Tensor]]:
+        """Rollout, rewards and advantages for one training batch (with DAPO dynamic sampling if enabled)."""
+        G = self.num_generations
+        num_prompts = batch["prompt_ids"].shape[0]
+        parts, kept_groups, dropped, draws = [], 0, 0, 0
+        metrics: dict[str, Tensor] = {}
+        while True:
+            rollout = self.rollout(batch, self.sampling, G)
+            rewards, _ = self.score(batch, rollout)
+            if not parts:  # the first draw is what the step's reward metrics describe
+                metrics.update({f"train/{k}": v for k, v in rewards.metrics.items()})
+                metrics["train/frac_zero_std"] = zero_std_groups(rewards.total, G).float().mean()
+            keep = torch.ones(num_prompts, dtype=torch.bool)
+            if self.dynamic_sampling:
+                keep = ~zero_std_groups(rewards.total, G)
+                dropped += int((~keep).sum())
+            parts.append((rollout, rewards.total, keep))
+            kept_groups += int(keep.sum())
+            if not self.dynamic_sampling or kept_groups >= num_prompts or draws >= self.max_extra_draws:
+                break
+            batch = self._next_prompts()
+            draws += 1
+        if self.dynamic_sampling:
+            metrics["train/dynamic_sampling/dropped_groups"] = torch.tensor(float(dropped))
+            metrics["train/dynamic_sampling/extra_draws"] = torch.tensor(float(draws))
+            if kept_groups == 0:  # nothing learnable after every draw: train on the last draw (advantages are 0)
+                parts[-1] = (parts[-1][0], parts[-1][1], torch.ones_like(parts[-1][2]))
+        exp = _concat_groups(parts, G, num_prompts if self.dynamic_sampling else None)
+        exp["advantages"] = group_relative_advantages(exp.pop("rewards"), G, self.advantage_scale).to(self.device)
+        if self.mask_truncated_completions:
+            exp["completion_mask"] = exp["completion_mask"] * exp["finished"][:, None].long()
+        return exp, metrics
+
+    @torch.no_grad()
+    def _logprobs_no_grad(self, model: nn.Module, exp: Mapping[str, Any], rows: Tensor | slice) -> Tensor:
+        lp, _ = completion_logprobs(model, exp["prompt_ids"][rows], exp["prompt_mask"][rows],
+                                    exp["completion_ids"][rows], exp["completion_mask"][rows],
+                                    self.sampling.logprob_temperature)
+        return lp
+
+    def training_step(self, batch: Mapping[str, Any], batch_idx: int) -> None:
+        optimizer = self.optimizers()
+        scheduler = self.lr_schedulers()
+        exp, metrics = self.make_experience(batch)
+        n = exp["completion_ids"].shape[0]
+        if n < self.mini_batches:
+            raise ValueError(f"mini_batches={self.mini_batches} is more than the rollout's {n} completions "
+                             f"(prompts per batch x num_generations={self.num_generations})")
+        mask = exp["completion_mask"]
+        lengths = mask.sum(-1).float()
+        metrics["train/completion_len"] = lengths.mean()
+        metrics["train/completion_len_max"] = lengths.max()
+        metrics["train/truncated_frac"] = (~exp["finished"]).float().mean()
+        everything = slice(None)
+        if self.off_policy:
+            exp["old_logprobs"] = self._logprobs_no_grad(self.policy, exp, everything)
+        if self.objective.beta > 0:
+            exp["ref_logprobs"] = self._logprobs_no_grad(self.ref_model, exp, everything)
+
+        step_metrics: list[dict[str, Tensor]] = []
+        size = math.ceil(n / self.mini_batches)
+        for _ in range(self.num_iterations):
+            order = torch.randperm(n, generator=torch.Generator().manual_seed(self.seed + self.global_step))
+            for start in range(0, n, size):
+                rows = order[start:start + size].to(self.device)
+                step_metrics.append(self._update(exp, rows, optimizer, scheduler))
+        for key in step_metrics[0]:
+            metrics[f"train/{key}"] = torch.stack([m[key] for m in step_metrics]).mean()
+        metrics["train/lr"] = torch.tensor(optimizer.param_groups[0]["lr"])
+        self.log_dict({k: v.float() for k, v in metrics.items()}, on_step=True, on_epoch=False,
+                      batch_size=batch["prompt_ids"].shape[0])
+        self.log("reward", metrics["train/reward"].float(), prog_bar=True, on_step=True, logger=False)
+
+    def _update(self, exp: Mapping[str, Any], rows: Tensor, optimizer, scheduler) -> dict[str, Tensor]:
+        """One optimizer step on the completions ``rows`` of the rollout."""
+        mask = exp["completion_mask"][rows]
+        width = max(int(mask.sum(-1).max()), 1)  # trim padding past the longest completion of this mini-batch
+        mask = mask[:, :width]
+        logprobs, entropy = completion_logprobs(
+            self.policy, exp["prompt_ids"][rows], exp["prompt_mask"][rows], exp["completion_ids"][rows, :width],
+            mask, self.sampling.logprob_temperature, with_entropy=True)
+        old = exp["old_logprobs"][rows, :width] if "old_logprobs" in exp else logprobs.detach()
+        ref = exp["ref_logprobs"][rows, :width] if "ref_logprobs" in exp else None
+        out = self.objective(logprobs=logprobs, old_logprobs=old, advantages=exp["advantages"][rows], mask=mask,
+                             ref_logprobs=ref)
+        optimizer.zero_grad(set_to_none=True)
+        self.manual_backward(out.loss)
+        grad_norm = _grad_norm(self.policy)
+        if self.max_grad_norm:
+            self.clip_gradients(optimizer, gradient_clip_val=self.max_grad_norm, gradient_clip_algorithm="norm")
+        optimizer.step()
+        scheduler.step()
+        maskf = mask.float()
+        return {"loss": out.loss.detach(), "grad_norm": grad_norm,
+                "entropy": (entropy * maskf).sum() / maskf.sum().clamp(min=1), **out.metrics}
+
+    # ------------------------------------------------------------------------------------------------------------
+    def validation_step(self, batch: Mapping[str, Any], batch_idx: int) -> None:
+        rollout = self.rollout(batch, self.val_sampling, 1)
+        rewards, _ = self.score(batch, rollout)
+        accuracy = rewards.per_function[:, self.rewards.names.index(self.accuracy_reward)]
+        self.val_accuracy.update(accuracy)
+        self.val_reward.update(rewards.total)
+        self.log("val/accuracy", self.val_accuracy, on_step=False, on_epoch=True, prog_bar=True,
+                 batch_size=accuracy.numel())
+        self.log("val/reward", self.val_reward, on_step=False, on_epoch=True, batch_size=accuracy.numel())
+
+    # ------------------------------------------------------------------------------------------------------------
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint["polopt"] = {
+            "reward_weights": self.rewards.weights.tolist(),
+            "sampling_generator": self._sampling_generator().get_state(),
+            "torch_rng": torch.get_rng_state(),
+            "sampling": asdict(self.sampling),
+        }
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        state = checkpoint.get("polopt")
+        if state:
+            self.rewards.set_weights(state["reward_weights"])
+            self._pending_generator_state = state["sampling_generator"]
+            torch.set_rng_state(state["torch_rng"])
+
+    def on_train_start(self) -> None:
+        pending = getattr(self, "_pending_generator_state", None)
+        if pending is not None:
+            self._sampling_generator().set_state(pending)
+            self._pending_generator_state = None
+
+
+
+def _lr_factor(step: int, schedule: str, warmup: int, total: int, floor: float) -> float:
+    if warmup and step < warmup:
+        return (step + 1) / warmup
+    if schedule == "constant" or total <= warmup:
+        return 1.0
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    if schedule == "linear":
+        return floor + (1 - floor) * (1 - progress)
+    return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def _grad_norm(model: nn.Module) -> Tensor:
+    norms = [p.grad.detach().float().norm() for p in model.parameters() if p.grad is not None]
+    return torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros(())
+
+
+def _pad_cat(tensors: list[Tensor], value: int | float, left: bool = False) -> Tensor:
+    width = max(t.shape[1] for t in tensors)
+    padded = []
+    for t in tensors:
+        extra = width - t.shape[1]
+        pad = (extra, 0) if left else (0, extra)
+        padded.append(nn.functional.pad(t, pad, value=value))
+    return torch.cat(padded)
+
+
+def _concat_groups(parts, G: int, limit: int | None) -> dict[str, Any]:
+    """Join the kept groups of one or more rollouts (dynamic sampling), at most ``limit`` groups."""
+    fields: dict[str, list[Tensor]] = {k: [] for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask",
+                                        "sampling_logprobs", "finished", "rewards")}
+    kept = 0
+    for rollout, rewards, keep in parts:
+        idx = torch.nonzero(keep).flatten()
+        if limit is not None:
+            idx = idx[: max(0, limit - kept)]
+        kept += len(idx)
+        rows = (idx[:, None] * G + torch.arange(G)).flatten()
+        dev_rows = rows.to(rollout.completion_ids.device)
+        fields["prompt_ids"].append(rollout.prompt_ids[dev_rows])
+        fields["prompt_mask"].append(rollout.prompt_mask[dev_rows])
+        fields["completion_ids"].append(rollout.completion_ids[dev_rows])
+        fields["completion_mask"].append(rollout.completion_mask[dev_rows])
+        fields["sampling_logprobs"].append(rollout.sampling_logprobs[dev_rows])
+        fields["finished"].append(rollout.finished[dev_rows])
+        fields["rewards"].append(rewards[rows])
+    return {
+        "prompt_ids": _pad_cat(fields["prompt_ids"], 0, left=True),
+        "prompt_mask": _pad_cat(fields["prompt_mask"], 0, left=True),
+        "completion_ids": _pad_cat(fields["completion_ids"], 0),
+        "completion_mask": _pad_cat(fields["completion_mask"], 0),
+        "sampling_logprobs": _pad_cat(fields["sampling_logprobs"], 0.0),
+        "finished": torch.cat(fields["finished"]),
+        "rewards": torch.cat(fields["rewards"]),
+    }

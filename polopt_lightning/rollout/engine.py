@@ -1,0 +1,188 @@
+"""Rollout: G sampled completions per prompt with their sampling log-probs."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+
+@dataclass
+class SamplingConfig:
+    """How completions are sampled.
+
+    Attributes:
+        max_new_tokens: completion length cap (tokens).
+        min_new_tokens: EOS is forbidden before this many tokens (benchmarks force full length with it).
+        temperature: softmax temperature; 0 means greedy.
+        top_p: nucleus sampling mass (1.0 disables).
+        top_k: keep the k most likely tokens (0 disables).
+    """
+
+    max_new_tokens: int = 16
+    min_new_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"generation.max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if not 0 <= self.min_new_tokens <= self.max_new_tokens:
+            raise ValueError(
+                f"generation.min_new_tokens must be in [0, max_new_tokens={self.max_new_tokens}], got {self.min_new_tokens}"
+            )
+        if self.temperature < 0:
+            raise ValueError(f"generation.temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"generation.top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"generation.top_k must be >= 0, got {self.top_k}")
+
+    @property
+    def logprob_temperature(self) -> float:
+        """Temperature at which the returned log-probs are computed (1 for greedy decoding)."""
+        return self.temperature if self.temperature > 0 else 1.0
+
+
+@dataclass
+class RolloutBatch:
+    """Completions for ``P`` prompts times ``G`` generations, ``N = P * G`` rows laid out group by group.
+
+    Attributes:
+        prompt_ids, prompt_mask: ``[N, Lp]`` left-padded prompts (each prompt repeated G times).
+        completion_ids: ``[N, T]`` sampled tokens (pad after EOS).
+        completion_mask: ``[N, T]`` 1 on completion tokens, EOS included, 0 after.
+        sampling_logprobs: ``[N, T]`` log-probs of the sampled tokens under the tempered, unfiltered distribution
+            (what a fresh forward pass at the same temperature gives).
+        finished: ``[N]`` True when the completion ended with EOS, False when it hit ``max_new_tokens``.
+        group_size: ``G``.
+    """
+
+    prompt_ids: Tensor
+    prompt_mask: Tensor
+    completion_ids: Tensor
+    completion_mask: Tensor
+    sampling_logprobs: Tensor
+    finished: Tensor
+    group_size: int
+
+    @property
+    def completion_lengths(self) -> Tensor:
+        return self.completion_mask.sum(-1)
+
+
+class RolloutEngine(ABC):
+    """Turns prompts into completions. Implementations: :class:`HFRolloutEngine` (default); vLLM later."""
+
+    @abstractmethod
+    def generate(
+        self, model: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, num_generations: int,
+        sampling: SamplingConfig, eos_token_id: int | list[int], pad_token_id: int,
+        generator: torch.Generator | None = None,
+    ) -> RolloutBatch: ...
+
+
+def filter_logits(logits: Tensor, top_k: int, top_p: float) -> Tensor:
+    """Top-k then nucleus filtering (sets removed logits to -inf)."""
+    if top_k and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
+        cum = torch.softmax(sorted_logits, dim=-1).cumsum(-1)
+        remove_sorted = cum - torch.softmax(sorted_logits, dim=-1) >= top_p  # keep the token that crosses top_p
+        remove = torch.zeros_like(remove_sorted).scatter(-1, order, remove_sorted)
+        logits = logits.masked_fill(remove, float("-inf"))
+    return logits
+
+
+def _cache_argument(model: nn.Module) -> str:
+    """transformers 5 renamed ``past_key_values`` to ``cache``; use whichever this model's forward takes."""
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def _output_cache(out):
+    cache = out.get("cache")
+    return out.get("past_key_values") if cache is None else cache
+
+
+class HFRolloutEngine(RolloutEngine):
+    """Sampling loop on a ``transformers`` causal LM with its KV cache.
+
+    Each prompt is prefilled once and its cache expanded to its G samples, so the prompt costs one forward pass per
+    group instead of G. The model runs in eval mode without gradient and returns to its previous mode after.
+    """
+
+    @torch.no_grad()
+    def generate(self, model, prompt_ids, prompt_mask, num_generations, sampling, eos_token_id, pad_token_id,
+                 generator=None) -> RolloutBatch:
+        was_training = model.training
+        model.eval()
+        try:
+            return self._generate(model, prompt_ids, prompt_mask, num_generations, sampling, eos_token_id,
+                                  pad_token_id, generator)
+        finally:
+            model.train(was_training)
+
+    def _generate(self, model, prompt_ids, prompt_mask, G, sampling, eos_token_id, pad_token_id, generator):
+        device = prompt_ids.device
+        eos_ids = torch.tensor([eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id), device=device)
+        prompt_mask = prompt_mask.long()
+        position_ids = (prompt_mask.cumsum(-1) - 1).clamp(min=0)
+        out = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=position_ids, use_cache=True,
+                    logits_to_keep=1)
+        cache_arg = _cache_argument(model)
+        cache = _output_cache(out)
+        if G > 1:
+            cache.batch_repeat_interleave(G)
+        logits = out.logits[:, -1].float().repeat_interleave(G, dim=0)  # [N, V]
+        attention_mask = prompt_mask.repeat_interleave(G, dim=0)  # [N, Lp + t]
+        next_position = position_ids[:, -1:].repeat_interleave(G, dim=0) + 1  # [N, 1]
+        N = logits.shape[0]
+        tokens, logps = [], []
+        done = torch.zeros(N, dtype=torch.bool, device=device)
+        finished = torch.zeros(N, dtype=torch.bool, device=device)
+        temperature = sampling.logprob_temperature
+        for step in range(sampling.max_new_tokens):
+            if step < sampling.min_new_tokens:
+                logits[:, eos_ids] = float("-inf")
+            logprobs_all = torch.log_softmax(logits / temperature, dim=-1)  # [N, V]
+            if sampling.temperature == 0:
+                token = logits.argmax(-1)
+            else:
+                filtered = filter_logits(logits / temperature, sampling.top_k, sampling.top_p)
+                token = torch.multinomial(torch.softmax(filtered, dim=-1), 1, generator=generator).squeeze(-1)
+            token = torch.where(done, torch.full_like(token, pad_token_id), token)
+            logps.append(torch.where(done, torch.zeros_like(logprobs_all[:, 0]),
+                                     logprobs_all.gather(-1, token[:, None]).squeeze(-1)))
+            tokens.append(token)
+            is_eos = torch.isin(token, eos_ids) & ~done
+            finished |= is_eos
+            done |= is_eos
+            if bool(done.all()) or step == sampling.max_new_tokens - 1:
+                break
+            attention_mask = torch.cat([attention_mask, torch.ones_like(attention_mask[:, :1])], dim=1)
+            out = model(input_ids=token[:, None], attention_mask=attention_mask, position_ids=next_position,
+                        use_cache=True, **{cache_arg: cache})
+            cache = _output_cache(out)
+            logits = out.logits[:, -1].float()
+            next_position = next_position + 1
+        completion_ids = torch.stack(tokens, dim=1)  # [N, T]
+        # 1 up to and including the EOS: a token belongs to the completion if no EOS came strictly before it.
+        eos_seen = torch.isin(completion_ids, eos_ids).long().cumsum(-1)
+        completion_mask = ((eos_seen - torch.isin(completion_ids, eos_ids).long()) == 0).long()
+        completion_ids = completion_ids.masked_fill(completion_mask == 0, pad_token_id)
+        return RolloutBatch(
+            prompt_ids=prompt_ids.repeat_interleave(G, dim=0),
+            prompt_mask=prompt_mask.repeat_interleave(G, dim=0),
+            completion_ids=completion_ids,
+            completion_mask=completion_mask,
+            sampling_logprobs=torch.stack(logps, dim=1) * completion_mask,
+            finished=finished,
+            group_size=G,
+        )

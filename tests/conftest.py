@@ -1,0 +1,29 @@
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+
+@pytest.fixture
+def tiny():
+    """A very small Qwen2 model with the character tokenizer (fast enough for many tests)."""
+    from polopt_lightning.models import build_tiny_model
+
+    return build_tiny_model(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64, seed=0)
+
+
+@pytest.fixture
+def arithmetic_rows():
+    from polopt_lightning.data import ArithmeticTask
+
+    return ArithmeticTask(digits=1, train_size=40, val_size=16, seed=0).splits()
+
+
+@pytest.fixture(autouse=True)
+def _isolated_cache(tmp_path, monkeypatch):
+    """Warm-start cache in a temporary folder: tests never read or write the user's cache."""
+    monkeypatch.setenv("POLOPT_CACHE", str(tmp_path / "cache"))

@@ -1,0 +1,146 @@
+"""Hydra CLI: every config group value composes and builds; a short run writes metrics.csv and results.json."""
+
+import csv
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from hydra.utils import instantiate
+from omegaconf import OmegaConf
+
+from polopt_lightning.cli import config_dir, train
+
+CONF = Path(config_dir())
+GROUPS = ["model", "objective", "task", "reward", "trainer", "logger", "callbacks", "experiment"]
+# the tiniest settings that still run every stage
+FAST = ["model.hidden_size=16", "model.num_layers=1", "model.num_heads=2", "model.intermediate_size=32",
+        "task.digits=1", "task.train_size=40", "task.val_size=8", "data.batch_size=2", "module.num_generations=2",
+        "generation.max_new_tokens=3", "warm_start.steps=3", "warm_start.batch_size=4", "trainer.max_steps=2",
+        "trainer.enable_progress_bar=false"]
+
+
+def group_values(group):
+    return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
+
+
+def compose_with(overrides, tmp_path):
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose(config_name="train", overrides=overrides, return_hydra_config=True)
+    cfg.hydra.runtime.output_dir = str(tmp_path)
+    return cfg
+
+
+def _set_hydra(cfg):
+    from hydra.core.hydra_config import HydraConfig
+
+    HydraConfig.instance().set_config(cfg)
+
+
+@pytest.mark.parametrize("group,value", [(g, v) for g in GROUPS for v in group_values(g)])
+def test_every_group_value_composes_and_builds(group, value, tmp_path):
+    overrides = [f"{group}={value}"]
+    if group == "model" and value == "pretrained":
+        overrides.append(f"model.name_or_path={tmp_path}/m")
+    if group == "task" and value == "jsonl":
+        overrides.append(f"task.train={tmp_path}/train.jsonl")
+    cfg = compose_with(overrides, tmp_path)
+    _set_hydra(cfg)
+    node = cfg.get(group)
+    if group == "experiment":
+        assert cfg.objective.name  # an experiment sets a whole recipe
+        instantiate(cfg.objective)
+        return
+    if group == "model" and value == "pretrained":
+        from polopt_lightning.models import build_tiny_model
+
+        model, tok = build_tiny_model(hidden_size=16, num_layers=1, num_heads=2)
+        model.save_pretrained(tmp_path / "m")
+        tok.save_pretrained(tmp_path / "m")
+    if group == "task" and value == "jsonl":
+        (tmp_path / "train.jsonl").write_text('{"prompt": "1+1=", "answer": "2"}\n')
+    if group in ("reward", "logger", "callbacks"):
+        items = node.get("functions", node) if group == "reward" else node
+        built = [instantiate(v) for v in items.values()]
+        assert all(callable(b) for b in built) if group == "reward" else True
+    elif group == "trainer" and node.accelerator == "gpu" and not torch.cuda.is_available():
+        # composes (inheriting the cpu defaults); building a GPU Trainer needs a GPU
+        assert node.precision == "bf16-mixed" and node.max_steps == 200 and node.num_sanity_val_steps == 0
+    elif group == "trainer":
+        trainer = instantiate(node, logger=False, enable_checkpointing=False)
+        assert trainer.max_steps == cfg.trainer.max_steps
+    else:
+        if group == "model" and value == "tiny":
+            OmegaConf.update(cfg, "model.hidden_size", 16)
+            OmegaConf.update(cfg, "model.num_layers", 1)
+        assert instantiate(cfg.get(group)) is not None
+
+
+def test_unknown_group_value_lists_the_known_ones():
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        with pytest.raises(Exception, match="(?s)Could not find 'objective/ppo'.*gspo"):
+            compose(config_name="train", overrides=["objective=ppo"])
+
+
+def test_train_function_writes_results_and_metrics(tmp_path):
+    cfg = compose_with(FAST + ["objective=gspo"], tmp_path)
+    _set_hydra(cfg)
+    results = train(cfg)
+    saved = json.loads((tmp_path / "results.json").read_text())
+    assert saved == results
+    for key in ("objective", "steps", "wall_s", "val_accuracy_before", "val_accuracy_after"):
+        assert key in saved
+    assert saved["objective"] == "gspo" and saved["steps"] == 2
+    rows = list(csv.DictReader(open(tmp_path / "csv" / "version_0" / "metrics.csv")))
+    assert any(r.get("train/reward") not in (None, "") for r in rows)
+    assert (tmp_path / "checkpoints" / "last.ckpt").is_file()
+
+
+def _cli(args, cwd, env_extra=None):
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env_extra or {})}
+    return subprocess.run([sys.executable, "-m", "polopt_lightning", *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_cli_run_and_multirun(tmp_path):
+    proc = _cli(FAST + [f"hydra.run.dir={tmp_path}/run"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "polopt-train summary" in proc.stdout
+    results = json.loads((tmp_path / "run" / "results.json").read_text())
+    assert results["objective"] == "grpo" and results["steps"] == 2
+    assert (tmp_path / "run" / "csv" / "version_0" / "metrics.csv").is_file()
+    # the warm start was cached by the first run: a second run with the same config skips it
+    proc = _cli(FAST + [f"hydra.run.dir={tmp_path}/run2"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads((tmp_path / "run2" / "results.json").read_text())["warm_start_cached"] is True
+    proc = _cli(["-m", *FAST, "objective=grpo,gspo", f"hydra.sweep.dir={tmp_path}/sweep"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    objectives = sorted(json.loads(p.read_text())["objective"] for p in (tmp_path / "sweep").glob("*/results.json"))
+    assert objectives == ["grpo", "gspo"]
+
+
+def test_crash_mid_run_keeps_checkpoint_and_logs(tmp_path):
+    # a reward that fails on the 3rd call: two RL steps complete, the third raises
+    crash = tmp_path / "crashing_reward.py"
+    crash.write_text(
+        "calls = {'n': 0}\n"
+        "def reward(prompts, completions, **kw):\n"
+        "    calls['n'] += 1\n"
+        "    if calls['n'] > 3:\n"  # 1 validation call before, then RL steps
+        "        raise RuntimeError('reward server down')\n"
+        "    return [0.0] * len(completions)\n"
+    )
+    args = FAST + ["trainer.max_steps=10", "callbacks.checkpoint.every_n_train_steps=1", "logger.csv.flush_logs_every_n_steps=1",
+                   "reward=exact_match", "+reward.functions.crash._target_=hydra.utils.get_method",
+                   "+reward.functions.crash.path=crashing_reward.reward", f"hydra.run.dir={tmp_path}/run"]
+    proc = _cli(args, tmp_path, {"PYTHONPATH": str(tmp_path)})
+    assert proc.returncode != 0
+    assert "'reward' raised on sample 0: RuntimeError: reward server down" in proc.stderr
+    run = tmp_path / "run"
+    assert (run / "checkpoints" / "last.ckpt").is_file()
+    rows = list(csv.DictReader(open(run / "csv" / "version_0" / "metrics.csv")))
+    assert len([r for r in rows if r.get("train/reward")]) >= 1

@@ -1,0 +1,133 @@
+import logging
+
+import pytest
+import torch
+
+from polopt_lightning.logprobs import completion_logprobs, selective_log_softmax
+from polopt_lightning.models import build_tiny_model, char_tokenizer, load_pretrained, prepare_tokenizer
+from polopt_lightning.rollout import HFRolloutEngine, SamplingConfig
+
+
+def test_char_tokenizer_roundtrip():
+    tok = char_tokenizer()
+    text = "12+34=\nab c"
+    ids = tok(text)["input_ids"]
+    assert len(ids) == len(text)
+    assert tok.decode(ids) == text
+    assert tok.padding_side == "left" and tok.pad_token == "<pad>" and tok.eos_token == "<eos>"
+
+
+@pytest.mark.parametrize("architecture", ["qwen2", "llama"])
+def test_tiny_model_builds(architecture):
+    model, tok = build_tiny_model(architecture=architecture, hidden_size=32, num_layers=1, num_heads=2)
+    assert model.config.model_type == architecture
+    assert model.config.vocab_size == len(tok)
+    out = model(input_ids=torch.tensor([tok("1+1=")["input_ids"]]))
+    assert out.logits.shape[-1] == len(tok)
+
+
+def test_bad_model_config_is_named():
+    with pytest.raises(ValueError, match="model.architecture"):
+        build_tiny_model(architecture="gpt5")
+    with pytest.raises(ValueError, match="not divisible by model.num_heads"):
+        build_tiny_model(hidden_size=30, num_heads=4)
+
+
+def test_load_pretrained_from_a_saved_folder(tmp_path, tiny):
+    model, tok = tiny
+    model.save_pretrained(tmp_path / "m")
+    tok.save_pretrained(tmp_path / "m")
+    loaded, loaded_tok = load_pretrained(str(tmp_path / "m"), dtype="float32", attn_implementation="sdpa")
+    ids = torch.tensor([tok("7+8=")["input_ids"]])
+    torch.testing.assert_close(loaded(input_ids=ids).logits, model(input_ids=ids).logits)
+    assert loaded_tok.padding_side == "left" and loaded_tok.get_vocab() == tok.get_vocab()
+    with pytest.raises(ValueError, match="model.dtype"):
+        load_pretrained(str(tmp_path / "m"), dtype="float8")
+
+
+def test_tokenizer_without_pad_uses_eos_and_says_so(caplog):
+    tok = char_tokenizer()
+    tok.pad_token = None
+    with caplog.at_level(logging.WARNING, logger="polopt_lightning.models"):
+        prepare_tokenizer(tok)
+    assert tok.pad_token == "<eos>" and "no pad token" in caplog.text
+
+
+def test_selective_log_softmax_matches_full_and_chunks():
+    logits = torch.randn(3, 5, 11, requires_grad=True)
+    index = torch.randint(0, 11, (3, 5))
+    expected = torch.log_softmax(logits / 0.7, -1).gather(-1, index[..., None]).squeeze(-1)
+    got, entropy = selective_log_softmax(logits, index, temperature=0.7, chunk_rows=4, with_entropy=True)
+    torch.testing.assert_close(got, expected)
+    p = torch.softmax(logits / 0.7, -1)
+    torch.testing.assert_close(entropy, -(p * torch.log(p)).sum(-1).detach())
+    got.sum().backward()
+    assert logits.grad is not None
+
+
+def _prompts(tok, texts):
+    enc = tok(texts, padding=True, return_tensors="pt")
+    return enc.input_ids, enc.attention_mask
+
+
+@pytest.mark.parametrize("sampling", [
+    SamplingConfig(max_new_tokens=8, temperature=1.0),
+    SamplingConfig(max_new_tokens=8, temperature=0.7, top_k=10, top_p=0.9),
+])
+def test_sampling_logprobs_agree_with_a_fresh_forward(tiny, sampling):
+    model, tok = tiny
+    ids, mask = _prompts(tok, ["12+34=", "5+6=", "1+100+2="])
+    model.train()
+    batch = HFRolloutEngine().generate(model, ids, mask, 4, sampling, tok.eos_token_id, tok.pad_token_id,
+                                       torch.Generator().manual_seed(0))
+    assert model.training, "the policy must return to train mode after sampling"
+    assert batch.completion_ids.shape[0] == 12 and batch.group_size == 4
+    model.eval()
+    with torch.no_grad():
+        fresh, _ = completion_logprobs(model, batch.prompt_ids, batch.prompt_mask, batch.completion_ids,
+                                       batch.completion_mask, sampling.temperature)
+    m = batch.completion_mask.bool()
+    torch.testing.assert_close(fresh[m], batch.sampling_logprobs[m], atol=1e-4, rtol=1e-4)
+    assert (batch.sampling_logprobs[~m] == 0).all()
+
+
+def test_eos_mask_finish_reason_and_min_tokens(tiny):
+    model, tok = tiny
+    ids, mask = _prompts(tok, ["1+1=", "2+2="])
+    eos = tok.eos_token_id
+    # make EOS overwhelmingly likely: every completion is exactly [EOS]
+    bias_hook = model.lm_head.register_forward_hook(lambda m, i, o: o.index_fill(-1, torch.tensor([eos]), 50.0))
+    out = HFRolloutEngine().generate(model, ids, mask, 2, SamplingConfig(max_new_tokens=5), eos, tok.pad_token_id)
+    assert out.completion_ids.shape[1] == 1 and out.finished.all() and (out.completion_mask == 1).all()
+    # min_new_tokens forbids EOS until then: full length, truncated, never finished
+    out = HFRolloutEngine().generate(model, ids, mask, 2, SamplingConfig(max_new_tokens=5, min_new_tokens=5), eos,
+                                     tok.pad_token_id)
+    assert out.completion_ids.shape[1] == 5 and not out.finished.any() and (out.completion_mask == 1).all()
+    # EOS after 3 tokens: mask covers the EOS, pad after
+    bias_hook.remove()
+    out = HFRolloutEngine().generate(model, ids, mask, 2, SamplingConfig(max_new_tokens=6, min_new_tokens=3), eos,
+                                     tok.pad_token_id)
+    for row, m, fin in zip(out.completion_ids, out.completion_mask, out.finished):
+        n = int(m.sum())
+        if fin:
+            assert row[n - 1] == eos and (row[n:] == tok.pad_token_id).all()
+        else:
+            assert n == 6
+
+
+def test_left_padding_does_not_change_greedy_output(tiny):
+    model, tok = tiny
+    greedy = SamplingConfig(max_new_tokens=6, temperature=0)
+    alone = HFRolloutEngine().generate(model, *_prompts(tok, ["3+4="]), 1, greedy, tok.eos_token_id, tok.pad_token_id)
+    padded = HFRolloutEngine().generate(model, *_prompts(tok, ["3+4=", "123+456+789="]), 1, greedy,
+                                        tok.eos_token_id, tok.pad_token_id)
+    n = int(alone.completion_mask[0].sum())
+    assert alone.completion_ids[0, :n].tolist() == padded.completion_ids[0, :n].tolist()
+    torch.testing.assert_close(alone.sampling_logprobs[0, :n], padded.sampling_logprobs[0, :n], atol=1e-5, rtol=1e-5)
+
+
+def test_sampling_config_validation():
+    with pytest.raises(ValueError, match="generation.top_p"):
+        SamplingConfig(top_p=0)
+    with pytest.raises(ValueError, match="generation.min_new_tokens"):
+        SamplingConfig(max_new_tokens=2, min_new_tokens=3)

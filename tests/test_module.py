@@ -1,0 +1,136 @@
+"""PolicyOptimizationModule as a drop-in LightningModule in a plain Trainer."""
+
+import csv
+import math
+
+import lightning as L
+import pytest
+import torch
+
+from polopt_lightning import PolicyOptimizationModule, PromptDataModule
+from polopt_lightning.objectives import GRPO, GSPO
+from polopt_lightning.rewards import DigitMatchReward, ExactMatchReward
+
+REQUIRED = ["train/reward", "train/reward_std", "train/rewards/digit_match/mean", "train/rewards/exact_match/mean",
+            "train/frac_zero_std", "train/entropy", "train/clip_frac", "train/completion_len", "train/grad_norm",
+            "train/lr", "train/loss"]
+
+
+def distinct_chars(prompts, completions, **kw):
+    """Varies from sample to sample even for an untrained model, so every step has a learning signal."""
+    return [float(len(set(c))) for c in completions]
+
+
+def make(tiny, rows, objective=GRPO(), **kwargs):
+    model, tok = tiny
+    train, val = rows
+    dm = PromptDataModule(train=train, val=val, tokenizer=tok, batch_size=4, val_batch_size=16)
+    defaults = dict(reward_fns=[ExactMatchReward(), DigitMatchReward(), distinct_chars], num_generations=4,
+                    generation={"max_new_tokens": 3}, lr=1e-3)
+    module = PolicyOptimizationModule(model, tok, objective=objective, **{**defaults, **kwargs})
+    return module, dm
+
+
+def trainer(tmp_path, steps, **kwargs):
+    return L.Trainer(max_steps=steps, accelerator="cpu", logger=L.pytorch.loggers.CSVLogger(tmp_path, name="csv"),
+                     enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                     log_every_n_steps=1, num_sanity_val_steps=0, **kwargs)
+
+
+@pytest.mark.parametrize("objective", [GRPO(), GSPO()], ids=["grpo", "gspo"])
+def test_drop_in_trainer_updates_and_logs(tmp_path, tiny, arithmetic_rows, objective):
+    module, dm = make(tiny, arithmetic_rows, objective=objective, mini_batches=2)
+    before = [p.detach().clone() for p in module.policy.parameters()]
+    t = trainer(tmp_path, steps=4)
+    t.fit(module, datamodule=dm)
+    assert t.global_step == 4  # 2 rollouts x 2 mini-batches
+    changed = sum(not torch.equal(a, b) for a, b in zip(before, module.policy.parameters()))
+    assert changed > 0
+    for key in REQUIRED:
+        assert key in t.logged_metrics, key
+        assert math.isfinite(float(t.logged_metrics[key])), key
+    assert "train/kl" not in t.logged_metrics  # beta = 0: no reference pass, no kl
+    assert module.ref_model is None
+    t.logger.save()
+    rows = list(csv.DictReader(open(t.logger.log_dir + "/metrics.csv")))
+    assert any(r.get("train/reward") for r in rows)
+    # validation
+    results = t.validate(module, datamodule=dm, verbose=False)[0]
+    assert 0.0 <= results["val/accuracy"] <= 1.0 and "val/reward" in results
+
+
+def test_kl_reference_and_off_policy_updates(tmp_path, tiny, arithmetic_rows):
+    module, dm = make(tiny, arithmetic_rows, objective=GRPO(beta=0.1), num_iterations=2, mini_batches=2)
+    assert module.ref_model is not None and not any(p.requires_grad for p in module.ref_model.parameters())
+    ref_before = [p.clone() for p in module.ref_model.parameters()]
+    t = trainer(tmp_path, steps=4)
+    t.fit(module, datamodule=dm)
+    assert t.global_step == 4  # one rollout, 2 passes x 2 mini-batches
+    assert "train/kl" in t.logged_metrics and float(t.logged_metrics["train/kl"]) >= 0
+    # the second pass is off-policy: the ratio has moved away from 1
+    assert all(torch.equal(a, b) for a, b in zip(ref_before, module.ref_model.parameters()))
+
+
+def test_dynamic_sampling_drops_constant_groups(tmp_path, tiny, arithmetic_rows):
+    calls = {"n": 0}
+
+    def constant_for_first_draw(prompts, completions, **kw):
+        calls["n"] += 1
+        # first draw: every group constant (no signal); later draws: distinct rewards
+        return [0.0] * len(completions) if calls["n"] == 1 else [float(i % 2) for i in range(len(completions))]
+
+    module, dm = make(tiny, arithmetic_rows, reward_fns=[constant_for_first_draw], dynamic_sampling=True,
+                      max_extra_draws=2)
+    t = trainer(tmp_path, steps=1)
+    t.fit(module, datamodule=dm)
+    assert float(t.logged_metrics["train/dynamic_sampling/dropped_groups"]) == 4
+    assert float(t.logged_metrics["train/dynamic_sampling/extra_draws"]) == 1
+    assert float(t.logged_metrics["train/frac_zero_std"]) == 1.0  # what the first draw looked like
+
+
+def test_checkpoint_resumes(tmp_path, tiny, arithmetic_rows):
+    module, dm = make(tiny, arithmetic_rows)
+    ckpt_cb = L.pytorch.callbacks.ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True, every_n_train_steps=2)
+    t = L.Trainer(max_steps=2, accelerator="cpu", logger=False, callbacks=[ckpt_cb], enable_progress_bar=False,
+                  num_sanity_val_steps=0, limit_val_batches=0)
+    t.fit(module, datamodule=dm)
+    ckpt = torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=False)
+    assert ckpt["global_step"] == 2 and "polopt" in ckpt and ckpt["optimizer_states"]
+    assert any(k.startswith("policy.") for k in ckpt["state_dict"])
+    module2, dm2 = make(tiny, arithmetic_rows)
+    t2 = L.Trainer(max_steps=4, accelerator="cpu", logger=False, enable_checkpointing=False,
+                   enable_progress_bar=False, num_sanity_val_steps=0, limit_val_batches=0)
+    t2.fit(module2, datamodule=dm2, ckpt_path=tmp_path / "ckpt" / "last.ckpt")
+    assert t2.global_step == 4
+
+
+@pytest.mark.parametrize(
+    "kwargs,error,match",
+    [
+        ({"num_generations": 1}, ValueError, "num_generations must be >= 2"),
+        ({"objective": "ppo"}, KeyError, "unknown objective 'ppo'; known objectives: dapo, dr_grpo, grpo, gspo"),
+        ({"mini_batches": 0}, ValueError, "mini_batches"),
+        ({"reward_fns": None}, ValueError, "reward_fns is required"),
+        ({"accuracy_reward": "nope"}, ValueError, "accuracy_reward='nope'"),
+        ({"advantage_scale": "std"}, ValueError, "scale must be one of"),
+        ({"lr_schedule": "step"}, ValueError, "lr_schedule"),
+    ],
+)
+def test_bad_module_input(tiny, arithmetic_rows, kwargs, error, match):
+    with pytest.raises(error, match=match):
+        make(tiny, arithmetic_rows, **kwargs)
+
+
+def test_too_many_mini_batches_for_the_rollout(tmp_path, tiny, arithmetic_rows):
+    module, dm = make(tiny, arithmetic_rows, mini_batches=64)
+    with pytest.raises(ValueError, match="mini_batches=64 .* 16 completions"):
+        trainer(tmp_path, steps=1).fit(module, datamodule=dm)
+
+
+def test_failing_reward_names_function_and_sample(tmp_path, tiny, arithmetic_rows):
+    def broken(prompts, completions, **kw):
+        return [1.0] * (len(completions) - 1)
+
+    module, dm = make(tiny, arithmetic_rows, reward_fns=[broken])
+    with pytest.raises(Exception, match="'broken' returned 15 values for 16 completions"):
+        trainer(tmp_path, steps=1).fit(module, datamodule=dm)

@@ -1,0 +1,25 @@
+"""The quick-start notebook executes top to bottom (with fewer steps to stay fast)."""
+
+from pathlib import Path
+
+import nbformat
+import pytest
+from nbclient import NotebookClient
+
+NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "quickstart.ipynb"
+
+
+def test_quickstart_notebook_executes(tmp_path, monkeypatch):
+    monkeypatch.setenv("QUICKSTART_STEPS", "4")
+    monkeypatch.setenv("QUICKSTART_WARM", "20")
+    monkeypatch.setenv("MPLBACKEND", "Agg")
+    nb = nbformat.read(NOTEBOOK, as_version=4)
+    try:
+        NotebookClient(nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
+    except Exception as exc:  # a missing kernel is an install problem, not a pass
+        if "No such kernel" in str(exc):
+            pytest.fail(f"no python3 Jupyter kernel in this environment: {exc}")
+        raise
+    outputs = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []))
+    assert "held-out accuracy:" in outputs
+    assert (tmp_path / "quickstart_logs").is_dir()
