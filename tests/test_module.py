@@ -21,7 +21,7 @@ def distinct_chars(prompts, completions, **kw):
     return [float(len(set(c))) for c in completions]
 
 
-def make(tiny, rows, objective=GRPO(), **kwargs):
+def make(tiny, rows, objective="grpo", **kwargs):
     model, tok = tiny
     train, val = rows
     dm = PromptDataModule(train=train, val=val, tokenizer=tok, batch_size=4, val_batch_size=16)
