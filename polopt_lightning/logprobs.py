@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from ._hf import cache_argument, output_cache
+
 # Rows of [*, V] logits processed at once: memory for the softmax stays at chunk x V whatever the batch.
 DEFAULT_CHUNK_ROWS = 1024
 
@@ -65,4 +67,43 @@ def completion_logprobs(
         input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False,
         logits_to_keep=T + 1,
     ).logits[:, :-1]  # [N, T, V]: position t predicts completion token t
+    return selective_log_softmax(logits, completion_ids, temperature, chunk_rows, with_entropy)
+
+
+def shared_prompt_completion_logprobs(
+    model: nn.Module,
+    prompt_ids: Tensor,
+    prompt_mask: Tensor,
+    completion_ids: Tensor,
+    completion_mask: Tensor,
+    group_index: Tensor,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    chunk_rows: int = DEFAULT_CHUNK_ROWS,
+) -> tuple[Tensor, Tensor | None]:
+    """Same result as :func:`completion_logprobs`, but each distinct prompt runs once.
+
+    Rows with the same ``group_index`` share their prompt (the G completions of one group). The prompt's forward
+    pass runs on one row per group with ``use_cache``; its keys/values, which carry gradient, are gathered to the
+    completions, which then attend to them. The prompt costs one forward and one backward per group instead of G.
+    """
+    groups, inverse = torch.unique(group_index, return_inverse=True)
+    rows = torch.arange(group_index.numel(), device=group_index.device)
+    first = torch.full((groups.numel(),), group_index.numel(), device=group_index.device, dtype=torch.long)
+    first = first.scatter_reduce(0, inverse, rows, reduce="amin")  # one representative row per group
+    p_ids, p_mask = prompt_ids[first], prompt_mask[first]
+    p_pos = (p_mask.long().cumsum(-1) - 1).clamp(min=0)
+    out = model(input_ids=p_ids, attention_mask=p_mask, position_ids=p_pos, use_cache=True, logits_to_keep=1)
+    first_logits = out.logits[:, -1][inverse]  # [N, V]: predicts completion token 0
+    T = completion_ids.shape[1]
+    if T == 1:
+        logits = first_logits[:, None]
+    else:
+        cache = output_cache(out)
+        cache.batch_select_indices(inverse)  # [U, ...] -> [N, ...], gradient flows back to the U prompt rows
+        attention_mask = torch.cat([prompt_mask, completion_mask.to(prompt_mask.dtype)], dim=1)
+        positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, prompt_ids.shape[1]:]
+        rest = model(input_ids=completion_ids[:, :-1], attention_mask=attention_mask[:, :-1],
+                     position_ids=positions[:, :-1], use_cache=True, **{cache_argument(model): cache}).logits
+        logits = torch.cat([first_logits[:, None], rest], dim=1)  # [N, T, V]
     return selective_log_softmax(logits, completion_ids, temperature, chunk_rows, with_entropy)

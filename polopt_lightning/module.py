@@ -17,7 +17,7 @@ from torch import Tensor, nn
 from torchmetrics import MeanMetric
 
 from .advantages import group_relative_advantages, zero_std_groups
-from .logprobs import completion_logprobs
+from .logprobs import completion_logprobs, shared_prompt_completion_logprobs
 from .models import disable_dropout as _disable_dropout
 from .models import frozen_copy, prepare_tokenizer
 from .objectives import Objective, build_objective
@@ -67,6 +67,13 @@ class PolicyOptimizationModule(L.LightningModule):
         disable_dropout: dropout off in the policy (the peers' default; keeps importance ratios exact).
         accuracy_reward: name of the reward function whose mean is ``val/accuracy`` (default: the first).
         rollout_engine: default :class:`HFRolloutEngine`.
+        share_prompt: run each prompt once per group in the training, reference and old-log-prob passes, the G
+            completions attending to its keys/values (same result, fewer FLOPs); off for models whose cache cannot
+            be gathered.
+        micro_batch_tokens: bound on the tokens (prompt + completion) of one forward/backward; a mini-batch larger
+            than this is split and its gradients accumulated (same gradient, bounded memory). ``None``: no split.
+        reuse_sampling_logprobs: off-policy updates take the sampler's log-probs as old log-probs instead of a
+            second forward pass (they match the training numerics when dropout is off).
         seed: seeds the sampling generator (offset by the global rank).
     """
 
@@ -99,6 +106,9 @@ class PolicyOptimizationModule(L.LightningModule):
         disable_dropout: bool = True,
         accuracy_reward: str | None = None,
         rollout_engine: RolloutEngine | None = None,
+        share_prompt: bool = True,
+        reuse_sampling_logprobs: bool = True,
+        micro_batch_tokens: int | None = None,
         seed: int = 0,
     ) -> None:
         super().__init__()
@@ -139,6 +149,12 @@ class PolicyOptimizationModule(L.LightningModule):
         self.dynamic_sampling, self.max_extra_draws = dynamic_sampling, max_extra_draws
         self.mask_truncated_completions = mask_truncated_completions
         self.engine = rollout_engine or HFRolloutEngine()
+        self.share_prompt = share_prompt
+        if micro_batch_tokens is not None and micro_batch_tokens < 1:
+            raise ValueError(f"micro_batch_tokens must be >= 1 or None, got {micro_batch_tokens}")
+        self.micro_batch_tokens = micro_batch_tokens
+        # sampler log-probs equal a training forward only when dropout cannot make them differ
+        self.reuse_sampling_logprobs = reuse_sampling_logprobs and disable_dropout
         self.seed = seed
         if disable_dropout:
             _disable_dropout(self.policy)
@@ -237,12 +253,16 @@ class PolicyOptimizationModule(L.LightningModule):
             exp["completion_mask"] = exp["completion_mask"] * exp["finished"][:, None].long()
         return exp, metrics
 
-    @torch.no_grad()
-    def _logprobs_no_grad(self, model: nn.Module, exp: Mapping[str, Any], rows: Tensor | slice) -> Tensor:
-        lp, _ = completion_logprobs(model, exp["prompt_ids"][rows], exp["prompt_mask"][rows],
-                                    exp["completion_ids"][rows], exp["completion_mask"][rows],
-                                    self.sampling.logprob_temperature)
-        return lp
+    def sequence_logprobs(self, model: nn.Module, exp: Mapping[str, Any], rows: Tensor | slice, width: int | None = None,
+                          with_entropy: bool = False) -> tuple[Tensor, Tensor | None]:
+        """Log-probs ``[n, width]`` of the completions ``rows`` under ``model`` (prompt shared per group if set)."""
+        width = exp["completion_ids"].shape[1] if width is None else width
+        args = (model, exp["prompt_ids"][rows], exp["prompt_mask"][rows], exp["completion_ids"][rows, :width],
+                exp["completion_mask"][rows, :width])
+        if self.share_prompt:
+            return shared_prompt_completion_logprobs(*args, exp["group_index"][rows], self.sampling.logprob_temperature,
+                                                     with_entropy=with_entropy)
+        return completion_logprobs(*args, self.sampling.logprob_temperature, with_entropy=with_entropy)
 
     def training_step(self, batch: Mapping[str, Any], batch_idx: int) -> None:
         optimizer = self.optimizers()
@@ -258,10 +278,12 @@ class PolicyOptimizationModule(L.LightningModule):
         metrics["train/completion_len_max"] = lengths.max()
         metrics["train/truncated_frac"] = (~exp["finished"]).float().mean()
         everything = slice(None)
-        if self.off_policy:
-            exp["old_logprobs"] = self._logprobs_no_grad(self.policy, exp, everything)
-        if self.objective.beta > 0:
-            exp["ref_logprobs"] = self._logprobs_no_grad(self.ref_model, exp, everything)
+        with torch.no_grad():
+            if self.off_policy:  # on-policy, old == current log-probs detached: no pass needed
+                exp["old_logprobs"] = (exp["sampling_logprobs"] if self.reuse_sampling_logprobs
+                                       else self.sequence_logprobs(self.policy, exp, everything)[0])
+            if self.objective.beta > 0:  # only the KL term needs the reference
+                exp["ref_logprobs"] = self.sequence_logprobs(self.ref_model, exp, everything)[0]
 
         step_metrics: list[dict[str, Tensor]] = []
         size = math.ceil(n / self.mini_batches)
@@ -277,28 +299,50 @@ class PolicyOptimizationModule(L.LightningModule):
                       batch_size=batch["prompt_ids"].shape[0])
         self.log("reward", metrics["train/reward"].float(), prog_bar=True, on_step=True, logger=False)
 
+    def _micro_batches(self, rows: Tensor, width: int, prompt_width: int) -> list[Tensor]:
+        """Split a mini-batch so each piece holds at most ``micro_batch_tokens`` (prompt + completion) tokens."""
+        if not self.micro_batch_tokens:
+            return [rows]
+        per = max(1, self.micro_batch_tokens // (prompt_width + width))
+        return list(rows.split(per))
+
     def _update(self, exp: Mapping[str, Any], rows: Tensor, optimizer, scheduler) -> dict[str, Tensor]:
         """One optimizer step on the completions ``rows`` of the rollout."""
-        mask = exp["completion_mask"][rows]
-        width = max(int(mask.sum(-1).max()), 1)  # trim padding past the longest completion of this mini-batch
-        mask = mask[:, :width]
-        logprobs, entropy = completion_logprobs(
-            self.policy, exp["prompt_ids"][rows], exp["prompt_mask"][rows], exp["completion_ids"][rows, :width],
-            mask, self.sampling.logprob_temperature, with_entropy=True)
-        old = exp["old_logprobs"][rows, :width] if "old_logprobs" in exp else logprobs.detach()
-        ref = exp["ref_logprobs"][rows, :width] if "ref_logprobs" in exp else None
-        out = self.objective(logprobs=logprobs, old_logprobs=old, advantages=exp["advantages"][rows], mask=mask,
-                             ref_logprobs=ref)
         optimizer.zero_grad(set_to_none=True)
-        self.manual_backward(out.loss)
-        grad_norm = _grad_norm(self.policy)
+        metrics = self.accumulate_gradients(exp, rows)
+        metrics["grad_norm"] = _grad_norm(self.policy)
         if self.max_grad_norm:
             self.clip_gradients(optimizer, gradient_clip_val=self.max_grad_norm, gradient_clip_algorithm="norm")
         optimizer.step()
         scheduler.step()
-        maskf = mask.float()
-        return {"loss": out.loss.detach(), "grad_norm": grad_norm,
-                "entropy": (entropy * maskf).sum() / maskf.sum().clamp(min=1), **out.metrics}
+        return metrics
+
+    def accumulate_gradients(self, exp: Mapping[str, Any], rows: Tensor) -> dict[str, Tensor]:
+        """Backward of the objective on the completions ``rows``, in micro-batches; returns the step's metrics."""
+        full_mask = exp["completion_mask"][rows]
+        width = max(int(full_mask.sum(-1).max()), 1)  # trim padding past the longest completion of this mini-batch
+        total_weight = self.objective.normaliser(full_mask[:, :width])
+        sums: dict[str, Tensor] = {}
+        entropy_sum = torch.zeros((), device=self.device)
+        for micro in self._micro_batches(rows, width, exp["prompt_ids"].shape[1]):
+            mask = exp["completion_mask"][micro, :width]
+            logprobs, entropy = self.sequence_logprobs(self.policy, exp, micro, width, with_entropy=True)
+            old = exp["old_logprobs"][micro, :width] if "old_logprobs" in exp else logprobs.detach()
+            ref = exp["ref_logprobs"][micro, :width] if "ref_logprobs" in exp else None
+            out = self.objective(logprobs=logprobs, old_logprobs=old, advantages=exp["advantages"][micro], mask=mask,
+                                 ref_logprobs=ref)
+            # The loss is a sum over the mini-batch divided by the objective's normaliser: weighting each piece by
+            # its share of that normaliser makes the accumulated gradient exactly the full mini-batch's.
+            share = self.objective.normaliser(mask) / total_weight.clamp(min=1e-12)
+            self.manual_backward(out.loss * share)
+            for key, value in {"loss": out.loss.detach(), **out.metrics}.items():
+                if key.endswith("_max"):
+                    sums[key] = torch.maximum(sums[key], value) if key in sums else value
+                else:
+                    sums[key] = sums.get(key, 0.0) + value * share
+            entropy_sum = entropy_sum + (entropy * mask).sum()
+        sums["entropy"] = entropy_sum / full_mask[:, :width].sum().clamp(min=1)
+        return sums
 
     # ------------------------------------------------------------------------------------------------------------
     def validation_step(self, batch: Mapping[str, Any], batch_idx: int) -> None:
@@ -364,7 +408,7 @@ def _pad_cat(tensors: list[Tensor], value: int | float, left: bool = False) -> T
 def _concat_groups(parts, G: int, limit: int | None) -> dict[str, Any]:
     """Join the kept groups of one or more rollouts (dynamic sampling), at most ``limit`` groups."""
     fields: dict[str, list[Tensor]] = {k: [] for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask",
-                                        "sampling_logprobs", "finished", "rewards")}
+                                        "sampling_logprobs", "finished", "rewards", "group_index")}
     kept = 0
     for rollout, rewards, keep in parts:
         idx = torch.nonzero(keep).flatten()
@@ -380,6 +424,7 @@ def _concat_groups(parts, G: int, limit: int | None) -> dict[str, Any]:
         fields["sampling_logprobs"].append(rollout.sampling_logprobs[dev_rows])
         fields["finished"].append(rollout.finished[dev_rows])
         fields["rewards"].append(rewards[rows])
+        fields["group_index"].append((kept - len(idx)) + torch.arange(len(idx)).repeat_interleave(G))
     return {
         "prompt_ids": _pad_cat(fields["prompt_ids"], 0, left=True),
         "prompt_mask": _pad_cat(fields["prompt_mask"], 0, left=True),
@@ -388,4 +433,5 @@ def _concat_groups(parts, G: int, limit: int | None) -> dict[str, Any]:
         "sampling_logprobs": _pad_cat(fields["sampling_logprobs"], 0.0),
         "finished": torch.cat(fields["finished"]),
         "rewards": torch.cat(fields["rewards"]),
+        "group_index": torch.cat(fields["group_index"]).to(parts[0][0].completion_ids.device),
     }

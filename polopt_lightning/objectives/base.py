@@ -82,6 +82,14 @@ class Objective:
         advantages = torch.nan_to_num(advantages.detach().to(logprobs.dtype), nan=0.0)
         return self.compute(logprobs, old_logprobs, advantages, mask, ref_logprobs)
 
+    def normaliser(self, mask: Tensor) -> Tensor:
+        """What this objective divides its summed loss by for ``mask``: the number of non-empty sequences here.
+
+        The trainer uses it to split a mini-batch into micro-batches whose accumulated gradient equals the whole
+        mini-batch's. An objective whose loss is not ``sum / normaliser(mask)`` must override it.
+        """
+        return mask.bool().any(-1).sum().float()
+
     def compute(
         self, logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor, ref_logprobs: Tensor | None
     ) -> ObjectiveOutput:  # pragma: no cover - interface

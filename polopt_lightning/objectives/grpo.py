@@ -86,6 +86,11 @@ class GRPO(Objective):
         self.max_completion_length = max_completion_length
         self.advantage_scale = check_advantage_scale(advantage_scale)
 
+    def normaliser(self, mask: Tensor) -> Tensor:
+        if self.aggregation == "token-mean":
+            return mask.float().sum()
+        return super().normaliser(mask)
+
     def compute(self, logprobs, old_logprobs, advantages, mask, ref_logprobs) -> ObjectiveOutput:
         log_ratio = (logprobs - old_logprobs).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)  # [B, T]
         ratio = torch.exp(log_ratio)

@@ -8,6 +8,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from .._hf import cache_argument, output_cache
+
 
 @dataclass
 class SamplingConfig:
@@ -99,18 +101,6 @@ def filter_logits(logits: Tensor, top_k: int, top_p: float) -> Tensor:
     return logits
 
 
-def _cache_argument(model: nn.Module) -> str:
-    """transformers 5 renamed ``past_key_values`` to ``cache``; use whichever this model's forward takes."""
-    import inspect
-
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-
-
-def _output_cache(out):
-    cache = out.get("cache")
-    return out.get("past_key_values") if cache is None else cache
-
-
 class HFRolloutEngine(RolloutEngine):
     """Sampling loop on a ``transformers`` causal LM with its KV cache.
 
@@ -136,8 +126,8 @@ class HFRolloutEngine(RolloutEngine):
         position_ids = (prompt_mask.cumsum(-1) - 1).clamp(min=0)
         out = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=position_ids, use_cache=True,
                     logits_to_keep=1)
-        cache_arg = _cache_argument(model)
-        cache = _output_cache(out)
+        cache_arg = cache_argument(model)
+        cache = output_cache(out)
         if G > 1:
             cache.batch_repeat_interleave(G)
         logits = out.logits[:, -1].float().repeat_interleave(G, dim=0)  # [N, V]
@@ -169,7 +159,7 @@ class HFRolloutEngine(RolloutEngine):
             attention_mask = torch.cat([attention_mask, torch.ones_like(attention_mask[:, :1])], dim=1)
             out = model(input_ids=token[:, None], attention_mask=attention_mask, position_ids=next_position,
                         use_cache=True, **{cache_arg: cache})
-            cache = _output_cache(out)
+            cache = output_cache(out)
             logits = out.logits[:, -1].float()
             next_position = next_position + 1
         completion_ids = torch.stack(tokens, dim=1)  # [N, T]

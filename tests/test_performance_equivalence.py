@@ -1,0 +1,118 @@
+"""The speed levers change no result: loss and gradients with every optimisation on equal the plain computation."""
+
+import copy
+
+import pytest
+import torch
+
+from polopt_lightning import PolicyOptimizationModule
+from polopt_lightning.logprobs import completion_logprobs, selective_log_softmax, shared_prompt_completion_logprobs
+from polopt_lightning.models import build_tiny_model
+from polopt_lightning.rollout import HFRolloutEngine, SamplingConfig
+
+
+def varied(prompts, completions, **kw):
+    return [float(sum(map(ord, c)) % 5) for c in completions]
+
+
+def experience(objective, mini_batches=1, num_iterations=1):
+    model, tok = build_tiny_model(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64, seed=1)
+    module = PolicyOptimizationModule(model, tok, objective=objective, reward_fns=[varied], num_generations=4,
+                                      mini_batches=mini_batches, num_iterations=num_iterations,
+                                      generation={"max_new_tokens": 6}, seed=3)
+    enc = tok(["12+34=", "5+6=", "100+200+3="], padding=True, return_tensors="pt")
+    batch = {"prompt_ids": enc.input_ids, "prompt_mask": enc.attention_mask, "prompts": ["12+34=", "5+6=", "100+200+3="],
+             "columns": {}}
+    exp, _ = module.make_experience(batch)
+    with torch.no_grad():
+        if module.off_policy:
+            exp["old_logprobs"] = exp["sampling_logprobs"] + 0.05 * torch.randn_like(exp["sampling_logprobs"])
+        if module.objective.beta > 0:
+            exp["ref_logprobs"] = module.sequence_logprobs(module.ref_model, exp, slice(None))[0]
+    return module, exp
+
+
+def gradients(module, exp, rows, **settings):
+    module = copy.deepcopy(module)
+    for key, value in settings.items():
+        setattr(module, key, value)
+    module.manual_backward = lambda loss: loss.backward()
+    metrics = module.accumulate_gradients(exp, rows)
+    return metrics, {n: p.grad.clone() for n, p in module.policy.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("objective", [
+    {"name": "grpo", "beta": 0.04},
+    {"name": "dapo"},
+    {"name": "dr_grpo", "max_completion_length": 6},
+    {"name": "gspo", "beta": 0.02, "clip_low": 0.05, "clip_high": 0.05},
+])
+def test_all_levers_on_equal_plain_computation(objective):
+    module, exp = experience(objective, mini_batches=2)
+    rows = torch.tensor([0, 5, 1, 7, 11, 2, 8])  # a shuffled mini-batch that splits groups
+    plain_metrics, plain = gradients(module, exp, rows, share_prompt=False, micro_batch_tokens=None)
+    fast_metrics, fast = gradients(module, exp, rows, share_prompt=True, micro_batch_tokens=40)
+    assert plain.keys() == fast.keys() and plain
+    torch.testing.assert_close(fast_metrics["loss"], plain_metrics["loss"], atol=1e-6, rtol=1e-5)
+    for name in plain:
+        torch.testing.assert_close(fast[name], plain[name], atol=1e-6, rtol=1e-4, msg=name)
+    assert any(g.abs().sum() > 0 for g in plain.values())
+
+
+def test_micro_batching_splits_and_still_matches():
+    module, exp = experience({"name": "grpo"})
+    rows = torch.arange(12)
+    module.micro_batch_tokens = 30
+    width = int(exp["completion_mask"].sum(-1).max())
+    assert len(module._micro_batches(rows, width, exp["prompt_ids"].shape[1])) > 2
+    _, whole = gradients(module, exp, rows, micro_batch_tokens=None, share_prompt=False)
+    _, split = gradients(module, exp, rows, micro_batch_tokens=30, share_prompt=False)
+    for name in whole:
+        torch.testing.assert_close(split[name], whole[name], atol=1e-6, rtol=1e-4)
+
+
+def test_sampling_logprobs_match_the_training_numerics():
+    """Why reusing them as old log-probs is sound: they equal a training-mode forward (dropout off)."""
+    module, exp = experience({"name": "gspo"}, mini_batches=2)
+    module.policy.train()
+    with torch.no_grad():
+        fresh = module.sequence_logprobs(module.policy, exp, slice(None))[0]
+    m = exp["completion_mask"].bool()
+    torch.testing.assert_close(fresh[m], exp["sampling_logprobs"][m], atol=1e-5, rtol=1e-5)
+
+
+def test_shared_prompt_logprobs_equal_plain():
+    model, tok = build_tiny_model(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64)
+    enc = tok(["1+1=", "22+33=", "7="], padding=True, return_tensors="pt")
+    b = HFRolloutEngine().generate(model, enc.input_ids, enc.attention_mask, 3, SamplingConfig(max_new_tokens=5),
+                                   tok.eos_token_id, tok.pad_token_id, torch.Generator().manual_seed(0))
+    group = torch.arange(3).repeat_interleave(3)
+    plain, _ = completion_logprobs(model, b.prompt_ids, b.prompt_mask, b.completion_ids, b.completion_mask)
+    shared, _ = shared_prompt_completion_logprobs(model, b.prompt_ids, b.prompt_mask, b.completion_ids,
+                                                  b.completion_mask, group)
+    m = b.completion_mask.bool()
+    torch.testing.assert_close(shared[m], plain[m], atol=1e-5, rtol=1e-5)
+
+
+def test_logprob_memory_stays_flat_with_a_150k_vocabulary():
+    """Chunked log-probs: the float32 working set is chunk x V, not B x T x V, however long the batch."""
+    V, chunk = 150_000, 64
+    index = torch.randint(0, V, (4, 128))
+    logits = torch.randn(4, 128, V, dtype=torch.bfloat16)  # what a bf16 model returns
+
+    # record the largest float32 intermediate the computation makes
+    sizes = []
+    real_lse = torch.logsumexp
+
+    def spy(x, *a, **k):
+        sizes.append(x.numel() * x.element_size())
+        return real_lse(x, *a, **k)
+
+    torch.logsumexp = spy
+    try:
+        lp, _ = selective_log_softmax(logits, index, chunk_rows=chunk)
+    finally:
+        torch.logsumexp = real_lse
+    assert max(sizes) == chunk * V * 4  # one fp32 chunk, independent of B*T = 512 rows
+    full = torch.log_softmax(logits[:1, :8].float(), -1).gather(-1, index[:1, :8, None]).squeeze(-1)
+    torch.testing.assert_close(lp[:1, :8], full, atol=1e-4, rtol=1e-4)
