@@ -68,7 +68,7 @@ def length_reward(prompts, completions, **kwargs):
     return [float(sum(map(ord, c)) % 7) for c in completions]
 
 
-def run_polopt(workload: dict, steps: int) -> list[float]:
+def run_polopt(workload: dict, steps: int, overrides: dict | None = None) -> list[float]:
     import lightning as L
     import torch
 
@@ -82,6 +82,7 @@ def run_polopt(workload: dict, steps: int) -> list[float]:
         model, tok, objective={"name": "grpo", "beta": workload["beta"]}, reward_fns=[length_reward],
         num_generations=workload["generations"], mini_batches=workload["mini_batches"],
         generation={"max_new_tokens": n, "min_new_tokens": n, "temperature": 1.0}, lr=1e-6,
+        **(overrides or {}),
     )
     times: list[float] = []
 
@@ -106,6 +107,10 @@ def run_trl(workload: dict, steps: int) -> list[float]:
     from trl import GRPOConfig, GRPOTrainer
 
     model, tok, prompts = build(workload)
+    # TRL builds its reference model from the policy's path: save the (seeded, identical) weights first
+    model_dir = tempfile.mkdtemp(prefix="trl_model_")
+    model.save_pretrained(model_dir)
+    tok.save_pretrained(model_dir)
     completions_per_rollout = workload["prompts"] * workload["generations"]
     mb = workload["mini_batches"]
     n = workload["new_tokens"]
@@ -127,7 +132,7 @@ def run_trl(workload: dict, steps: int) -> list[float]:
         def on_step_end(self, args, state, control, **kw):
             step_times.append(time.perf_counter() - self.t)
 
-    trainer = GRPOTrainer(model=model, reward_funcs=[length_reward], args=config,
+    trainer = GRPOTrainer(model=model_dir, reward_funcs=[length_reward], args=config,
                           train_dataset=Dataset.from_list([{"prompt": p} for p in prompts]), processing_class=tok,
                           callbacks=[Timer()])
     trainer.train()
@@ -140,7 +145,14 @@ def child(impl: str, name: str, steps: int, threads: int) -> None:
 
     torch.set_num_threads(threads)
     workload = WORKLOADS[name]
-    times = (run_polopt if impl == "polopt" else run_trl)(workload, steps)
+    if impl == "trl":
+        times = run_trl(workload, steps)
+    else:  # "polopt" or a lever switched off, e.g. "polopt:share_prompt=false"
+        overrides = {}
+        for item in impl.partition(":")[2].split(",") if ":" in impl else []:
+            key, _, value = item.partition("=")
+            overrides[key] = json.loads(value)
+        times = run_polopt(workload, steps, overrides)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB -> GiB
     generated = workload["prompts"] * workload["generations"] * workload["new_tokens"]
     print("RESULT " + json.dumps(asdict(TrialResult(impl, name, times[1:] or times, peak, generated))))
@@ -182,7 +194,9 @@ def main() -> None:
     parser.add_argument("--trials", type=int, default=2, help="alternating polopt/TRL trials per workload")
     parser.add_argument("--steps", type=int, default=4, help="rollout steps per trial (the first is warm-up)")
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--impls", nargs="+", default=["polopt", "trl"], choices=["polopt", "trl"])
+    parser.add_argument("--impls", nargs="+", default=["polopt", "trl"],
+                        help="polopt, trl, or polopt:KEY=JSON,... to measure a lever switched off "
+                             "(e.g. polopt:share_prompt=false)")
     parser.add_argument("--json", help="also write the rows to this file")
     parser.add_argument("--child", nargs=2, metavar=("IMPL", "WORKLOAD"), help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -230,6 +244,11 @@ def main() -> None:
               f"| {cell(p, 'tokens_per_s', '{:.0f}')} | {cell(t, 'tokens_per_s', '{:.0f}')} "
               f"| {cell(p, 'peak_rss_gib', '{:.2f}')} | {cell(t, 'peak_rss_gib', '{:.2f}')} "
               f"| {row['floor_s']:.3f} | {ratio} |")
+    for row in rows:  # levers switched off, against everything on
+        for impl in [k for k in row if k.startswith("polopt:")]:
+            on = row.get("polopt", {}).get("s_per_step", float("nan"))
+            print(f"lever off [{row['workload']}] {impl}: {row[impl]['s_per_step']:.3f} s/step, "
+                  f"peak {row[impl]['peak_rss_gib']:.2f} GiB (all on: {on:.3f} s/step)")
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"gflops": gflops, "rows": rows}, fh, indent=2)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
+import torch
 from torch import nn
 
 
@@ -17,3 +18,55 @@ def cache_argument(model: nn.Module) -> str:
 def output_cache(out: Any) -> Any:
     cache = out.get("cache")
     return out.get("past_key_values") if cache is None else cache
+
+
+def preallocated_cache(model: nn.Module, capacity: int) -> Any | None:
+    """A KV cache that writes into buffers of ``capacity`` positions instead of growing by concatenation.
+
+    transformers' ``DynamicCache`` concatenates every layer's keys and values at each decoding step, copying the
+    whole cache each time (quadratic in the completion length). This one writes in place and hands attention a view
+    of the filled part, so attention still covers only the tokens seen so far. ``None`` when this transformers
+    version has no layered ``Cache`` (the caller then lets the model make its own).
+    """
+    try:
+        from transformers.cache_utils import Cache, DynamicLayer
+    except ImportError:  # pragma: no cover - older transformers
+        return None
+    num_layers = getattr(getattr(model, "config", None), "num_hidden_layers", None)
+    if num_layers is None:
+        return None
+
+    class PreallocatedLayer(DynamicLayer):
+        def lazy_initialization(self, key_states, value_states):
+            self.device = key_states.device
+            self._k = key_states.new_empty(*key_states.shape[:2], capacity, key_states.shape[-1])
+            self._v = value_states.new_empty(*value_states.shape[:2], capacity, value_states.shape[-1])
+            self._len = 0
+            self.keys, self.values = self._k[:, :, :0], self._v[:, :, :0]
+            self.is_initialized = True
+
+        def update(self, key_states, value_states, *args, **kwargs):
+            if not self.is_initialized:
+                self.lazy_initialization(key_states, value_states)
+            end = self._len + key_states.shape[-2]
+            if end > capacity:
+                raise RuntimeError(f"KV cache capacity {capacity} exceeded ({end} positions)")
+            self._k[:, :, self._len:end] = key_states
+            self._v[:, :, self._len:end] = value_states
+            self._len = end
+            self.keys, self.values = self._k[:, :, :end], self._v[:, :, :end]
+            return self.keys, self.values
+
+        def _reindex(self, index: torch.Tensor) -> None:
+            self._k, self._v = self._k[index], self._v[index]
+            self.keys, self.values = self._k[:, :, : self._len], self._v[:, :, : self._len]
+
+        def batch_repeat_interleave(self, repeats: int) -> None:
+            if self.is_initialized:
+                self._reindex(torch.arange(self._k.shape[0], device=self._k.device).repeat_interleave(repeats))
+
+        def batch_select_indices(self, indices: torch.Tensor) -> None:
+            if self.is_initialized:
+                self._reindex(indices)
+
+    return Cache(layers=[PreallocatedLayer() for _ in range(num_layers)])

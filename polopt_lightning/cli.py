@@ -113,6 +113,8 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         "rl_wall_s": round(rl_wall, 2),
         "warm_start_wall_s": round(float(warm.get("wall_s", 0.0)), 2),
         "warm_start_cached": bool(warm.get("cached", False)),
+        "warm_start_steps": warm.get("steps"),
+        "warm_start_probe_accuracy": warm.get("probe_accuracy"),
         "val_accuracy_before": before.get("val/accuracy"),
         "val_accuracy_after": after.get("val/accuracy"),
         "val_reward_before": before.get("val/reward"),

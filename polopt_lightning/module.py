@@ -14,7 +14,6 @@ from typing import Any
 import lightning as L
 import torch
 from torch import Tensor, nn
-from torchmetrics import MeanMetric
 
 from .advantages import group_relative_advantages, zero_std_groups
 from .logprobs import completion_logprobs, shared_prompt_completion_logprobs
@@ -92,7 +91,7 @@ class PolicyOptimizationModule(L.LightningModule):
         val_generation: SamplingConfig | Mapping[str, Any] | None = None,
         lr: float = 1e-5,
         weight_decay: float = 0.0,
-        betas: Sequence[float] = (0.9, 0.99),
+        betas: Sequence[float] = (0.9, 0.999),
         optimizer: Callable[..., torch.optim.Optimizer] | None = None,
         lr_schedule: str = "constant",
         warmup_steps: int = 0,
@@ -160,8 +159,6 @@ class PolicyOptimizationModule(L.LightningModule):
             _disable_dropout(self.policy)
         # The reference exists only when the KL term needs it: no copy, no forward pass otherwise.
         self.ref_model = (ref_model if ref_model is not None else frozen_copy(model)) if objective.beta > 0 else None
-        self.val_accuracy = MeanMetric(nan_strategy="ignore")
-        self.val_reward = MeanMetric(nan_strategy="ignore")
         self._generator: torch.Generator | None = None
         self._prompt_iter: Iterator | None = None
         self.save_hyperparameters(ignore=["model", "tokenizer", "objective", "reward_fns", "ref_model",
@@ -348,12 +345,14 @@ class PolicyOptimizationModule(L.LightningModule):
     def validation_step(self, batch: Mapping[str, Any], batch_idx: int) -> None:
         rollout = self.rollout(batch, self.val_sampling, 1)
         rewards, _ = self.score(batch, rollout)
-        accuracy = rewards.per_function[:, self.rewards.names.index(self.accuracy_reward)]
-        self.val_accuracy.update(accuracy)
-        self.val_reward.update(rewards.total)
-        self.log("val/accuracy", self.val_accuracy, on_step=False, on_epoch=True, prog_bar=True,
-                 batch_size=accuracy.numel())
-        self.log("val/reward", self.val_reward, on_step=False, on_epoch=True, batch_size=accuracy.numel())
+        # Lightning averages per-batch means weighted by batch_size, across batches and ranks: the exact mean over
+        # samples whose reward exists (None rewards are left out).
+        for name, values in (("val/accuracy", rewards.per_function[:, self.rewards.names.index(self.accuracy_reward)]),
+                             ("val/reward", rewards.total)):
+            valid = values[torch.isfinite(values)]
+            mean = valid.mean() if valid.numel() else values.new_zeros(())
+            self.log(name, mean.to(self.device), on_step=False, on_epoch=True, prog_bar=name == "val/accuracy",
+                     batch_size=max(int(valid.numel()), 1), sync_dist=True)
 
     # ------------------------------------------------------------------------------------------------------------
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:

@@ -41,9 +41,11 @@ def trainer(tmp_path, steps, **kwargs):
 def test_drop_in_trainer_updates_and_logs(tmp_path, tiny, arithmetic_rows, objective):
     module, dm = make(tiny, arithmetic_rows, objective=objective, mini_batches=2)
     before = [p.detach().clone() for p in module.policy.parameters()]
-    t = trainer(tmp_path, steps=4)
+    t = trainer(tmp_path, steps=4, val_check_interval=1, check_val_every_n_epoch=None)
+    t.validate(module, datamodule=dm, verbose=False)  # validating before fit, then during fit, must both work
     t.fit(module, datamodule=dm)
     assert t.global_step == 4  # 2 rollouts x 2 mini-batches
+    assert "val/accuracy" in t.logged_metrics
     changed = sum(not torch.equal(a, b) for a, b in zip(before, module.policy.parameters()))
     assert changed > 0
     for key in REQUIRED:

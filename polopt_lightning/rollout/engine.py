@@ -8,7 +8,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from .._hf import cache_argument, output_cache
+from .._hf import cache_argument, output_cache, preallocated_cache
+from .fast_decode import FusedWeights, decode_step, llama_like
 
 
 @dataclass
@@ -105,8 +106,13 @@ class HFRolloutEngine(RolloutEngine):
     """Sampling loop on a ``transformers`` causal LM with its KV cache.
 
     Each prompt is prefilled once and its cache expanded to its G samples, so the prompt costs one forward pass per
-    group instead of G. The model runs in eval mode without gradient and returns to its previous mode after.
+    group instead of G. The cache is preallocated (no copy per token) and, for Llama-family models, each token runs
+    through a lean decoding step instead of the full ``forward`` (``fast_decode=False`` turns that off). The model
+    runs in eval mode without gradient and returns to its previous mode after.
     """
+
+    def __init__(self, fast_decode: bool = True) -> None:
+        self.fast_decode = fast_decode
 
     @torch.no_grad()
     def generate(self, model, prompt_ids, prompt_mask, num_generations, sampling, eos_token_id, pad_token_id,
@@ -124,9 +130,11 @@ class HFRolloutEngine(RolloutEngine):
         eos_ids = torch.tensor([eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id), device=device)
         prompt_mask = prompt_mask.long()
         position_ids = (prompt_mask.cumsum(-1) - 1).clamp(min=0)
-        out = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=position_ids, use_cache=True,
-                    logits_to_keep=1)
         cache_arg = cache_argument(model)
+        cache = preallocated_cache(model, prompt_ids.shape[1] + sampling.max_new_tokens)
+        extra = {cache_arg: cache} if cache is not None else {}
+        out = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=position_ids, use_cache=True,
+                    logits_to_keep=1, **extra)
         cache = output_cache(out)
         if G > 1:
             cache.batch_repeat_interleave(G)
@@ -134,14 +142,24 @@ class HFRolloutEngine(RolloutEngine):
         attention_mask = prompt_mask.repeat_interleave(G, dim=0)  # [N, Lp + t]
         next_position = position_ids[:, -1:].repeat_interleave(G, dim=0) + 1  # [N, 1]
         N = logits.shape[0]
+        fast = llama_like(model) if (self.fast_decode and extra) else None
+        fused = FusedWeights.maybe(fast) if fast is not None else None
+        if fast is not None:  # additive mask over every cache position: prompt padding and future slots closed
+            open_slots = torch.cat([attention_mask.bool(), torch.ones(N, sampling.max_new_tokens, dtype=torch.bool,
+                                                                       device=device)], dim=1)
+            dtype = next(model.parameters()).dtype
+            dtype = dtype if dtype.is_floating_point else torch.float32
+            key_mask = torch.zeros(open_slots.shape, dtype=dtype, device=device).masked_fill(
+                ~open_slots, torch.finfo(dtype).min)[:, None, None, :]
         tokens, logps = [], []
         done = torch.zeros(N, dtype=torch.bool, device=device)
         finished = torch.zeros(N, dtype=torch.bool, device=device)
         temperature = sampling.logprob_temperature
         for step in range(sampling.max_new_tokens):
-            if step < sampling.min_new_tokens:
-                logits[:, eos_ids] = float("-inf")
+            # log-probs of the unfiltered tempered distribution: what the training forward computes
             logprobs_all = torch.log_softmax(logits / temperature, dim=-1)  # [N, V]
+            if step < sampling.min_new_tokens:  # EOS banned for sampling only
+                logits[:, eos_ids] = float("-inf")
             if sampling.temperature == 0:
                 token = logits.argmax(-1)
             else:
@@ -157,10 +175,14 @@ class HFRolloutEngine(RolloutEngine):
             if bool(done.all()) or step == sampling.max_new_tokens - 1:
                 break
             attention_mask = torch.cat([attention_mask, torch.ones_like(attention_mask[:, :1])], dim=1)
-            out = model(input_ids=token[:, None], attention_mask=attention_mask, position_ids=next_position,
-                        use_cache=True, **{cache_arg: cache})
-            cache = output_cache(out)
-            logits = out.logits[:, -1].float()
+            if fast is not None:
+                logits = decode_step(fast, cache, token, next_position,
+                                     key_mask[..., : attention_mask.shape[1]], fused).float()
+            else:
+                out = model(input_ids=token[:, None], attention_mask=attention_mask, position_ids=next_position,
+                            use_cache=True, **{cache_arg: cache})
+                cache = output_cache(out)
+                logits = out.logits[:, -1].float()
             next_position = next_position + 1
         completion_ids = torch.stack(tokens, dim=1)  # [N, T]
         # 1 up to and including the EOS: a token belongs to the completion if no EOS came strictly before it.

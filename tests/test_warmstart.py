@@ -1,0 +1,43 @@
+import pytest
+import torch
+
+from polopt_lightning.data import ArithmeticTask
+from polopt_lightning.models import build_tiny_model
+from polopt_lightning.warmstart import WarmStartConfig, greedy_accuracy, supervised_warm_start
+
+
+def tiny():
+    return build_tiny_model(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64, seed=0)
+
+
+def test_warm_start_learns_and_caches(tmp_path):
+    train, _ = ArithmeticTask(digits=1, train_size=60, val_size=0).splits()
+    model, tok = tiny()
+    before = greedy_accuracy(model, tok, train)
+    cfg = WarmStartConfig(steps=150, batch_size=32, lr=3e-3, cache_dir=str(tmp_path))
+    info = supervised_warm_start(model, tok, train, cfg)
+    assert not info["cached"] and info["steps"] == 150 and info["final_loss"] < 2.0
+    after = greedy_accuracy(model, tok, train)
+    assert after > before + 0.2, (before, after)
+    # same config and same initial weights: loaded from the cache, identical weights
+    model2, _ = tiny()
+    info2 = supervised_warm_start(model2, tok, train, cfg)
+    assert info2["cached"]
+    for a, b in zip(model.state_dict().values(), model2.state_dict().values()):
+        assert torch.equal(a, b)
+    # a changed setting is a different cache entry
+    model3, _ = tiny()
+    assert not supervised_warm_start(model3, tok, train, WarmStartConfig(steps=5, cache_dir=str(tmp_path)))["cached"]
+
+
+def test_target_accuracy_stops_early():
+    train, _ = ArithmeticTask(digits=1, train_size=30, val_size=0).splits()
+    model, tok = tiny()
+    info = supervised_warm_start(model, tok, train, WarmStartConfig(steps=500, target_accuracy=0.0, eval_every=10))
+    assert info["steps"] == 10 and info["probe_accuracy"] >= 0.0
+
+
+def test_bad_rows_are_named():
+    model, tok = tiny()
+    with pytest.raises(KeyError, match="row 0 has no column 'answer'"):
+        supervised_warm_start(model, tok, [{"prompt": "1+1="}], WarmStartConfig(steps=1))
