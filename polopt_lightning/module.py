@@ -285,7 +285,7 @@ class PolicyOptimizationModule(L.LightningModule):
         step_metrics: list[dict[str, Tensor]] = []
         size = math.ceil(n / self.mini_batches)
         for _ in range(self.num_iterations):
-            order = torch.randperm(n, generator=torch.Generator().manual_seed(self.seed + self.global_step))
+            order = self._mini_batch_order(exp["group_index"].cpu())
             for start in range(0, n, size):
                 rows = order[start:start + size].to(self.device)
                 step_metrics.append(self._update(exp, rows, optimizer, scheduler))
@@ -295,6 +295,19 @@ class PolicyOptimizationModule(L.LightningModule):
         self.log_dict({k: v.float() for k, v in metrics.items()}, on_step=True, on_epoch=False,
                       batch_size=batch["prompt_ids"].shape[0])
         self.log("reward", metrics["train/reward"].float(), prog_bar=True, on_step=True, logger=False)
+
+    def _mini_batch_order(self, group_index: Tensor) -> Tensor:
+        """A random order of the rollout's rows for splitting into mini-batches.
+
+        With ``share_prompt`` the order shuffles whole groups and the rows inside each group, so a mini-batch holds
+        as few distinct prompts as possible and each prompt's forward pass is shared by more completions.
+        """
+        generator = torch.Generator().manual_seed(self.seed + self.global_step)
+        order = torch.randperm(group_index.numel(), generator=generator)
+        if self.share_prompt:
+            group_rank = torch.randperm(int(group_index.max()) + 1, generator=generator)[group_index[order]]
+            order = order[torch.sort(group_rank, stable=True).indices]
+        return order
 
     def _micro_batches(self, rows: Tensor, width: int, prompt_width: int) -> list[Tensor]:
         """Split a mini-batch so each piece holds at most ``micro_batch_tokens`` (prompt + completion) tokens."""

@@ -135,7 +135,7 @@ def test_sampling_config_validation():
 
 @pytest.mark.parametrize("architecture,kv_heads", [("qwen2", 2), ("llama", 1)])
 def test_fast_decode_matches_the_model_forward(architecture, kv_heads):
-    """The lean decoding step (fused projections, preallocated cache, grouped-query attention) against the full
+    """The lean decoding step (preallocated cache, grouped-query attention) against the full
     transformers forward: same sampled log-probs as a fresh forward, and the same tokens as the slow path."""
     model, tok = build_tiny_model(architecture=architecture, hidden_size=32, num_layers=2, num_heads=2,
                                   num_kv_heads=kv_heads, intermediate_size=64, seed=5)

@@ -9,7 +9,7 @@ import torch
 from torch import Tensor, nn
 
 from .._hf import cache_argument, output_cache, preallocated_cache
-from .fast_decode import FusedWeights, decode_step, llama_like
+from .fast_decode import decode_step, llama_like
 
 
 @dataclass
@@ -143,7 +143,6 @@ class HFRolloutEngine(RolloutEngine):
         next_position = position_ids[:, -1:].repeat_interleave(G, dim=0) + 1  # [N, 1]
         N = logits.shape[0]
         fast = llama_like(model) if (self.fast_decode and extra) else None
-        fused = FusedWeights.maybe(fast) if fast is not None else None
         if fast is not None:  # additive mask over every cache position: prompt padding and future slots closed
             open_slots = torch.cat([attention_mask.bool(), torch.ones(N, sampling.max_new_tokens, dtype=torch.bool,
                                                                        device=device)], dim=1)
@@ -177,7 +176,7 @@ class HFRolloutEngine(RolloutEngine):
             attention_mask = torch.cat([attention_mask, torch.ones_like(attention_mask[:, :1])], dim=1)
             if fast is not None:
                 logits = decode_step(fast, cache, token, next_position,
-                                     key_mask[..., : attention_mask.shape[1]], fused).float()
+                                     key_mask[..., : attention_mask.shape[1]]).float()
             else:
                 out = model(input_ids=token[:, None], attention_mask=attention_mask, position_ids=next_position,
                             use_cache=True, **{cache_arg: cache})

@@ -46,40 +46,8 @@ def _rms_norm(norm: nn.Module, x: Tensor) -> Tensor:
     return norm.weight * h.to(x.dtype)
 
 
-class FusedWeights:
-    """Per-layer fused projections (q|k|v and gate|up) of plain ``nn.Linear`` layers, made once per rollout.
-
-    One matrix product instead of three (or two) per layer and step. Built only when every projection is a plain
-    ``nn.Linear``; adapters or quantized layers keep the module calls.
-    """
-
-    def __init__(self, base: nn.Module) -> None:
-        self.layers = []
-        for layer in base.model.layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            projections = [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj]
-            if any(type(p) is not nn.Linear for p in projections):
-                raise TypeError("not plain nn.Linear")
-            qkv_bias = None
-            if attn.q_proj.bias is not None:
-                qkv_bias = torch.cat([attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias])
-            self.layers.append((
-                torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]), qkv_bias,
-                (attn.q_proj.out_features, attn.k_proj.out_features, attn.v_proj.out_features),
-                torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), mlp.gate_proj.out_features,
-            ))
-
-    @classmethod
-    def maybe(cls, base: nn.Module) -> FusedWeights | None:
-        try:
-            return cls(base)
-        except (TypeError, AttributeError, RuntimeError):
-            return None
-
-
 @torch.no_grad()
-def decode_step(base: nn.Module, cache: Any, token: Tensor, position: Tensor, key_mask: Tensor,
-                fused: FusedWeights | None = None) -> Tensor:
+def decode_step(base: nn.Module, cache: Any, token: Tensor, position: Tensor, key_mask: Tensor) -> Tensor:
     """Logits ``[N, V]`` for one new token per row, appending its keys/values to ``cache``.
 
     Args:
@@ -88,7 +56,6 @@ def decode_step(base: nn.Module, cache: Any, token: Tensor, position: Tensor, ke
         token: ``[N]`` token ids.
         position: ``[N, 1]`` position ids.
         key_mask: ``[N, 1, 1, L]`` additive mask over the cache positions including the new one.
-        fused: fused projections from :class:`FusedWeights` (``None``: call the projection modules).
     """
     inner, config = base.model, base.config
     heads = config.num_attention_heads
@@ -97,14 +64,10 @@ def decode_step(base: nn.Module, cache: Any, token: Tensor, position: Tensor, ke
     cos, sin = inner.rotary_emb(x, position)  # [N, 1, D]
     cos, sin = cos[:, None], sin[:, None]  # [N, 1, 1, D]
     n = x.shape[0]
-    for i, (layer, kv) in enumerate(zip(inner.layers, cache.layers)):
-        attn, mlp = layer.self_attn, layer.mlp
+    for layer, kv in zip(inner.layers, cache.layers):
+        attn = layer.self_attn
         h = _rms_norm(layer.input_layernorm, x)
-        if fused is not None:
-            w_qkv, b_qkv, sizes, w_gate_up, inter = fused.layers[i]
-            q, k, v = F.linear(h, w_qkv, b_qkv).split(sizes, dim=-1)
-        else:
-            q, k, v = attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)
+        q, k, v = attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)
         q = q.view(n, 1, -1, head_dim).transpose(1, 2)  # [N, heads, 1, D]
         k = k.view(n, 1, -1, head_dim).transpose(1, 2)  # [N, kv_heads, 1, D]
         v = v.view(n, 1, -1, head_dim).transpose(1, 2)
@@ -115,9 +78,5 @@ def decode_step(base: nn.Module, cache: Any, token: Tensor, position: Tensor, ke
                                              enable_gqa=keys.shape[1] != heads)
         x = x + attn.o_proj(out.transpose(1, 2).reshape(n, 1, -1))
         h = _rms_norm(layer.post_attention_layernorm, x)
-        if fused is not None:
-            gate, up = F.linear(h, w_gate_up).split(inter, dim=-1)
-            x = x + mlp.down_proj(mlp.act_fn(gate) * up)
-        else:
-            x = x + mlp(h)
+        x = x + layer.mlp(h)
     return base.lm_head(_rms_norm(inner.norm, x))[:, -1]
