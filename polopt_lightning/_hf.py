@@ -9,6 +9,11 @@ import torch
 from torch import nn
 
 
+def positions_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Position ids that skip left padding: 0 at each row's first real token (padding gets 0 too)."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
 def cache_argument(model: nn.Module) -> str:
     """transformers 5 renamed ``past_key_values`` to ``cache``; the name this model's forward takes."""
     params = inspect.signature(model.forward).parameters

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from ._hf import cache_argument, output_cache
+from ._hf import cache_argument, output_cache, positions_from_mask
 
 # Rows of [*, V] logits processed at once: memory for the softmax stays at chunk x V whatever the batch.
 DEFAULT_CHUNK_ROWS = 1024
@@ -61,7 +61,7 @@ def completion_logprobs(
     """
     input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
     attention_mask = torch.cat([prompt_mask, completion_mask.to(prompt_mask.dtype)], dim=1)
-    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+    position_ids = positions_from_mask(attention_mask)
     T = completion_ids.shape[1]
     logits = model(
         input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False,
@@ -92,7 +92,7 @@ def shared_prompt_completion_logprobs(
     first = torch.full((groups.numel(),), group_index.numel(), device=group_index.device, dtype=torch.long)
     first = first.scatter_reduce(0, inverse, rows, reduce="amin")  # one representative row per group
     p_ids, p_mask = prompt_ids[first], prompt_mask[first]
-    p_pos = (p_mask.long().cumsum(-1) - 1).clamp(min=0)
+    p_pos = positions_from_mask(p_mask)
     out = model(input_ids=p_ids, attention_mask=p_mask, position_ids=p_pos, use_cache=True, logits_to_keep=1)
     first_logits = out.logits[:, -1][inverse]  # [N, V]: predicts completion token 0
     T = completion_ids.shape[1]
@@ -102,7 +102,7 @@ def shared_prompt_completion_logprobs(
         cache = output_cache(out)
         cache.batch_select_indices(inverse)  # [U, ...] -> [N, ...], gradient flows back to the U prompt rows
         attention_mask = torch.cat([prompt_mask, completion_mask.to(prompt_mask.dtype)], dim=1)
-        positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, prompt_ids.shape[1]:]
+        positions = positions_from_mask(attention_mask)[:, prompt_ids.shape[1]:]
         rest = model(input_ids=completion_ids[:, :-1], attention_mask=attention_mask[:, :-1],
                      position_ids=positions[:, :-1], use_cache=True, **{cache_argument(model): cache}).logits
         logits = torch.cat([first_logits[:, None], rest], dim=1)  # [N, T, V]

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from .._hf import cache_argument, output_cache, preallocated_cache
+from .._hf import cache_argument, output_cache, positions_from_mask, preallocated_cache
 from .fast_decode import decode_step, llama_like
 
 
@@ -129,7 +129,7 @@ class HFRolloutEngine(RolloutEngine):
         device = prompt_ids.device
         eos_ids = torch.tensor([eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id), device=device)
         prompt_mask = prompt_mask.long()
-        position_ids = (prompt_mask.cumsum(-1) - 1).clamp(min=0)
+        position_ids = positions_from_mask(prompt_mask)
         cache_arg = cache_argument(model)
         cache = preallocated_cache(model, prompt_ids.shape[1] + sampling.max_new_tokens)
         extra = {cache_arg: cache} if cache is not None else {}
