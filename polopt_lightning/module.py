@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import asdict
 from functools import partial
 from typing import Any
 
@@ -20,7 +19,7 @@ from .logprobs import completion_logprobs, shared_prompt_completion_logprobs
 from .models import disable_dropout as _disable_dropout
 from .models import frozen_copy, prepare_tokenizer
 from .objectives import Objective, build_objective
-from .rewards import RewardComposer
+from .rewards import RewardComposer, RewardOutput
 from .rollout import HFRolloutEngine, RolloutBatch, RolloutEngine, SamplingConfig
 
 LR_SCHEDULES = ("constant", "linear", "cosine")
@@ -199,14 +198,14 @@ class PolicyOptimizationModule(L.LightningModule):
             self.tokenizer.eos_token_id, self.tokenizer.pad_token_id, generator=self._sampling_generator(),
         )
 
-    def score(self, batch: Mapping[str, Any], rollout: RolloutBatch):
+    def score(self, batch: Mapping[str, Any], rollout: RolloutBatch) -> RewardOutput:
         """Decode completions and run the reward functions; columns are repeated for the G completions."""
         G = rollout.group_size
         ids = [row[mask.bool()].tolist() for row, mask in zip(rollout.completion_ids, rollout.completion_mask)]
         completions = self.tokenizer.batch_decode(ids, skip_special_tokens=True)
         prompts = [p for p in batch["prompts"] for _ in range(G)]
         columns = {k: [v for v in col for _ in range(G)] for k, col in batch.get("columns", {}).items()}
-        return self.rewards(prompts, completions, completion_ids=ids, **columns), completions
+        return self.rewards(prompts, completions, completion_ids=ids, **columns)
 
     def _next_prompts(self) -> Mapping[str, Any]:
         """Another batch of prompts for dynamic sampling, from the training data's own loader."""
@@ -229,7 +228,7 @@ class PolicyOptimizationModule(L.LightningModule):
         metrics: dict[str, Tensor] = {}
         while True:
             rollout = self.rollout(batch, self.sampling, G)
-            rewards, _ = self.score(batch, rollout)
+            rewards = self.score(batch, rollout)
             if not parts:  # the first draw is what the step's reward metrics describe
                 metrics.update({f"train/{k}": v for k, v in rewards.metrics.items()})
                 metrics["train/frac_zero_std"] = zero_std_groups(rewards.total, G).float().mean()
@@ -361,7 +360,7 @@ class PolicyOptimizationModule(L.LightningModule):
     # ------------------------------------------------------------------------------------------------------------
     def validation_step(self, batch: Mapping[str, Any], batch_idx: int) -> None:
         rollout = self.rollout(batch, self.val_sampling, 1)
-        rewards, _ = self.score(batch, rollout)
+        rewards = self.score(batch, rollout)
         # Lightning averages per-batch means weighted by batch_size, across batches and ranks: the exact mean over
         # samples whose reward exists (None rewards are left out).
         for name, values in (("val/accuracy", rewards.per_function[:, self.rewards.names.index(self.accuracy_reward)]),
@@ -377,7 +376,6 @@ class PolicyOptimizationModule(L.LightningModule):
             "reward_weights": self.rewards.weights.tolist(),
             "sampling_generator": self._sampling_generator().get_state(),
             "torch_rng": torch.get_rng_state(),
-            "sampling": asdict(self.sampling),
         }
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
@@ -421,33 +419,28 @@ def _pad_cat(tensors: list[Tensor], value: int | float, left: bool = False) -> T
     return torch.cat(padded)
 
 
+# RolloutBatch fields carried into the experience, and the side their padding goes on (None: [N], no padding)
+_ROLLOUT_FIELDS = {"prompt_ids": "left", "prompt_mask": "left", "completion_ids": "right", "completion_mask": "right",
+                   "sampling_logprobs": "right", "finished": None}
+
+
 def _concat_groups(parts, G: int, limit: int | None) -> dict[str, Any]:
     """Join the kept groups of one or more rollouts (dynamic sampling), at most ``limit`` groups."""
-    fields: dict[str, list[Tensor]] = {k: [] for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask",
-                                        "sampling_logprobs", "finished", "rewards", "group_index")}
+    fields: dict[str, list[Tensor]] = {k: [] for k in (*_ROLLOUT_FIELDS, "rewards", "group_index")}
     kept = 0
     for rollout, rewards, keep in parts:
         idx = torch.nonzero(keep).flatten()
         if limit is not None:
             idx = idx[: max(0, limit - kept)]
-        kept += len(idx)
         rows = (idx[:, None] * G + torch.arange(G)).flatten()
         dev_rows = rows.to(rollout.completion_ids.device)
-        fields["prompt_ids"].append(rollout.prompt_ids[dev_rows])
-        fields["prompt_mask"].append(rollout.prompt_mask[dev_rows])
-        fields["completion_ids"].append(rollout.completion_ids[dev_rows])
-        fields["completion_mask"].append(rollout.completion_mask[dev_rows])
-        fields["sampling_logprobs"].append(rollout.sampling_logprobs[dev_rows])
-        fields["finished"].append(rollout.finished[dev_rows])
+        for name in _ROLLOUT_FIELDS:
+            fields[name].append(getattr(rollout, name)[dev_rows])
         fields["rewards"].append(rewards[rows])
-        fields["group_index"].append((kept - len(idx)) + torch.arange(len(idx)).repeat_interleave(G))
-    return {
-        "prompt_ids": _pad_cat(fields["prompt_ids"], 0, left=True),
-        "prompt_mask": _pad_cat(fields["prompt_mask"], 0, left=True),
-        "completion_ids": _pad_cat(fields["completion_ids"], 0),
-        "completion_mask": _pad_cat(fields["completion_mask"], 0),
-        "sampling_logprobs": _pad_cat(fields["sampling_logprobs"], 0.0),
-        "finished": torch.cat(fields["finished"]),
-        "rewards": torch.cat(fields["rewards"]),
-        "group_index": torch.cat(fields["group_index"]).to(parts[0][0].completion_ids.device),
-    }
+        fields["group_index"].append(kept + torch.arange(len(idx)).repeat_interleave(G))
+        kept += len(idx)
+    out = {name: torch.cat(fields[name]) if side is None else _pad_cat(fields[name], 0, left=side == "left")
+           for name, side in _ROLLOUT_FIELDS.items()}
+    out["rewards"] = torch.cat(fields["rewards"])
+    out["group_index"] = torch.cat(fields["group_index"]).to(out["completion_ids"].device)
+    return out
