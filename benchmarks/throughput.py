@@ -198,8 +198,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4, help="rollout steps per trial (the first is warm-up)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--impls", nargs="+", default=["polopt", "trl"],
-                        help="polopt, trl, or polopt:KEY=JSON,... to measure a lever switched off "
-                             "(e.g. polopt:share_prompt=false)")
+                        help="polopt, trl, or polopt:KEY=JSON,... for polopt with module arguments changed, to "
+                             "measure a lever (e.g. polopt:share_prompt=false or 'polopt:rollout_dtype=\"bfloat16\"')")
     parser.add_argument("--json", help="also write the rows to this file")
     parser.add_argument("--child", nargs=2, metavar=("IMPL", "WORKLOAD"), help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -222,7 +222,7 @@ def main() -> None:
                     raise SystemExit(f"{impl} on {name} failed (trial {trial})")
                 r = TrialResult(**json.loads(line[len("RESULT "):]))
                 results[impl].append(r)
-                print(f"  {name:12s} {impl:7s} trial {trial}: {r.median_s:.3f} s/step, peak {r.peak_rss_gib:.2f} GiB",
+                print(f"  {name:12s} {impl:20s} trial {trial}: {r.median_s:.3f} s/step, peak {r.peak_rss_gib:.2f} GiB",
                       flush=True)
         floor_s = flop_floor(WORKLOADS[name]) / (gflops * 1e9)
         row = {"workload": name, "floor_s": floor_s}
@@ -234,24 +234,16 @@ def main() -> None:
         rows.append(row)
 
     print()
-    header = ("| workload | polopt s/step | TRL s/step | speed-up polopt/TRL | polopt tok/s | TRL tok/s | "
-              "polopt peak GiB | TRL peak GiB | FLOP floor s | polopt / floor |")
+    header = "| workload | run | s/step | speed-up vs TRL | generated tok/s | peak GiB | FLOP floor s | s/step / floor |"
     print(header)
     print("|---" * (header.count("|") - 1) + "|")
     for row in rows:
-        p, t = row.get("polopt"), row.get("trl")
-        cell = lambda d, k, f: (f.format(d[k]) if d else "-")  # noqa: E731
-        speed = f"{t['s_per_step'] / p['s_per_step']:.2f}x" if p and t else "-"
-        ratio = f"{p['s_per_step'] / row['floor_s']:.2f}x" if p else "-"
-        print(f"| {row['workload']} | {cell(p, 's_per_step', '{:.3f}')} | {cell(t, 's_per_step', '{:.3f}')} | {speed} "
-              f"| {cell(p, 'tokens_per_s', '{:.0f}')} | {cell(t, 'tokens_per_s', '{:.0f}')} "
-              f"| {cell(p, 'peak_rss_gib', '{:.2f}')} | {cell(t, 'peak_rss_gib', '{:.2f}')} "
-              f"| {row['floor_s']:.3f} | {ratio} |")
-    for row in rows:  # levers switched off, against everything on
-        for impl in [k for k in row if k.startswith("polopt:")]:
-            on = row.get("polopt", {}).get("s_per_step", float("nan"))
-            print(f"lever off [{row['workload']}] {impl}: {row[impl]['s_per_step']:.3f} s/step, "
-                  f"peak {row[impl]['peak_rss_gib']:.2f} GiB (all on: {on:.3f} s/step)")
+        trl = row.get("trl")
+        for impl in [k for k in row if k not in ("workload", "floor_s")]:
+            r = row[impl]
+            speed = f"{trl['s_per_step'] / r['s_per_step']:.2f}x" if trl else "-"
+            print(f"| {row['workload']} | {impl} | {r['s_per_step']:.3f} | {speed} | {r['tokens_per_s']:.0f} "
+                  f"| {r['peak_rss_gib']:.2f} | {row['floor_s']:.3f} | {r['s_per_step'] / row['floor_s']:.2f}x |")
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"gflops": gflops, "rows": rows}, fh, indent=2)

@@ -30,7 +30,8 @@ def preallocated_cache(model: nn.Module, capacity: int) -> Any | None:
 
     transformers' ``DynamicCache`` concatenates every layer's keys and values at each decoding step, copying the
     whole cache each time (quadratic in the completion length). This one writes in place and hands attention a view
-    of the filled part, so attention still covers only the tokens seen so far. ``None`` when this transformers
+    of the filled part, so attention still covers only the tokens seen so far. Its buffers (``layer._k``,
+    ``layer._v``) start zeroed, so a static-shape decoding step may attend over all of them under a mask. ``None`` when this transformers
     version has no layered ``Cache`` (the caller then lets the model make its own).
     """
     try:
@@ -44,8 +45,8 @@ def preallocated_cache(model: nn.Module, capacity: int) -> Any | None:
     class PreallocatedLayer(DynamicLayer):
         def lazy_initialization(self, key_states, value_states):
             self.device = key_states.device
-            self._k = key_states.new_empty(*key_states.shape[:2], capacity, key_states.shape[-1])
-            self._v = value_states.new_empty(*value_states.shape[:2], capacity, value_states.shape[-1])
+            self._k = key_states.new_zeros(*key_states.shape[:2], capacity, key_states.shape[-1])
+            self._v = value_states.new_zeros(*value_states.shape[:2], capacity, value_states.shape[-1])
             self._len = 0
             self.keys, self.values = self._k[:, :, :0], self._v[:, :, :0]
             self.is_initialized = True

@@ -17,11 +17,12 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfl
           "float16": torch.float16, "fp16": torch.float16}
 
 
-def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
-    if dtype is None or isinstance(dtype, torch.dtype) or dtype == "auto":
+def resolve_dtype(dtype: str | torch.dtype | None, key: str = "model.dtype", auto: bool = True) -> torch.dtype | None:
+    """``None``, a torch dtype, or one of :data:`DTYPES` (``"auto"`` too when ``auto``); errors name ``key``."""
+    if dtype is None or isinstance(dtype, torch.dtype) or (auto and dtype == "auto"):
         return dtype
     if dtype not in DTYPES:
-        raise ValueError(f"model.dtype must be one of {sorted(DTYPES)} or 'auto', got {dtype!r}")
+        raise ValueError(f"{key} must be one of {sorted(DTYPES)}{' or auto' if auto else ''}, got {dtype!r}")
     return DTYPES[dtype]
 
 
@@ -148,12 +149,28 @@ def prepare_tokenizer(tokenizer: PreTrainedTokenizerBase) -> PreTrainedTokenizer
     return tokenizer
 
 
-def frozen_copy(model: nn.Module) -> nn.Module:
-    """A frozen deep copy in eval mode: the reference policy for the KL term."""
+def frozen_copy(model: nn.Module, dtype: torch.dtype | None = None, key: str = "dtype") -> nn.Module:
+    """A frozen deep copy in eval mode (the reference policy for the KL term), its weights cast to ``dtype``."""
     ref = copy.deepcopy(model)
     ref.eval()
     ref.requires_grad_(False)
+    if dtype is not None:
+        cast_weights(ref, dtype, key)
     return ref
+
+
+def cast_weights(model: nn.Module, dtype: torch.dtype, key: str = "dtype") -> None:
+    """Cast every parameter of ``model`` to ``dtype`` in place; buffers keep theirs (rotary frequencies stay exact).
+
+    Raises a ValueError naming ``key`` and the parameter when a weight is not floating point (a quantized model
+    computes in its own precision).
+    """
+    for name, p in model.named_parameters():
+        if not p.dtype.is_floating_point:
+            raise ValueError(f"{key}={dtype} needs floating-point weights; {name} is {p.dtype} "
+                             f"(a quantized model computes in its own precision: leave {key} unset)")
+    for p in model.parameters():
+        p.data = p.data.to(dtype)
 
 
 def disable_dropout(model: nn.Module) -> None:

@@ -17,7 +17,7 @@ from torch import Tensor, nn
 from .advantages import group_relative_advantages, zero_std_groups
 from .logprobs import completion_logprobs, shared_prompt_completion_logprobs
 from .models import disable_dropout as _disable_dropout
-from .models import frozen_copy, prepare_tokenizer
+from .models import cast_weights, frozen_copy, prepare_tokenizer, resolve_dtype
 from .objectives import Objective, build_objective
 from .rewards import RewardComposer, RewardOutput
 from .rollout import HFRolloutEngine, RolloutBatch, RolloutEngine, SamplingConfig
@@ -58,20 +58,27 @@ class PolicyOptimizationModule(L.LightningModule):
         max_grad_norm: gradient clipping by global norm (``None`` or 0 disables).
         ref_model: reference policy for the KL term; default a frozen copy of ``model`` taken at construction,
             made only when the objective's ``beta > 0``.
+        ref_dtype: weights of the reference in this dtype (e.g. ``"bfloat16"``: half the memory and a faster pass
+            on GPUs and AMX CPUs, at bf16 rounding of the KL term); a given ``ref_model`` is cast in place.
         advantage_scale: ``"group"``, ``"batch"`` or ``"none"``; default the objective's own (Dr. GRPO: none).
         dynamic_sampling: DAPO's dynamic sampling: drop groups whose rewards are all equal and draw more prompts
             until the batch is full again, at most ``max_extra_draws`` extra batches per step.
         mask_truncated_completions: DAPO's overlong filtering: completions cut by ``max_new_tokens`` do not count.
         disable_dropout: dropout off in the policy (the peers' default; keeps importance ratios exact).
         accuracy_reward: name of the reward function whose mean is ``val/accuracy`` (default: the first).
-        rollout_engine: default :class:`HFRolloutEngine`.
+        rollout_engine: default :class:`HFRolloutEngine` (with ``rollout_dtype`` and ``compile_rollout``).
+        rollout_dtype: sample with a copy of the policy in this dtype (e.g. ``"bfloat16"``; see
+            :class:`HFRolloutEngine`); ``None`` samples with the policy's own weights.
+        compile_rollout: ``torch.compile`` the decoding step (pays on small models; compiles on first use).
         share_prompt: run each prompt once per group in the training, reference and old-log-prob passes, the G
             completions attending to its keys/values (same result, fewer FLOPs); off for models whose cache cannot
             be gathered.
         micro_batch_tokens: bound on the tokens (prompt + completion) of one forward/backward; a mini-batch larger
             than this is split and its gradients accumulated (same gradient, bounded memory). ``None``: no split.
         reuse_sampling_logprobs: off-policy updates take the sampler's log-probs as old log-probs instead of a
-            second forward pass (they match the training numerics when dropout is off).
+            second forward pass (they match the training numerics when dropout is off and the sampler runs in the
+            policy's own precision; otherwise the pass runs, for every row but the first mini-batch's, whose old
+            log-probs are its own before the first step).
         seed: seeds the sampling generator (offset by the global rank).
     """
 
@@ -97,6 +104,7 @@ class PolicyOptimizationModule(L.LightningModule):
         min_lr_ratio: float = 0.0,
         max_grad_norm: float | None = 1.0,
         ref_model: nn.Module | None = None,
+        ref_dtype: str | torch.dtype | None = None,
         advantage_scale: str | None = None,
         dynamic_sampling: bool = False,
         max_extra_draws: int = 4,
@@ -104,6 +112,8 @@ class PolicyOptimizationModule(L.LightningModule):
         disable_dropout: bool = True,
         accuracy_reward: str | None = None,
         rollout_engine: RolloutEngine | None = None,
+        rollout_dtype: str | torch.dtype | None = None,
+        compile_rollout: bool = False,
         share_prompt: bool = True,
         reuse_sampling_logprobs: bool = True,
         micro_batch_tokens: int | None = None,
@@ -146,7 +156,10 @@ class PolicyOptimizationModule(L.LightningModule):
         group_relative_advantages(torch.zeros(2), 2, self.advantage_scale)  # validates the name now
         self.dynamic_sampling, self.max_extra_draws = dynamic_sampling, max_extra_draws
         self.mask_truncated_completions = mask_truncated_completions
-        self.engine = rollout_engine or HFRolloutEngine()
+        if rollout_engine is not None and (rollout_dtype is not None or compile_rollout):
+            raise ValueError("rollout_dtype and compile_rollout configure the default engine; give them to your "
+                             "rollout_engine instead")
+        self.engine = rollout_engine or HFRolloutEngine(dtype=rollout_dtype, compile=compile_rollout)
         self.share_prompt = share_prompt
         if micro_batch_tokens is not None and micro_batch_tokens < 1:
             raise ValueError(f"micro_batch_tokens must be >= 1 or None, got {micro_batch_tokens}")
@@ -157,7 +170,14 @@ class PolicyOptimizationModule(L.LightningModule):
         if disable_dropout:
             _disable_dropout(self.policy)
         # The reference exists only when the KL term needs it: no copy, no forward pass otherwise.
-        self.ref_model = (ref_model if ref_model is not None else frozen_copy(model)) if objective.beta > 0 else None
+        ref_dtype = resolve_dtype(ref_dtype, "ref_dtype", auto=False)
+        self.ref_model = None
+        if objective.beta > 0 and ref_model is None:
+            self.ref_model = frozen_copy(model, ref_dtype, "ref_dtype")
+        elif objective.beta > 0:
+            self.ref_model = ref_model
+            if ref_dtype is not None:
+                cast_weights(ref_model, ref_dtype, "ref_dtype")
         self._generator: torch.Generator | None = None
         self._prompt_iter: Iterator | None = None
         self.save_hyperparameters(ignore=["model", "tokenizer", "objective", "reward_fns", "ref_model",
@@ -277,21 +297,29 @@ class PolicyOptimizationModule(L.LightningModule):
         metrics["train/completion_len"] = lengths.mean()
         metrics["train/completion_len_max"] = lengths.max()
         metrics["train/truncated_frac"] = (~exp["finished"]).float().mean()
-        everything = slice(None)
+        size = math.ceil(n / self.mini_batches)
+        # the mini-batch orders of every pass, drawn up front: the first mini-batch needs no old-log-prob pass
+        orders = [self._mini_batch_order(exp["group_index"].cpu(), i * self.mini_batches)
+                  for i in range(self.num_iterations)]
+        own_old = False  # whether the first update records its rows' old log-probs itself
         with torch.no_grad():
             if self.off_policy:  # on-policy, old == current log-probs detached: no pass needed
-                exp["old_logprobs"] = (exp["sampling_logprobs"] if self.reuse_sampling_logprobs
-                                       else self.sequence_logprobs(self.policy, exp, everything)[0])
+                if self.reuse_sampling_logprobs and self.engine.logprobs_match(self.policy):
+                    exp["old_logprobs"] = exp["sampling_logprobs"]
+                else:
+                    later = orders[0][size:].to(self.device)
+                    exp["old_logprobs"] = torch.zeros_like(exp["sampling_logprobs"])
+                    exp["old_logprobs"][later] = self.sequence_logprobs(self.policy, exp, later)[0]
+                    own_old = True
             if self.objective.beta > 0:  # only the KL term needs the reference
-                exp["ref_logprobs"] = self.sequence_logprobs(self.ref_model, exp, everything)[0]
+                exp["ref_logprobs"] = self.sequence_logprobs(self.ref_model, exp, slice(None))[0]
 
         step_metrics: list[dict[str, Tensor]] = []
-        size = math.ceil(n / self.mini_batches)
-        for _ in range(self.num_iterations):
-            order = self._mini_batch_order(exp["group_index"].cpu())
+        for i, order in enumerate(orders):
             for start in range(0, n, size):
                 rows = order[start:start + size].to(self.device)
-                step_metrics.append(self._update(exp, rows, optimizer, scheduler))
+                first = own_old and i == 0 and start == 0
+                step_metrics.append(self._update(exp, rows, optimizer, scheduler, record_old=first))
         for key in step_metrics[0]:
             metrics[f"train/{key}"] = torch.stack([m[key] for m in step_metrics]).mean()
         metrics["train/lr"] = torch.tensor(optimizer.param_groups[0]["lr"])
@@ -299,13 +327,13 @@ class PolicyOptimizationModule(L.LightningModule):
                       batch_size=batch["prompt_ids"].shape[0])
         self.log("reward", metrics["train/reward"].float(), prog_bar=True, on_step=True, logger=False)
 
-    def _mini_batch_order(self, group_index: Tensor) -> Tensor:
+    def _mini_batch_order(self, group_index: Tensor, offset: int = 0) -> Tensor:
         """A random order of the rollout's rows for splitting into mini-batches.
 
         With ``share_prompt`` the order shuffles whole groups and the rows inside each group, so a mini-batch holds
         as few distinct prompts as possible and each prompt's forward pass is shared by more completions.
         """
-        generator = torch.Generator().manual_seed(self.seed + self.global_step)
+        generator = torch.Generator().manual_seed(self.seed + self.global_step + offset)
         order = torch.randperm(group_index.numel(), generator=generator)
         if self.share_prompt:
             group_rank = torch.randperm(int(group_index.max()) + 1, generator=generator)[group_index[order]]
@@ -319,10 +347,11 @@ class PolicyOptimizationModule(L.LightningModule):
         per = max(1, self.micro_batch_tokens // (prompt_width + width))
         return list(rows.split(per))
 
-    def _update(self, exp: Mapping[str, Any], rows: Tensor, optimizer, scheduler) -> dict[str, Tensor]:
-        """One optimizer step on the completions ``rows`` of the rollout."""
+    def _update(self, exp: Mapping[str, Any], rows: Tensor, optimizer, scheduler,
+                record_old: bool = False) -> dict[str, Tensor]:
+        """One optimizer step on the completions ``rows`` of the rollout (see :meth:`accumulate_gradients`)."""
         optimizer.zero_grad(set_to_none=True)
-        metrics = self.accumulate_gradients(exp, rows)
+        metrics = self.accumulate_gradients(exp, rows, record_old)
         metrics["grad_norm"] = _grad_norm(self.policy)
         if self.max_grad_norm:
             self.clip_gradients(optimizer, gradient_clip_val=self.max_grad_norm, gradient_clip_algorithm="norm")
@@ -330,8 +359,12 @@ class PolicyOptimizationModule(L.LightningModule):
         scheduler.step()
         return metrics
 
-    def accumulate_gradients(self, exp: Mapping[str, Any], rows: Tensor) -> dict[str, Tensor]:
-        """Backward of the objective on the completions ``rows``, in micro-batches; returns the step's metrics."""
+    def accumulate_gradients(self, exp: Mapping[str, Any], rows: Tensor, record_old: bool = False) -> dict[str, Tensor]:
+        """Backward of the objective on the completions ``rows``, in micro-batches; returns the step's metrics.
+
+        ``record_old``: the policy has not moved since sampling, so these rows' old log-probs are their current
+        ones; they are used as such and stored in ``exp["old_logprobs"]`` for later passes.
+        """
         full_mask = exp["completion_mask"][rows]
         width = max(int(full_mask.sum(-1).max()), 1)  # trim padding past the longest completion of this mini-batch
         total_weight = self.objective.normaliser(full_mask[:, :width])
@@ -340,7 +373,9 @@ class PolicyOptimizationModule(L.LightningModule):
         for micro in self._micro_batches(rows, width, exp["prompt_ids"].shape[1]):
             mask = exp["completion_mask"][micro, :width]
             logprobs, entropy = self.sequence_logprobs(self.policy, exp, micro, width, with_entropy=True)
-            old = exp["old_logprobs"][micro, :width] if "old_logprobs" in exp else logprobs.detach()
+            if record_old:
+                exp["old_logprobs"][micro, :width] = logprobs.detach()
+            old = logprobs.detach() if record_old or "old_logprobs" not in exp else exp["old_logprobs"][micro, :width]
             ref = exp["ref_logprobs"][micro, :width] if "ref_logprobs" in exp else None
             out = self.objective(logprobs=logprobs, old_logprobs=old, advantages=exp["advantages"][micro], mask=mask,
                                  ref_logprobs=ref)

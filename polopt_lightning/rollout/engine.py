@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import copy
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from torch import Tensor, nn
 
+from ..models import frozen_copy, resolve_dtype
 from .._hf import cache_argument, output_cache, positions_from_mask, preallocated_cache
-from .fast_decode import decode_step, llama_like
+from .fast_decode import decode_step, llama_like, static_decode_step
 
 
 @dataclass
@@ -87,6 +90,11 @@ class RolloutEngine(ABC):
         generator: torch.Generator | None = None,
     ) -> RolloutBatch: ...
 
+    def logprobs_match(self, model: nn.Module) -> bool:
+        """Whether the sampling log-probs equal what a training forward of ``model`` computes (then an off-policy
+        update may use them as old log-probs instead of a forward pass). Engines with other numerics return False."""
+        return True
+
 
 def filter_logits(logits: Tensor, top_k: int, top_p: float) -> Tensor:
     """Top-k then nucleus filtering (sets removed logits to -inf)."""
@@ -109,21 +117,60 @@ class HFRolloutEngine(RolloutEngine):
     group instead of G. The cache is preallocated (no copy per token) and, for Llama-family models, each token runs
     through a lean decoding step instead of the full ``forward`` (``fast_decode=False`` turns that off). The model
     runs in eval mode without gradient and returns to its previous mode after.
+
+    Args:
+        fast_decode: the lean Llama-family decoding step (see :mod:`.fast_decode`).
+        dtype: sample with a copy of the policy's weights in this dtype (e.g. ``"bfloat16"``), refreshed from the
+            policy at each call; ``None`` samples with the policy itself. Half-precision sampling
+            halves the bytes each token reads (weights and KV cache) and uses bf16 matrix units (AMX CPUs, GPUs);
+            the sampling log-probs then come from the copy, so they are not reused as old log-probs.
+        compile: run the decoding step through ``torch.compile`` with static shapes (the whole cache attended
+            under a mask). Pays on small models where per-token Python and kernel-launch overhead dominates; the
+            first call of each new batch shape compiles (tens of seconds on CPU).
     """
 
-    def __init__(self, fast_decode: bool = True) -> None:
+    def __init__(self, fast_decode: bool = True, dtype: torch.dtype | str | None = None, compile: bool = False) -> None:
         self.fast_decode = fast_decode
+        self.dtype = resolve_dtype(dtype, "rollout_dtype", auto=False)
+        self.compile = compile
+        self._sampler: tuple[nn.Module, nn.Module] | None = None  # (policy, its copy)
+        self._compiled = None
+
+    def sampling_dtype_differs(self, model: nn.Module) -> bool:
+        """Whether completions are sampled in another precision than ``model`` computes in."""
+        return self.dtype is not None and any(p.dtype != self.dtype for p in model.parameters())
+
+    def logprobs_match(self, model: nn.Module) -> bool:
+        return not self.sampling_dtype_differs(model)
+
+    def sampling_model(self, model: nn.Module) -> nn.Module:
+        """The module that samples: ``model``, or its copy in ``dtype`` holding ``model``'s current weights."""
+        if not self.sampling_dtype_differs(model):
+            return model
+        if self._sampler is None or self._sampler[0] is not model:
+            self._sampler, self._compiled = (model, frozen_copy(model, self.dtype, "rollout_dtype")), None
+        else:  # refresh every time: an in-place optimizer step leaves no trace to test for (fused AdamW keeps
+            # tensor versions), and the copy costs one read of the weights, small next to sampling
+            with torch.no_grad():
+                torch._foreach_copy_(list(self._sampler[1].parameters()), list(model.parameters()))
+        return self._sampler[1]
 
     @torch.no_grad()
     def generate(self, model, prompt_ids, prompt_mask, num_generations, sampling, eos_token_id, pad_token_id,
                  generator=None) -> RolloutBatch:
-        was_training = model.training
-        model.eval()
+        sampler = self.sampling_model(model)
+        was_training = sampler.training
+        sampler.eval()
         try:
-            return self._generate(model, prompt_ids, prompt_mask, num_generations, sampling, eos_token_id,
+            return self._generate(sampler, prompt_ids, prompt_mask, num_generations, sampling, eos_token_id,
                                   pad_token_id, generator)
         finally:
-            model.train(was_training)
+            sampler.train(was_training)
+
+    def _static_step(self, base: nn.Module):
+        if self._compiled is None or self._compiled[0] is not base:
+            self._compiled = (base, torch.compile(partial(static_decode_step, base)))
+        return self._compiled[1]
 
     def _generate(self, model, prompt_ids, prompt_mask, G, sampling, eos_token_id, pad_token_id, generator):
         device = prompt_ids.device
@@ -139,17 +186,22 @@ class HFRolloutEngine(RolloutEngine):
         if G > 1:
             cache.batch_repeat_interleave(G)
         logits = out.logits[:, -1].float().repeat_interleave(G, dim=0)  # [N, V]
-        attention_mask = prompt_mask.repeat_interleave(G, dim=0)  # [N, Lp + t]
+        attention_mask = prompt_mask.repeat_interleave(G, dim=0)  # [N, Lp]
         next_position = position_ids[:, -1:].repeat_interleave(G, dim=0) + 1  # [N, 1]
-        N = logits.shape[0]
+        N, Lp = attention_mask.shape
         fast = llama_like(model) if (self.fast_decode and extra) else None
-        if fast is not None:  # additive mask over every cache position: prompt padding and future slots closed
-            open_slots = torch.cat([attention_mask.bool(), torch.ones(N, sampling.max_new_tokens, dtype=torch.bool,
-                                                                       device=device)], dim=1)
+        if fast is not None:
+            # additive mask over every cache slot: prompt padding closed; the slot of each new token is opened as it is
+            # written (the eager step only sees the slots written so far, the static step sees all of them)
             dtype = next(model.parameters()).dtype
             dtype = dtype if dtype.is_floating_point else torch.float32
+            open_slots = torch.cat([attention_mask.bool(),
+                                    torch.full((N, sampling.max_new_tokens), not self.compile, device=device)], dim=1)
             key_mask = torch.zeros(open_slots.shape, dtype=dtype, device=device).masked_fill(
                 ~open_slots, torch.finfo(dtype).min)[:, None, None, :]
+            if self.compile:
+                step_fn = self._static_step(fast)
+                buffers = ([kv._k for kv in cache.layers], [kv._v for kv in cache.layers])
         tokens, logps = [], []
         done = torch.zeros(N, dtype=torch.bool, device=device)
         finished = torch.zeros(N, dtype=torch.bool, device=device)
@@ -173,11 +225,14 @@ class HFRolloutEngine(RolloutEngine):
             done |= is_eos
             if bool(done.all()) or step == sampling.max_new_tokens - 1:
                 break
-            attention_mask = torch.cat([attention_mask, torch.ones_like(attention_mask[:, :1])], dim=1)
-            if fast is not None:
-                logits = decode_step(fast, cache, token, next_position,
-                                     key_mask[..., : attention_mask.shape[1]]).float()
+            if fast is not None and self.compile:
+                slot = Lp + step
+                key_mask[..., slot] = 0
+                logits = step_fn(*buffers, torch.tensor([slot], device=device), token, next_position, key_mask).float()
+            elif fast is not None:
+                logits = decode_step(fast, cache, token, next_position, key_mask[..., : Lp + step + 1]).float()
             else:
+                attention_mask = torch.cat([attention_mask, torch.ones_like(attention_mask[:, :1])], dim=1)
                 out = model(input_ids=token[:, None], attention_mask=attention_mask, position_ids=next_position,
                             use_cache=True, **{cache_arg: cache})
                 cache = output_cache(out)
@@ -197,3 +252,4 @@ class HFRolloutEngine(RolloutEngine):
             finished=finished,
             group_size=G,
         )
+

@@ -57,6 +57,31 @@ def decode_step(base: nn.Module, cache: Any, token: Tensor, position: Tensor, ke
         position: ``[N, 1]`` position ids.
         key_mask: ``[N, 1, 1, L]`` additive mask over the cache positions including the new one.
     """
+    return _step(base, [kv.update for kv in cache.layers], token, position, key_mask)
+
+
+def static_decode_step(base: nn.Module, keys: list[Tensor], values: list[Tensor], slot: Tensor, token: Tensor,
+                       position: Tensor, key_mask: Tensor) -> Tensor:
+    """:func:`decode_step` with static shapes, for ``torch.compile``: every call has the same tensor shapes.
+
+    The new keys/values are written at ``slot`` (a one-element index tensor) of the whole cache buffers
+    ``keys[i]``/``values[i]`` ``[N, kv_heads, capacity, D]``, and attention runs over the whole buffers:
+    ``key_mask`` ``[N, 1, 1, capacity]`` must close the prompt padding and every slot not yet written (which must
+    hold finite values, e.g. zeros).
+    """
+
+    def writer(k_buf: Tensor, v_buf: Tensor):
+        def update(k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+            k_buf.index_copy_(2, slot, k)
+            v_buf.index_copy_(2, slot, v)
+            return k_buf, v_buf
+        return update
+
+    return _step(base, [writer(k, v) for k, v in zip(keys, values)], token, position, key_mask)
+
+
+def _step(base: nn.Module, updates: list, token: Tensor, position: Tensor, key_mask: Tensor) -> Tensor:
+    """The decoding step; ``updates[i](k, v)`` stores layer i's new keys/values and returns all of them."""
     inner, config = base.model, base.config
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
@@ -64,7 +89,7 @@ def decode_step(base: nn.Module, cache: Any, token: Tensor, position: Tensor, ke
     cos, sin = inner.rotary_emb(x, position)  # [N, 1, D]
     cos, sin = cos[:, None], sin[:, None]  # [N, 1, 1, D]
     n = x.shape[0]
-    for layer, kv in zip(inner.layers, cache.layers):
+    for layer, update in zip(inner.layers, updates):
         attn = layer.self_attn
         h = _rms_norm(layer.input_layernorm, x)
         q, k, v = attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)
@@ -73,7 +98,7 @@ def decode_step(base: nn.Module, cache: Any, token: Tensor, position: Tensor, ke
         v = v.view(n, 1, -1, head_dim).transpose(1, 2)
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
-        keys, values = kv.update(k, v)
+        keys, values = update(k, v)
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=key_mask, scale=attn.scaling,
                                              enable_gqa=keys.shape[1] != heads)
         x = x + attn.o_proj(out.transpose(1, 2).reshape(n, 1, -1))

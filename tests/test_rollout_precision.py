@@ -1,0 +1,155 @@
+"""Sampling in another precision (a bf16 copy of the policy) and the compiled static-shape decoding step."""
+
+import copy
+
+import lightning as L
+import pytest
+import torch
+
+from polopt_lightning import PolicyOptimizationModule, PromptDataModule
+from polopt_lightning.logprobs import completion_logprobs
+from polopt_lightning.models import build_tiny_model
+from polopt_lightning.rollout import HFRolloutEngine, SamplingConfig
+
+
+def distinct_chars(prompts, completions, **kw):
+    return [float(len(set(c))) for c in completions]
+
+
+def _prompts(tok, texts):
+    enc = tok(texts, padding=True, return_tensors="pt")
+    return enc.input_ids, enc.attention_mask
+
+
+def test_bf16_sampler_is_a_copy_that_follows_the_policy(tiny):
+    model, tok = tiny
+    engine = HFRolloutEngine(dtype="bfloat16")
+    sampler = engine.sampling_model(model)
+    assert sampler is not model and not engine.logprobs_match(model)
+    assert all(p.dtype == torch.float32 for p in model.parameters())  # the policy is untouched
+    assert all(p.dtype == torch.bfloat16 and not p.requires_grad for p in sampler.parameters())
+    # buffers keep their precision (rotary frequencies in bf16 would shift every position)
+    assert all(b.dtype == bb.dtype for b, bb in zip(model.buffers(), sampler.buffers()))
+
+    def synced():
+        return all(torch.equal(s, p.detach().to(torch.bfloat16))
+                   for s, p in zip(engine.sampling_model(model).parameters(), model.parameters()))
+
+    assert synced()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1, fused=True)  # an in-place update, as in training
+    model(input_ids=torch.tensor([[3, 4, 5]])).logits.sum().backward()
+    optimizer.step()
+    assert not all(torch.equal(s, p.detach().to(torch.bfloat16)) for s, p in zip(sampler.parameters(),
+                                                                                    model.parameters()))
+    assert synced() and engine.sampling_model(model) is sampler  # refreshed in place, not copied again
+    with torch.no_grad():
+        model.lm_head.weight.mul_(2.0)
+    assert synced()
+
+
+def test_bf16_sampling_logprobs_are_close_to_the_fp32_forward(tiny):
+    model, tok = tiny
+    ids, mask = _prompts(tok, ["12+34=", "5+6="])
+    out = HFRolloutEngine(dtype=torch.bfloat16).generate(model, ids, mask, 4, SamplingConfig(max_new_tokens=6),
+                                                         tok.eos_token_id, tok.pad_token_id,
+                                                         torch.Generator().manual_seed(0))
+    assert out.sampling_logprobs.dtype == torch.float32
+    fresh, _ = completion_logprobs(model, out.prompt_ids, out.prompt_mask, out.completion_ids, out.completion_mask)
+    m = out.completion_mask.bool()
+    gap = (fresh[m] - out.sampling_logprobs[m]).abs()
+    assert gap.max() < 0.1 and gap.max() > 0  # bf16 rounding, not another model
+    assert next(model.parameters()).dtype == torch.float32 and model.training is True
+
+
+def test_rollout_dtype_rejects_bad_values_and_quantized_weights(tiny):
+    model, tok = tiny
+    with pytest.raises(ValueError, match="rollout_dtype must be one of"):
+        HFRolloutEngine(dtype="int8")
+    quantized = copy.deepcopy(model)
+    quantized.model.norm.register_parameter("codes", torch.nn.Parameter(torch.zeros(2, dtype=torch.uint8),
+                                                                        requires_grad=False))
+    with pytest.raises(ValueError, match=r"rollout_dtype=torch.bfloat16 needs .* model\.norm\.codes is torch\.uint8"):
+        HFRolloutEngine(dtype="bfloat16").sampling_model(quantized)
+    with pytest.raises(ValueError, match=r"ref_dtype=torch.bfloat16 needs .* model\.norm\.codes"):
+        PolicyOptimizationModule(quantized, tok, objective={"name": "grpo", "beta": 0.1}, ref_dtype="bf16",
+                                 reward_fns=[distinct_chars])
+    with pytest.raises(ValueError, match="ref_dtype must be one of"):
+        PolicyOptimizationModule(model, tok, objective={"name": "grpo", "beta": 0.1}, ref_dtype="half-ish",
+                                 reward_fns=[distinct_chars])
+    with pytest.raises(ValueError, match="give them to your rollout_engine"):
+        PolicyOptimizationModule(model, tok, reward_fns=[lambda prompts, completions, **kw: [0.0] * len(prompts)],
+                                 rollout_engine=HFRolloutEngine(), rollout_dtype="bfloat16")
+
+
+@pytest.mark.parametrize("rollout_dtype", [None, "bfloat16"])
+def test_off_policy_old_logprobs_are_the_policy_before_the_first_step(tmp_path, tiny, arithmetic_rows, rollout_dtype):
+    """With a pass (bf16 sampling, or reuse off), every row's old log-probs are the pre-update policy's: the first
+    mini-batch records its own during its update, the others come from one no-grad pass."""
+    model, tok = tiny
+    module = PolicyOptimizationModule(model, tok, objective="gspo", reward_fns=[distinct_chars], num_generations=4,
+                                      mini_batches=3, num_iterations=2, generation={"max_new_tokens": 4}, lr=1e-2,
+                                      rollout_dtype=rollout_dtype, reuse_sampling_logprobs=False, seed=1)
+    captured = {}
+    make_experience, accumulate = module.make_experience, module.accumulate_gradients
+
+    def spy_experience(batch):
+        exp, metrics = make_experience(batch)
+        captured.setdefault("exp", exp)
+        captured.setdefault("before", copy.deepcopy(module.policy))
+        return exp, metrics
+
+    def spy_accumulate(exp, rows, record_old=False):
+        captured.setdefault("calls", []).append(record_old)
+        return accumulate(exp, rows, record_old)
+
+    module.make_experience, module.accumulate_gradients = spy_experience, spy_accumulate
+    dm = PromptDataModule(train=arithmetic_rows[0], tokenizer=tok, batch_size=3)
+    L.Trainer(max_steps=6, accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
+              enable_model_summary=False).fit(module, datamodule=dm)
+    assert captured["calls"] == [True, False, False, False, False, False]
+    exp = captured["exp"]
+    with torch.no_grad():
+        expected, _ = completion_logprobs(captured["before"].train(), exp["prompt_ids"], exp["prompt_mask"],
+                                          exp["completion_ids"], exp["completion_mask"])
+    m = exp["completion_mask"].bool()
+    torch.testing.assert_close(exp["old_logprobs"][m], expected[m], atol=1e-5, rtol=1e-5)
+    assert not any(torch.equal(a, b) for a, b in zip(captured["before"].parameters(), module.policy.parameters()))
+
+
+def test_compiled_decode_step_samples_what_the_eager_one_does():
+    model, tok = build_tiny_model(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64, seed=0)
+    ids, mask = _prompts(tok, ["12+34=", "5+6="])  # left padding: the static mask must close it
+    sampling = SamplingConfig(max_new_tokens=6)
+    eager, compiled = HFRolloutEngine(), HFRolloutEngine(compile=True)
+
+    def both():
+        return [engine.generate(model, ids, mask, 3, sampling, tok.eos_token_id, tok.pad_token_id,
+                                torch.Generator().manual_seed(0)) for engine in (eager, compiled)]
+
+    for _ in range(2):  # the second round after a weight update: the compiled step reads the live weights
+        a, b = both()
+        assert torch.equal(a.completion_ids, b.completion_ids)
+        torch.testing.assert_close(b.sampling_logprobs, a.sampling_logprobs, atol=1e-5, rtol=1e-5)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.05 * torch.randn_like(p))
+
+
+def test_bf16_reference_gives_the_kl_term_within_rounding(tmp_path, tiny, arithmetic_rows):
+    model, tok = tiny
+    kwargs = dict(objective={"name": "grpo", "beta": 0.1}, reward_fns=[distinct_chars], num_generations=4,
+                  generation={"max_new_tokens": 4}, seed=1)
+    module = PolicyOptimizationModule(model, tok, ref_dtype="bfloat16", **kwargs)
+    assert all(p.dtype == torch.bfloat16 for p in module.ref_model.parameters())
+    assert all(p.dtype == torch.float32 for p in module.policy.parameters())
+    enc = tok(["12+34=", "5+6="], padding=True, return_tensors="pt")
+    exp, _ = module.make_experience({"prompt_ids": enc.input_ids, "prompt_mask": enc.attention_mask,
+                                     "prompts": ["12+34=", "5+6="], "columns": {}})
+    with torch.no_grad():
+        half = module.sequence_logprobs(module.ref_model, exp, slice(None))[0]
+        full = module.sequence_logprobs(model, exp, slice(None))[0]  # the policy has not moved: same weights
+    m = exp["completion_mask"].bool()
+    assert 0 < (half[m] - full[m]).abs().max() < 0.1
+    given = copy.deepcopy(model)
+    assert PolicyOptimizationModule(model, tok, ref_model=given, ref_dtype="bf16", **kwargs).ref_model is given
+    assert next(given.parameters()).dtype == torch.bfloat16  # cast in place, as documented
