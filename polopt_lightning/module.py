@@ -13,6 +13,7 @@ from typing import Any
 import lightning as L
 import torch
 from torch import Tensor, nn
+from torchmetrics import MeanMetric
 
 from .advantages import group_relative_advantages, zero_std_groups
 from .logprobs import completion_logprobs, shared_prompt_completion_logprobs
@@ -178,6 +179,7 @@ class PolicyOptimizationModule(L.LightningModule):
             self.ref_model = ref_model
             if ref_dtype is not None:
                 cast_weights(ref_model, ref_dtype, "ref_dtype")
+        self.val_metrics = nn.ModuleDict({k: MeanMetric(nan_strategy="ignore") for k in ("accuracy", "reward")})
         self._generator: torch.Generator | None = None
         self._prompt_iter: Iterator | None = None
         self.save_hyperparameters(ignore=["model", "tokenizer", "objective", "reward_fns", "ref_model",
@@ -340,12 +342,35 @@ class PolicyOptimizationModule(L.LightningModule):
             order = order[torch.sort(group_rank, stable=True).indices]
         return order
 
-    def _micro_batches(self, rows: Tensor, width: int, prompt_width: int) -> list[Tensor]:
-        """Split a mini-batch so each piece holds at most ``micro_batch_tokens`` (prompt + completion) tokens."""
+    def _micro_batches(self, exp: Mapping[str, Any], rows: Tensor) -> list[Tensor]:
+        """Split a mini-batch so each piece holds at most ``micro_batch_tokens`` (prompt + completion) tokens.
+
+        Rows go longest completion first (with ``share_prompt``, whole groups by their longest completion, so a group
+        stays together) and each piece is filled up to the budget at the width of its own longest row: short
+        completions are not padded to the longest of the mini-batch, and more of them fit in one piece. The
+        accumulated gradient is the same whatever the split.
+        """
         if not self.micro_batch_tokens:
             return [rows]
-        per = max(1, self.micro_batch_tokens // (prompt_width + width))
-        return list(rows.split(per))
+        lengths = exp["completion_mask"][rows].sum(-1).clamp(min=1)
+        key = lengths
+        if self.share_prompt:  # sort groups (not rows) by their longest completion; ties keep groups contiguous
+            group = exp["group_index"][rows]
+            longest = torch.zeros(int(group.max()) + 1, dtype=lengths.dtype, device=lengths.device)
+            longest = longest.scatter_reduce(0, group, lengths, reduce="amax")
+            key = longest[group] * (int(group.max()) + 1) + group
+        order = torch.sort(key, descending=True, stable=True).indices
+        rows, lengths = rows[order], lengths[order].tolist()
+        prompt_width = exp["prompt_ids"].shape[1]
+        pieces, current, width = [], [], 0
+        for i, length in enumerate(lengths):  # fill each piece while its rows x (prompt + widest) fit the budget
+            if current and (len(current) + 1) * (prompt_width + max(width, length)) > self.micro_batch_tokens:
+                pieces.append(rows[current])
+                current, width = [], 0
+            current.append(i)
+            width = max(width, length)
+        pieces.append(rows[current])
+        return pieces
 
     def _update(self, exp: Mapping[str, Any], rows: Tensor, optimizer, scheduler,
                 record_old: bool = False) -> dict[str, Tensor]:
@@ -366,11 +391,12 @@ class PolicyOptimizationModule(L.LightningModule):
         ones; they are used as such and stored in ``exp["old_logprobs"]`` for later passes.
         """
         full_mask = exp["completion_mask"][rows]
-        width = max(int(full_mask.sum(-1).max()), 1)  # trim padding past the longest completion of this mini-batch
-        total_weight = self.objective.normaliser(full_mask[:, :width])
+        total_weight = self.objective.normaliser(full_mask)
         sums: dict[str, Tensor] = {}
         entropy_sum = torch.zeros((), device=self.device)
-        for micro in self._micro_batches(rows, width, exp["prompt_ids"].shape[1]):
+        for micro in self._micro_batches(exp, rows):
+            # trim padding past the longest completion of this piece (the objectives do not depend on the width)
+            width = max(int(exp["completion_mask"][micro].sum(-1).max()), 1)
             mask = exp["completion_mask"][micro, :width]
             logprobs, entropy = self.sequence_logprobs(self.policy, exp, micro, width, with_entropy=True)
             if record_old:
@@ -389,21 +415,27 @@ class PolicyOptimizationModule(L.LightningModule):
                 else:
                     sums[key] = sums.get(key, 0.0) + value * share
             entropy_sum = entropy_sum + (entropy * mask).sum()
-        sums["entropy"] = entropy_sum / full_mask[:, :width].sum().clamp(min=1)
+        sums["entropy"] = entropy_sum / full_mask.sum().clamp(min=1)
         return sums
 
     # ------------------------------------------------------------------------------------------------------------
+    def on_validation_epoch_start(self) -> None:
+        # fresh sums outside inference mode: a reset under `trainer.validate`'s inference mode would leave inference
+        # tensors that the next validation inside `fit` (no-grad, not inference) cannot update in place
+        with torch.inference_mode(False):
+            for metric in self.val_metrics.values():
+                metric.reset()
+
     def validation_step(self, batch: Mapping[str, Any], batch_idx: int) -> None:
         rollout = self.rollout(batch, self.val_sampling, 1)
         rewards = self.score(batch, rollout)
-        # Lightning averages per-batch means weighted by batch_size, across batches and ranks: the exact mean over
-        # samples whose reward exists (None rewards are left out).
-        for name, values in (("val/accuracy", rewards.per_function[:, self.rewards.names.index(self.accuracy_reward)]),
-                             ("val/reward", rewards.total)):
-            valid = values[torch.isfinite(values)]
-            mean = valid.mean() if valid.numel() else values.new_zeros(())
-            self.log(name, mean.to(self.device), on_step=False, on_epoch=True, prog_bar=name == "val/accuracy",
-                     batch_size=max(int(valid.numel()), 1), sync_dist=True)
+        # Means over every validation sample whose reward exists (a None reward is NaN and left out), across batches
+        # and ranks: torchmetrics keeps the sums and counts, Lightning computes and resets them at the epoch's end.
+        for key, values in (("accuracy", rewards.per_function[:, self.rewards.names.index(self.accuracy_reward)]),
+                            ("reward", rewards.total)):
+            metric = self.val_metrics[key]
+            metric.update(values.to(self.device))
+            self.log(f"val/{key}", metric, on_step=False, on_epoch=True, prog_bar=key == "accuracy")
 
     # ------------------------------------------------------------------------------------------------------------
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:

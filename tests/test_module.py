@@ -136,3 +136,21 @@ def test_failing_reward_names_function_and_sample(tmp_path, tiny, arithmetic_row
     module, dm = make(tiny, arithmetic_rows, reward_fns=[broken])
     with pytest.raises(Exception, match="'broken' returned 15 values for 16 completions"):
         trainer(tmp_path, steps=1).fit(module, datamodule=dm)
+
+
+def test_validation_means_leave_none_rewards_out(tmp_path, tiny):
+    """A validation batch whose accuracy reward is None for every sample counts for nothing (not as 0)."""
+    model, tok = tiny
+
+    def half_none(prompts, completions, idx=None, **kw):
+        return [None if i < 4 else float(i % 2) for i in idx]
+
+    rows = [{"prompt": f"{i}+1=", "idx": i} for i in range(8)]
+    dm = PromptDataModule(train=rows, val=rows, tokenizer=tok, batch_size=4, val_batch_size=4)
+    module = PolicyOptimizationModule(model, tok, reward_fns=[half_none], num_generations=2,
+                                      generation={"max_new_tokens": 2})
+    results = trainer(tmp_path, steps=1).validate(module, datamodule=dm, verbose=False)[0]
+    assert results["val/accuracy"] == pytest.approx(0.5)  # samples 4..7 only; the all-None batch is left out
+    assert results["val/reward"] == pytest.approx(0.5)
+    again = trainer(tmp_path, steps=1).validate(module, datamodule=dm, verbose=False)[0]
+    assert again["val/accuracy"] == pytest.approx(0.5)  # the sums were reset between validations

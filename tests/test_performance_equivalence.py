@@ -63,10 +63,35 @@ def test_micro_batching_splits_and_still_matches():
     module, exp = experience({"name": "grpo"})
     rows = torch.arange(12)
     module.micro_batch_tokens = 30
-    width = int(exp["completion_mask"].sum(-1).max())
-    assert len(module._micro_batches(rows, width, exp["prompt_ids"].shape[1])) > 2
+    assert len(module._micro_batches(exp, rows)) > 2
     _, whole = gradients(module, exp, rows, micro_batch_tokens=None, share_prompt=False)
     _, split = gradients(module, exp, rows, micro_batch_tokens=30, share_prompt=False)
+    for name in whole:
+        torch.testing.assert_close(split[name], whole[name], atol=1e-6, rtol=1e-4)
+
+
+@pytest.mark.parametrize("share_prompt", [False, True])
+def test_micro_batches_go_by_length_and_trim_their_own_padding(share_prompt):
+    """Longest first, each piece at its own width and filled to the token budget; the gradient does not change."""
+    module, exp = experience({"name": "grpo", "beta": 0.04}, mini_batches=2)
+    lengths = torch.tensor([1, 6, 2, 5, 3, 6, 1, 4, 2, 1, 3, 1])
+    exp["completion_mask"] = (torch.arange(exp["completion_mask"].shape[1])[None] < lengths[:, None]).long()
+    rows = torch.tensor([3, 0, 11, 7, 1, 9, 4, 2, 10, 5, 8, 6])
+    budget = 3 * (exp["prompt_ids"].shape[1] + 6)
+    module.share_prompt, module.micro_batch_tokens = share_prompt, budget
+    pieces = module._micro_batches(exp, rows)
+    assert sorted(torch.cat(pieces).tolist()) == list(range(12))
+    widths = [int(lengths[p].max()) for p in pieces]
+    assert len(set(widths)) > 1 and len(pieces) < 12
+    for p, w in zip(pieces, widths):
+        assert len(p) * (exp["prompt_ids"].shape[1] + w) <= budget
+    if share_prompt:  # groups (4 rows each) stay together and go by their longest completion
+        order = exp["group_index"][torch.cat(pieces)].tolist()
+        assert order == sorted(order, key=lambda g: (-int(lengths[exp["group_index"] == g].max()), -g))
+    else:
+        assert widths == sorted(widths, reverse=True)
+    _, whole = gradients(module, exp, rows, micro_batch_tokens=None)
+    metrics, split = gradients(module, exp, rows, micro_batch_tokens=budget)
     for name in whole:
         torch.testing.assert_close(split[name], whole[name], atol=1e-6, rtol=1e-4)
 
