@@ -2,6 +2,7 @@
 
 import csv
 import json
+import math
 import os
 import subprocess
 import sys
@@ -98,6 +99,18 @@ def test_train_function_writes_results_and_metrics(tmp_path):
     rows = list(csv.DictReader(open(tmp_path / "csv" / "version_0" / "metrics.csv")))
     assert any(r.get("train/reward") not in (None, "") for r in rows)
     assert (tmp_path / "checkpoints" / "last.ckpt").is_file()
+
+
+def test_precision_keys_reach_the_module(tmp_path):
+    """`module.rollout_dtype` / `module.ref_dtype` from the command line: validation, then off-policy RL with KL."""
+    cfg = compose_with(FAST + ["module.rollout_dtype=bfloat16", "module.ref_dtype=bf16", "objective.beta=0.04",
+                               "module.mini_batches=2", "trainer.max_steps=4"], tmp_path)
+    _set_hydra(cfg)
+    results = train(cfg)
+    assert results["steps"] == 4 and results["val_accuracy_after"] is not None
+    rows = list(csv.DictReader(open(tmp_path / "csv" / "version_0" / "metrics.csv")))
+    kl = [float(r["train/kl"]) for r in rows if r.get("train/kl")]
+    assert kl and all(math.isfinite(v) for v in kl)
 
 
 def _cli(args, cwd, env_extra=None):

@@ -103,10 +103,14 @@ def test_off_policy_old_logprobs_are_the_policy_before_the_first_step(tmp_path, 
         return accumulate(exp, rows, record_old)
 
     module.make_experience, module.accumulate_gradients = spy_experience, spy_accumulate
-    dm = PromptDataModule(train=arithmetic_rows[0], tokenizer=tok, batch_size=3)
-    L.Trainer(max_steps=6, accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
-              enable_model_summary=False).fit(module, datamodule=dm)
+    dm = PromptDataModule(train=arithmetic_rows[0], val=arithmetic_rows[1], tokenizer=tok, batch_size=3)
+    settings = dict(accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                    enable_model_summary=False)
+    L.Trainer(limit_val_batches=1, **settings).validate(module, datamodule=dm, verbose=False)  # bf16 copy made here,
+    # under inference mode
+    L.Trainer(max_steps=6, limit_val_batches=0, **settings).fit(module, datamodule=dm)
     assert captured["calls"] == [True, False, False, False, False, False]
+    assert rollout_dtype is None or module.engine._sampler is not None
     exp = captured["exp"]
     with torch.no_grad():
         expected, _ = completion_logprobs(captured["before"].train(), exp["prompt_ids"], exp["prompt_mask"],

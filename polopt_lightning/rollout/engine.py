@@ -147,11 +147,13 @@ class HFRolloutEngine(RolloutEngine):
         """The module that samples: ``model``, or its copy in ``dtype`` holding ``model``'s current weights."""
         if not self.sampling_dtype_differs(model):
             return model
-        if self._sampler is None or self._sampler[0] is not model:
-            self._sampler, self._compiled = (model, frozen_copy(model, self.dtype, "rollout_dtype")), None
-        else:  # refresh every time: an in-place optimizer step leaves no trace to test for (fused AdamW keeps
-            # tensor versions), and the copy costs one read of the weights, small next to sampling
-            with torch.no_grad():
+        # outside inference mode: a copy made under `trainer.validate` would otherwise hold inference tensors that
+        # the refresh during `fit` cannot write
+        with torch.inference_mode(False), torch.no_grad():
+            if self._sampler is None or self._sampler[0] is not model:
+                self._sampler, self._compiled = (model, frozen_copy(model, self.dtype, "rollout_dtype")), None
+            else:  # refresh every time: an in-place optimizer step leaves no trace to test for (fused AdamW keeps
+                # tensor versions), and the copy costs one read of the weights, small next to sampling
                 torch._foreach_copy_(list(self._sampler[1].parameters()), list(model.parameters()))
         return self._sampler[1]
 
