@@ -311,7 +311,8 @@ class PolicyOptimizationModule(L.LightningModule):
                 else:
                     later = orders[0][size:].to(self.device)
                     exp["old_logprobs"] = torch.zeros_like(exp["sampling_logprobs"])
-                    exp["old_logprobs"][later] = self.sequence_logprobs(self.policy, exp, later)[0]
+                    if later.numel():  # none when one mini-batch holds the whole rollout (mu > 1)
+                        exp["old_logprobs"][later] = self.sequence_logprobs(self.policy, exp, later)[0]
                     own_old = True
             if self.objective.beta > 0:  # only the KL term needs the reference
                 exp["ref_logprobs"] = self.sequence_logprobs(self.ref_model, exp, slice(None))[0]

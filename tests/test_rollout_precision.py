@@ -81,13 +81,16 @@ def test_rollout_dtype_rejects_bad_values_and_quantized_weights(tiny):
                                  rollout_engine=HFRolloutEngine(), rollout_dtype="bfloat16")
 
 
-@pytest.mark.parametrize("rollout_dtype", [None, "bfloat16"])
-def test_off_policy_old_logprobs_are_the_policy_before_the_first_step(tmp_path, tiny, arithmetic_rows, rollout_dtype):
+@pytest.mark.parametrize("rollout_dtype,mini_batches,num_iterations", [(None, 3, 2), ("bfloat16", 3, 2),
+                                                                         ("bfloat16", 1, 3)])
+def test_off_policy_old_logprobs_are_the_policy_before_the_first_step(tmp_path, tiny, arithmetic_rows, rollout_dtype,
+                                                                      mini_batches, num_iterations):
     """With a pass (bf16 sampling, or reuse off), every row's old log-probs are the pre-update policy's: the first
     mini-batch records its own during its update, the others come from one no-grad pass."""
     model, tok = tiny
     module = PolicyOptimizationModule(model, tok, objective="gspo", reward_fns=[distinct_chars], num_generations=4,
-                                      mini_batches=3, num_iterations=2, generation={"max_new_tokens": 4}, lr=1e-2,
+                                      mini_batches=mini_batches, num_iterations=num_iterations,
+                                      generation={"max_new_tokens": 4}, lr=1e-2,
                                       rollout_dtype=rollout_dtype, reuse_sampling_logprobs=False, seed=1)
     captured = {}
     make_experience, accumulate = module.make_experience, module.accumulate_gradients
@@ -109,7 +112,8 @@ def test_off_policy_old_logprobs_are_the_policy_before_the_first_step(tmp_path, 
     L.Trainer(limit_val_batches=1, **settings).validate(module, datamodule=dm, verbose=False)  # bf16 copy made here,
     # under inference mode
     L.Trainer(max_steps=6, limit_val_batches=0, **settings).fit(module, datamodule=dm)
-    assert captured["calls"] == [True, False, False, False, False, False]
+    per_rollout = mini_batches * num_iterations  # optimizer steps; the first of each rollout records, the rest read
+    assert captured["calls"] == ([True] + [False] * (per_rollout - 1)) * (6 // per_rollout)
     assert rollout_dtype is None or module.engine._sampler is not None
     exp = captured["exp"]
     with torch.no_grad():
