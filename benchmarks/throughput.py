@@ -5,9 +5,10 @@ completions are forced to full length (min_new_tokens = max_new_tokens) so both 
 
     python benchmarks/throughput.py                       # all workloads, 2 alternating trials each
     python benchmarks/throughput.py --workloads tiny --trials 3 --steps 6
+    python benchmarks/throughput.py --device cuda         # on a GPU machine (peak = GPU memory allocated)
 
 Prints per workload: median seconds per rollout step (one optimizer step on-policy; all mini-batch steps of one
-rollout off-policy), generated tokens per second, peak RSS, the polopt/TRL speed ratio, and the FLOP floor: the
+rollout off-policy), generated tokens per second, peak RSS (GPU memory with --device cuda), the polopt/TRL speed ratio, and the FLOP floor: the
 step's FLOPs (2N per generated or scored token, 6N per trained token, prompts counted once per group, N =
 non-embedding parameters) over the fp32 matmul throughput measured at the start of the run.
 """
@@ -63,12 +64,20 @@ def build(workload: dict, seed: int = 0):
     return model, tok, prompts
 
 
+def _sync(device: str) -> None:
+    """Wait for queued GPU work so a step's wall time is its own."""
+    if device != "cpu":
+        import torch
+
+        torch.cuda.synchronize()
+
+
 def length_reward(prompts, completions, **kwargs):
     """Cheap and varied, so groups carry signal (rewards are not what is measured)."""
     return [float(sum(map(ord, c)) % 7) for c in completions]
 
 
-def run_polopt(workload: dict, steps: int, overrides: dict | None = None) -> list[float]:
+def run_polopt(workload: dict, steps: int, overrides: dict | None = None, device: str = "cpu") -> list[float]:
     import lightning as L
     import torch
 
@@ -88,12 +97,14 @@ def run_polopt(workload: dict, steps: int, overrides: dict | None = None) -> lis
 
     class Timer(L.Callback):
         def on_train_batch_start(self, *args):
+            _sync(device)
             self.t = time.perf_counter()
 
         def on_train_batch_end(self, *args):
+            _sync(device)
             times.append(time.perf_counter() - self.t)
 
-    trainer = L.Trainer(max_steps=steps * workload["mini_batches"], accelerator="cpu", logger=False,
+    trainer = L.Trainer(max_steps=steps * workload["mini_batches"], accelerator=device, devices=1, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         num_sanity_val_steps=0, limit_val_batches=0, callbacks=[Timer()])
     torch.manual_seed(0)
@@ -101,7 +112,7 @@ def run_polopt(workload: dict, steps: int, overrides: dict | None = None) -> lis
     return times
 
 
-def run_trl(workload: dict, steps: int) -> list[float]:
+def run_trl(workload: dict, steps: int, device: str = "cpu") -> list[float]:
     from datasets import Dataset
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
@@ -116,7 +127,7 @@ def run_trl(workload: dict, steps: int) -> list[float]:
     n = workload["new_tokens"]
     out = tempfile.mkdtemp(prefix="trl_bench_")
     config = GRPOConfig(
-        output_dir=out, use_cpu=True, bf16=False, fp16=False, report_to="none", save_strategy="no",
+        output_dir=out, use_cpu=device == "cpu", bf16=False, fp16=False, report_to="none", save_strategy="no",
         per_device_train_batch_size=completions_per_rollout // mb, steps_per_generation=mb,
         gradient_accumulation_steps=1, num_generations=workload["generations"], max_completion_length=n,
         generation_kwargs={"min_new_tokens": n}, temperature=1.0, beta=workload["beta"], num_iterations=1,
@@ -127,9 +138,11 @@ def run_trl(workload: dict, steps: int) -> list[float]:
 
     class Timer(TrainerCallback):
         def on_step_begin(self, args, state, control, **kw):
+            _sync(device)
             self.t = time.perf_counter()
 
         def on_step_end(self, args, state, control, **kw):
+            _sync(device)
             step_times.append(time.perf_counter() - self.t)
 
     trainer = GRPOTrainer(model=model_dir, reward_funcs=[length_reward], args=config,
@@ -140,36 +153,43 @@ def run_trl(workload: dict, steps: int) -> list[float]:
     return [sum(step_times[i:i + mb]) for i in range(0, len(step_times) - mb + 1, mb)]
 
 
-def child(impl: str, name: str, steps: int, threads: int) -> None:
+def child(impl: str, name: str, steps: int, threads: int, device: str = "cpu") -> None:
     import torch
 
     torch.set_num_threads(threads)
     workload = WORKLOADS[name]
     if impl == "trl":
-        times = run_trl(workload, steps)
+        times = run_trl(workload, steps, device)
     else:  # "polopt" or a lever switched off, e.g. "polopt:share_prompt=false"
         overrides = {}
         for item in impl.partition(":")[2].split(",") if ":" in impl else []:
             key, _, value = item.partition("=")
             overrides[key] = json.loads(value)
-        times = run_polopt(workload, steps, overrides)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB -> GiB
+        times = run_polopt(workload, steps, overrides, device)
+    if device == "cpu":
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB -> GiB
+    else:  # accelerator memory is what bounds a GPU run
+        peak = torch.cuda.max_memory_allocated() / 2**30
     generated = workload["prompts"] * workload["generations"] * workload["new_tokens"]
     print("RESULT " + json.dumps(asdict(TrialResult(impl, name, times[1:] or times, peak, generated))))
 
 
-def matmul_gflops(threads: int, size: int = 2048, repeats: int = 5, rounds: int = 5) -> float:
+def matmul_gflops(threads: int, size: int = 2048, repeats: int = 5, rounds: int = 5, device: str = "cpu") -> float:
     """Best of ``rounds`` timings of fp32 ``size x size`` matrix products: what the hardware gives this process."""
     import torch
 
     torch.set_num_threads(threads)
-    a, b = torch.randn(size, size), torch.randn(size, size)
+    if device != "cpu":  # a GPU needs more work per timing to be measured at all
+        size, repeats = 8192, 20
+    a, b = torch.randn(size, size, device=device), torch.randn(size, size, device=device)
     a @ b
+    _sync(device)
     best = float("inf")
     for _ in range(rounds):
         t = time.perf_counter()
         for _ in range(repeats):
             a @ b
+        _sync(device)
         best = min(best, time.perf_counter() - t)
     return 2 * size**3 * repeats / best / 1e9
 
@@ -197,6 +217,7 @@ def main() -> None:
     parser.add_argument("--trials", type=int, default=2, help="alternating polopt/TRL trials per workload")
     parser.add_argument("--steps", type=int, default=4, help="rollout steps per trial (the first is warm-up)")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--device", default="cpu", help="cpu or cuda: where both trainers run")
     parser.add_argument("--impls", nargs="+", default=["polopt", "trl"],
                         help="polopt, trl, or polopt:KEY=JSON,... for polopt with module arguments changed, to "
                              "measure a lever (e.g. polopt:share_prompt=false or 'polopt:rollout_dtype=\"bfloat16\"')")
@@ -204,17 +225,18 @@ def main() -> None:
     parser.add_argument("--child", nargs=2, metavar=("IMPL", "WORKLOAD"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        return child(args.child[0], args.child[1], args.steps, args.threads)
+        return child(args.child[0], args.child[1], args.steps, args.threads, args.device)
 
-    gflops = matmul_gflops(args.threads)
-    print(f"machine: {os.cpu_count()} CPUs, {args.threads} torch threads; fp32 matmul {gflops:.0f} GFLOP/s")
+    gflops = matmul_gflops(args.threads, device=args.device)
+    print(f"machine: {os.cpu_count()} CPUs, {args.threads} torch threads, device {args.device}; "
+          f"fp32 matmul {gflops:.0f} GFLOP/s; peak = {'resident memory' if args.device == 'cpu' else 'GPU memory allocated'}")
     rows = []
     for name in args.workloads:
         results: dict[str, list[TrialResult]] = {impl: [] for impl in args.impls}
         for trial in range(args.trials):
             for impl in args.impls:  # alternate A/B so drift on the machine hits both
                 cmd = [sys.executable, __file__, "--child", impl, name, "--steps", str(args.steps),
-                       "--threads", str(args.threads)]
+                       "--threads", str(args.threads), "--device", args.device]
                 proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})
                 line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
                 if proc.returncode or line is None:
