@@ -17,7 +17,6 @@ import statistics
 import time
 
 import torch
-
 from throughput import WORKLOADS, build
 
 
@@ -49,9 +48,9 @@ def main() -> None:
         rows = torch.randperm(len(lengths), generator=g)
         by_length = module._micro_batches
 
-        def plain(exp, rows):
+        def plain(exp, rows, budget=args.budget):
             width = int(exp["completion_mask"][rows].sum(-1).max())
-            return list(rows.split(max(1, module.micro_batch_tokens // (exp["prompt_ids"].shape[1] + width))))
+            return list(rows.split(max(1, budget // (exp["prompt_ids"].shape[1] + width))))
 
         times: dict[str, list[float]] = {"plain split": [], "by length": []}
         for _ in range(args.repeats):

@@ -17,8 +17,8 @@ from torchmetrics import MeanMetric
 
 from .advantages import group_relative_advantages, zero_std_groups
 from .logprobs import completion_logprobs, shared_prompt_completion_logprobs
-from .models import disable_dropout as _disable_dropout
 from .models import cast_weights, frozen_copy, prepare_tokenizer, resolve_dtype
+from .models import disable_dropout as _disable_dropout
 from .objectives import Objective, build_objective
 from .rewards import RewardComposer, RewardOutput
 from .rollout import HFRolloutEngine, RolloutBatch, RolloutEngine, SamplingConfig

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from functools import partial
@@ -10,8 +9,8 @@ from functools import partial
 import torch
 from torch import Tensor, nn
 
-from ..models import frozen_copy, resolve_dtype
 from .._hf import cache_argument, output_cache, positions_from_mask, preallocated_cache
+from ..models import frozen_copy, resolve_dtype
 from .fast_decode import decode_step, llama_like, static_decode_step
 
 
