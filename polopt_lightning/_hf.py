@@ -31,8 +31,8 @@ def preallocated_cache(model: nn.Module, capacity: int) -> Any | None:
     transformers' ``DynamicCache`` concatenates every layer's keys and values at each decoding step, copying the
     whole cache each time (quadratic in the completion length). This one writes in place and hands attention a view
     of the filled part, so attention still covers only the tokens seen so far. Its buffers (``layer._k``,
-    ``layer._v``) start zeroed, so a static-shape decoding step may attend over all of them under a mask. ``None`` when this transformers
-    version has no layered ``Cache`` (the caller then lets the model make its own).
+    ``layer._v``) start zeroed, so a static-shape decoding step may attend over all of them under a mask. ``None``
+    when this transformers version has no layered ``Cache`` (the caller then lets the model make its own).
     """
     try:
         from transformers.cache_utils import Cache, DynamicLayer
