@@ -133,21 +133,42 @@ def test_sampling_config_validation():
         SamplingConfig(max_new_tokens=2, min_new_tokens=3)
 
 
-@pytest.mark.parametrize("architecture,kv_heads", [("qwen2", 2), ("llama", 1)])
-def test_fast_decode_matches_the_model_forward(architecture, kv_heads):
-    """The lean decoding step (preallocated cache, grouped-query attention) against the full
-    transformers forward: same sampled log-probs as a fresh forward, and the same tokens as the slow path."""
-    model, tok = build_tiny_model(architecture=architecture, hidden_size=32, num_layers=2, num_heads=2,
+@pytest.mark.parametrize("shared_prompt_kv", [True, False], ids=["shared-prompt-kv", "per-sample-kv"])
+@pytest.mark.parametrize("architecture,heads,kv_heads", [("qwen2", 2, 2), ("llama", 2, 1), ("llama", 4, 2)])
+def test_fast_decode_matches_the_model_forward(architecture, heads, kv_heads, shared_prompt_kv):
+    """The lean decoding step (preallocated cache, grouped-query attention, prompt keys/values per group or per
+    sample) against the full transformers forward: same sampled log-probs as a fresh forward, and the same tokens as
+    the slow path."""
+    model, tok = build_tiny_model(architecture=architecture, hidden_size=32, num_layers=2, num_heads=heads,
                                   num_kv_heads=kv_heads, intermediate_size=64, seed=5)
-    ids, mask = _prompts(tok, ["12+34=", "5+6=", "1+100+2="])
+    ids, mask = _prompts(tok, ["12+34=", "5+6=", "1+100+2="])  # left padding: the prompt bias must close it
     sampling = SamplingConfig(max_new_tokens=7, min_new_tokens=7)
     out = {}
     for fast in (True, False):
-        out[fast] = HFRolloutEngine(fast_decode=fast).generate(model, ids, mask, 3, sampling, tok.eos_token_id,
-                                                               tok.pad_token_id, torch.Generator().manual_seed(1))
+        engine = HFRolloutEngine(fast_decode=fast, shared_prompt_kv=shared_prompt_kv)
+        out[fast] = engine.generate(model, ids, mask, 3, sampling, tok.eos_token_id, tok.pad_token_id,
+                                    torch.Generator().manual_seed(1))
     assert torch.equal(out[True].completion_ids, out[False].completion_ids)
     torch.testing.assert_close(out[True].sampling_logprobs, out[False].sampling_logprobs, atol=1e-5, rtol=1e-5)
     with torch.no_grad():
         fresh, _ = completion_logprobs(model.eval(), out[True].prompt_ids, out[True].prompt_mask,
                                        out[True].completion_ids, out[True].completion_mask)
     torch.testing.assert_close(fresh, out[True].sampling_logprobs, atol=1e-5, rtol=1e-5)
+
+
+def test_shared_prompt_kv_is_chosen_where_it_measured_faster():
+    """Auto: on for fp32 on the CPU when per-sample copies would re-read >= 1 MiB of prompt keys/values per layer."""
+    from polopt_lightning._hf import cache_argument, preallocated_cache
+
+    def decide(prompt_len, dtype, G=8):
+        model, tok = build_tiny_model(hidden_size=64, num_layers=1, num_heads=2, intermediate_size=64)
+        model = model.to(dtype)
+        cache = preallocated_cache(model, prompt_len + 4)
+        model(input_ids=torch.ones(2, prompt_len, dtype=torch.long), use_cache=True, **{cache_argument(model): cache})
+        return HFRolloutEngine()._share_prompt_kv(model, cache, 2 * G, prompt_len)
+
+    # re-read bytes = (N - P) x kv_heads x Lp x head_dim x 4 bytes x 2 (keys and values)
+    assert decide(300, torch.float32) is True  # 14 x 2 x 300 x 32 x 8 = 2.1 MiB
+    assert decide(100, torch.float32) is False  # 0.7 MiB
+    assert decide(300, torch.bfloat16) is False
+    assert HFRolloutEngine(shared_prompt_kv=True)._share_prompt_kv(None, None, 0, 0) is True

@@ -57,7 +57,7 @@ def decode_step(base: nn.Module, cache: Any, token: Tensor, position: Tensor, ke
         position: ``[N, 1]`` position ids.
         key_mask: ``[N, 1, 1, L]`` additive mask over the cache positions including the new one.
     """
-    return _step(base, [kv.update for kv in cache.layers], token, position, key_mask)
+    return _step(base, [_sdpa(kv.update, key_mask) for kv in cache.layers], token, position)
 
 
 def static_decode_step(base: nn.Module, keys: list[Tensor], values: list[Tensor], slot: Tensor, token: Tensor,
@@ -77,11 +77,65 @@ def static_decode_step(base: nn.Module, keys: list[Tensor], values: list[Tensor]
             return k_buf, v_buf
         return update
 
-    return _step(base, [writer(k, v) for k, v in zip(keys, values)], token, position, key_mask)
+    return _step(base, [_sdpa(writer(k, v), key_mask) for k, v in zip(keys, values)], token, position)
 
 
-def _step(base: nn.Module, updates: list, token: Tensor, position: Tensor, key_mask: Tensor) -> Tensor:
-    """The decoding step; ``updates[i](k, v)`` stores layer i's new keys/values and returns all of them."""
+@torch.no_grad()
+def shared_prompt_decode_step(base: nn.Module, prompt_kv: list[tuple[Tensor, Tensor]], prompt_bias: Tensor,
+                              completion_kv: list[tuple[Tensor, Tensor]], length: int, token: Tensor,
+                              position: Tensor) -> Tensor:
+    """:func:`decode_step` with each prompt's keys/values held once per group instead of once per sample.
+
+    Rows are ``P`` groups of ``G`` samples, group by group. ``prompt_kv[i]`` holds layer i's prompt keys/values
+    ``[P, kv_heads, Lp, D]`` (``prompt_bias`` ``[P, 1, 1, Lp]`` closes their left padding); ``completion_kv[i]``
+    ``[N, kv_heads, T, D]`` receives the new token's at position ``length`` and holds the ``length`` before it. The G
+    queries of a group attend to their shared prompt in one product, so the prompt's keys/values are read once per
+    group instead of G times per token; one softmax over prompt and completion scores gives the same attention.
+    """
+
+    def attend(kp: Tensor, vp: Tensor, kc: Tensor, vc: Tensor):
+        def run(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
+            kc[:, :, length:length + 1] = k
+            vc[:, :, length:length + 1] = v
+            return _shared_prompt_attention(q, kp, vp, kc[:, :, :length + 1], vc[:, :, :length + 1], prompt_bias,
+                                            scale)
+        return run
+
+    return _step(base, [attend(*p, *c) for p, c in zip(prompt_kv, completion_kv)], token, position)
+
+
+def _shared_prompt_attention(q: Tensor, kp: Tensor, vp: Tensor, kc: Tensor, vc: Tensor, prompt_bias: Tensor,
+                             scale: float) -> Tensor:
+    """Attention of ``q`` ``[N, H, 1, D]`` over a group-shared prompt ``kp/vp`` ``[P, KVH, Lp, D]`` and per-row
+    completion keys ``kc/vc`` ``[N, KVH, t, D]``; query head ``h`` uses key head ``h // (H // KVH)``."""
+    N, H, _, D = q.shape
+    P, KVH, Lp, _ = kp.shape
+    G, rep, t = N // P, H // KVH, kc.shape[2]
+    # prompt scores: a group's G x rep queries against its Lp keys in one product per key head
+    qg = q.reshape(P, G, KVH, rep, D).permute(0, 2, 1, 3, 4).reshape(P, KVH, G * rep, D)
+    sp = torch.matmul(qg, kp.transpose(-1, -2)).float().mul_(scale).add_(prompt_bias)  # [P, KVH, G*rep, Lp]
+    sp = sp.view(P, KVH, G, rep, Lp).permute(0, 2, 1, 3, 4).reshape(N, KVH, rep, Lp)
+    qc = q.reshape(N, KVH, rep, D)
+    sc = torch.matmul(qc, kc.transpose(-1, -2)).float().mul_(scale)  # [N, KVH, rep, t]
+    weights = torch.softmax(torch.cat([sp, sc], dim=-1), dim=-1).to(q.dtype)
+    wp, wc = weights.split([Lp, t], dim=-1)
+    wp = wp.reshape(P, G, KVH, rep, Lp).permute(0, 2, 1, 3, 4).reshape(P, KVH, G * rep, Lp)
+    out = torch.matmul(wp, vp).view(P, KVH, G, rep, D).permute(0, 2, 1, 3, 4).reshape(N, KVH, rep, D)
+    return (out + torch.matmul(wc, vc)).view(N, H, 1, D)
+
+
+def _sdpa(update, key_mask: Tensor):
+    """Attention through ``update(k, v) -> (all keys, all values)`` under the additive ``key_mask``."""
+    def run(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
+        keys, values = update(k, v)
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=key_mask, scale=scale,
+                                              enable_gqa=keys.shape[1] != q.shape[1])
+    return run
+
+
+def _step(base: nn.Module, attends: list, token: Tensor, position: Tensor) -> Tensor:
+    """The decoding step; ``attends[i](q, k, v, scale)`` stores layer i's new keys/values and returns the
+    attention output ``[N, heads, 1, D]``."""
     inner, config = base.model, base.config
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
@@ -89,7 +143,7 @@ def _step(base: nn.Module, updates: list, token: Tensor, position: Tensor, key_m
     cos, sin = inner.rotary_emb(x, position)  # [N, 1, D]
     cos, sin = cos[:, None], sin[:, None]  # [N, 1, 1, D]
     n = x.shape[0]
-    for layer, update in zip(inner.layers, updates):
+    for layer, attend in zip(inner.layers, attends):
         attn = layer.self_attn
         h = _rms_norm(layer.input_layernorm, x)
         q, k, v = attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)
@@ -98,9 +152,7 @@ def _step(base: nn.Module, updates: list, token: Tensor, position: Tensor, key_m
         v = v.view(n, 1, -1, head_dim).transpose(1, 2)
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
-        keys, values = update(k, v)
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=key_mask, scale=attn.scaling,
-                                             enable_gqa=keys.shape[1] != heads)
+        out = attend(q, k, v, attn.scaling)
         x = x + attn.o_proj(out.transpose(1, 2).reshape(n, 1, -1))
         h = _rms_norm(layer.post_attention_layernorm, x)
         x = x + layer.mlp(h)
