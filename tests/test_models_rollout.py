@@ -165,10 +165,10 @@ def test_shared_prompt_kv_is_chosen_where_it_measured_faster():
         model = model.to(dtype)
         cache = preallocated_cache(model, prompt_len + 4)
         model(input_ids=torch.ones(2, prompt_len, dtype=torch.long), use_cache=True, **{cache_argument(model): cache})
-        return HFRolloutEngine()._share_prompt_kv(model, cache, 2 * G, prompt_len)
+        return HFRolloutEngine()._share_prompt_kv(cache, 2 * G, prompt_len)
 
     # re-read bytes = (N - P) x kv_heads x Lp x head_dim x 4 bytes x 2 (keys and values)
     assert decide(300, torch.float32) is True  # 14 x 2 x 300 x 32 x 8 = 2.1 MiB
     assert decide(100, torch.float32) is False  # 0.7 MiB
     assert decide(300, torch.bfloat16) is False
-    assert HFRolloutEngine(shared_prompt_kv=True)._share_prompt_kv(None, None, 0, 0) is True
+    assert HFRolloutEngine(shared_prompt_kv=True)._share_prompt_kv(None, 0, 0) is True

@@ -175,7 +175,8 @@ class HFRolloutEngine(RolloutEngine):
         finally:
             sampler.train(was_training)
 
-    def _share_prompt_kv(self, model: nn.Module, cache, N: int, Lp: int) -> bool:
+    def _share_prompt_kv(self, cache, N: int, Lp: int) -> bool:
+        """``shared_prompt_kv``, or where it is ``None`` whether the measured rule says it pays (see the class)."""
         if self.shared_prompt_kv is not None:
             return self.shared_prompt_kv
         k = cache.layers[0]._k  # [P, kv_heads, capacity, D] after the prefill
@@ -204,7 +205,7 @@ class HFRolloutEngine(RolloutEngine):
         next_position = position_ids[:, -1:].repeat_interleave(G, dim=0) + 1  # [N, 1]
         N, Lp = attention_mask.shape
         fast = llama_like(model) if (self.fast_decode and extra) else None
-        shared = fast is not None and not self.compile and self._share_prompt_kv(model, cache, N, Lp)
+        shared = fast is not None and not self.compile and self._share_prompt_kv(cache, N, Lp)
         if shared:  # the prompt's keys/values stay one per group; completions get a cache of their own
             prompt_kv = [(kv._k[:, :, :Lp], kv._v[:, :, :Lp]) for kv in cache.layers]  # [P, kv_heads, Lp, D]
             completion_kv = [(k.new_zeros(N, k.shape[1], sampling.max_new_tokens, k.shape[3]),
