@@ -10,10 +10,7 @@ from polopt_lightning import PolicyOptimizationModule, PromptDataModule
 from polopt_lightning.logprobs import completion_logprobs
 from polopt_lightning.models import build_tiny_model
 from polopt_lightning.rollout import HFRolloutEngine, SamplingConfig
-
-
-def distinct_chars(prompts, completions, **kw):
-    return [float(len(set(c))) for c in completions]
+from tests.test_module import distinct_chars
 
 
 def _prompts(tok, texts):
