@@ -12,6 +12,7 @@ from typing import Any
 
 import lightning as L
 import torch
+from lightning.pytorch.plugins.precision import MixedPrecision
 from torch import Tensor, nn
 from torchmetrics import MeanMetric
 
@@ -197,9 +198,16 @@ class PolicyOptimizationModule(L.LightningModule):
             optimizer = self.optimizer_factory(params)
         else:
             kwargs = dict(lr=self.lr, weight_decay=self.weight_decay, betas=self.betas)
-            try:  # the fused kernel is ~5x faster per step on CPU and GPU; not every parameter type supports it
-                optimizer = torch.optim.AdamW(params, fused=True, **kwargs)
-            except (RuntimeError, TypeError, ValueError):
+            optimizer = None
+            # the fused kernel is ~5x faster per step on CPU and GPU, but Lightning's mixed-precision plugins refuse
+            # to clip the gradients of an optimizer that unscales them itself (as the fused one declares it does)
+            mixed = self.trainer is not None and isinstance(self.trainer.precision_plugin, MixedPrecision)
+            if not (mixed and self.max_grad_norm):
+                try:  # not every parameter type supports the fused kernel
+                    optimizer = torch.optim.AdamW(params, fused=True, **kwargs)
+                except (RuntimeError, TypeError, ValueError):
+                    pass
+            if optimizer is None:
                 optimizer = torch.optim.AdamW(params, **kwargs)
         total = self.trainer.max_steps if self.trainer is not None and self.trainer.max_steps > 0 else 0
         scheduler = torch.optim.lr_scheduler.LambdaLR(

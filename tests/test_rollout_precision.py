@@ -158,3 +158,52 @@ def test_bf16_reference_gives_the_kl_term_within_rounding(tmp_path, tiny, arithm
     given = copy.deepcopy(model)
     assert PolicyOptimizationModule(model, tok, ref_model=given, ref_dtype="bf16", **kwargs).ref_model is given
     assert next(given.parameters()).dtype == torch.bfloat16  # cast in place, as documented
+
+
+def test_under_autocast_sampling_uses_a_copy_in_the_autocast_dtype(tiny):
+    """A mixed-precision trainer runs the rollout under autocast: an fp32 policy samples through a bf16 copy with
+    autocast off (autocast would cast every weight at every token), and ``rollout_dtype=float32`` opts out."""
+    model, tok = tiny
+    ids, mask = _prompts(tok, ["12+34=", "5+6="])
+    sampling = SamplingConfig(max_new_tokens=6)
+
+    def sample(engine):
+        return engine.generate(model, ids, mask, 3, sampling, tok.eos_token_id, tok.pad_token_id,
+                               torch.Generator().manual_seed(0))
+
+    engine = HFRolloutEngine()
+    assert engine.sampling_dtype(model) is None and engine.logprobs_match(model)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert engine.sampling_dtype(model) == torch.bfloat16 and not engine.logprobs_match(model)
+        sampler = engine.sampling_model(model)
+        assert sampler is not model and all(p.dtype == torch.bfloat16 for p in sampler.parameters())
+        mixed = sample(engine)
+        full = sample(HFRolloutEngine(dtype="float32"))
+        assert not HFRolloutEngine(dtype="float32").logprobs_match(model)  # training computes in bf16
+    assert engine.sampling_model(model) is model  # outside autocast the policy samples itself again
+    half, plain = sample(HFRolloutEngine(dtype="bfloat16")), sample(HFRolloutEngine())
+    assert torch.equal(mixed.completion_ids, half.completion_ids)
+    assert torch.equal(mixed.sampling_logprobs, half.sampling_logprobs)
+    assert torch.equal(full.completion_ids, plain.completion_ids)  # fp32 with autocast off inside
+    assert torch.equal(full.sampling_logprobs, plain.sampling_logprobs)
+
+
+def test_bf16_mixed_trainer_fits_off_policy_with_gradient_clipping(tmp_path, tiny, arithmetic_rows):
+    """Lightning's mixed-precision plugin refuses to clip the gradients of a fused optimizer: the module then
+    builds the unfused AdamW, and the rollout samples through the bf16 copy."""
+    model, tok = tiny
+    before = copy.deepcopy(model)
+    module = PolicyOptimizationModule(model, tok, objective="gspo", reward_fns=[distinct_chars], num_generations=4,
+                                      mini_batches=2, generation={"max_new_tokens": 4}, lr=1e-2, max_grad_norm=1.0,
+                                      seed=1)
+    dm = PromptDataModule(train=arithmetic_rows[0], tokenizer=tok, batch_size=2)
+    trainer = L.Trainer(accelerator="cpu", precision="bf16-mixed", max_steps=4, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        limit_val_batches=0)
+    trainer.fit(module, datamodule=dm)
+    assert trainer.global_step == 4
+    assert not trainer.optimizers[0].defaults.get("fused")
+    assert module.engine._sampler is not None and module.engine._sampler[1].dtype == torch.bfloat16
+    assert all(p.dtype == torch.float32 for p in module.policy.parameters())
+    assert not any(torch.equal(a, b) for a, b in zip(before.parameters(), module.policy.parameters()))
+    assert torch.isfinite(trainer.callback_metrics["train/loss"])
