@@ -77,6 +77,11 @@ class PolicyOptimizationModule(L.LightningModule):
             be gathered.
         micro_batch_tokens: bound on the tokens (prompt + completion) of one forward/backward; a mini-batch larger
             than this is split and its gradients accumulated (same gradient, bounded memory). ``None``: no split.
+        gradient_checkpointing: recompute each decoder layer's activations in the backward pass instead of keeping
+            them (the model's ``gradient_checkpointing_enable``, non-reentrant): less memory for about one more
+            forward pass. Layers under checkpointing keep no cache, so the training pass then runs each completion
+            with its own prompt (the reference and old-log-prob passes, without gradient, still share it). TRL's
+            ``GRPOConfig`` turns it on by default.
         reuse_sampling_logprobs: off-policy updates take the sampler's log-probs as old log-probs instead of a
             second forward pass (they match the training numerics when dropout is off and the sampler runs in the
             policy's own precision; otherwise the pass runs, for every row but the first mini-batch's, whose old
@@ -119,6 +124,7 @@ class PolicyOptimizationModule(L.LightningModule):
         share_prompt: bool = True,
         reuse_sampling_logprobs: bool = True,
         micro_batch_tokens: int | None = None,
+        gradient_checkpointing: bool = False,
         seed: int = 0,
     ) -> None:
         super().__init__()
@@ -166,6 +172,16 @@ class PolicyOptimizationModule(L.LightningModule):
         if micro_batch_tokens is not None and micro_batch_tokens < 1:
             raise ValueError(f"micro_batch_tokens must be >= 1 or None, got {micro_batch_tokens}")
         self.micro_batch_tokens = micro_batch_tokens
+        self.gradient_checkpointing = gradient_checkpointing
+        if gradient_checkpointing:
+            if not getattr(model, "supports_gradient_checkpointing", False) and not hasattr(model, "base_model"):
+                raise ValueError(f"gradient_checkpointing=True: {type(model).__name__} does not support it "
+                                 "(a transformers model with supports_gradient_checkpointing does)")
+            kwargs = {"use_reentrant": False}
+            if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5 (the old name is deprecated)
+                model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+            else:
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
         # sampler log-probs equal a training forward only when dropout cannot make them differ
         self.reuse_sampling_logprobs = reuse_sampling_logprobs and disable_dropout
         self.seed = seed
@@ -289,7 +305,9 @@ class PolicyOptimizationModule(L.LightningModule):
         width = exp["completion_ids"].shape[1] if width is None else width
         args = (model, exp["prompt_ids"][rows], exp["prompt_mask"][rows], exp["completion_ids"][rows, :width],
                 exp["completion_mask"][rows, :width])
-        if self.share_prompt:
+        # checkpointed layers drop the cache the shared prompt is passed through; without gradient they keep it
+        checkpointed = self.gradient_checkpointing and model is self.policy and torch.is_grad_enabled()
+        if self.share_prompt and not checkpointed:
             return shared_prompt_completion_logprobs(*args, exp["group_index"][rows], self.sampling.logprob_temperature,
                                                      with_entropy=with_entropy)
         return completion_logprobs(*args, self.sampling.logprob_temperature, with_entropy=with_entropy)

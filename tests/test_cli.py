@@ -113,6 +113,18 @@ def test_precision_keys_reach_the_module(tmp_path):
     assert kl and all(math.isfinite(v) for v in kl)
 
 
+def test_mixed_precision_with_checkpointing_from_the_command_line(tmp_path):
+    """`trainer.precision=bf16-mixed` (what `trainer=gpu` sets) with clipping, off-policy, checkpointed layers."""
+    cfg = compose_with(FAST + ["trainer.precision=bf16-mixed", "module.gradient_checkpointing=true",
+                               "module.mini_batches=2", "module.max_grad_norm=1.0", "trainer.max_steps=4"], tmp_path)
+    _set_hydra(cfg)
+    results = train(cfg)
+    assert results["steps"] == 4 and results["val_accuracy_after"] is not None
+    rows = list(csv.DictReader(open(tmp_path / "csv" / "version_0" / "metrics.csv")))
+    logged = [(float(r["train/loss"]), float(r["train/grad_norm"])) for r in rows if r.get("train/loss")]
+    assert len(logged) == 2 and all(math.isfinite(v) for pair in logged for v in pair)  # one row per rollout
+
+
 def _cli(args, cwd, env_extra=None):
     env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env_extra or {})}
     return subprocess.run([sys.executable, "-m", "polopt_lightning", *args], cwd=cwd, env=env,

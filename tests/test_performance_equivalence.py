@@ -141,3 +141,29 @@ def test_logprob_memory_stays_flat_with_a_150k_vocabulary():
     assert max(sizes) == chunk * V * 4  # one fp32 chunk, independent of B*T = 512 rows
     full = torch.log_softmax(logits[:1, :8].float(), -1).gather(-1, index[:1, :8, None]).squeeze(-1)
     torch.testing.assert_close(lp[:1, :8], full, atol=1e-4, rtol=1e-4)
+
+
+def test_gradient_checkpointing_recomputes_the_layers_and_keeps_the_gradient():
+    module, exp = experience({"name": "grpo", "beta": 0.04}, mini_batches=2)
+    rows = torch.tensor([0, 5, 1, 7, 11, 2, 8])
+    module.policy.train()
+    plain_metrics, plain = gradients(module, exp, rows)  # shared prompt, layers not checkpointed
+    ckpt = PolicyOptimizationModule(copy.deepcopy(module.policy), module.tokenizer, objective=module.objective,
+                                    reward_fns=[varied], num_generations=4, gradient_checkpointing=True)
+    assert all(layer.gradient_checkpointing for layer in ckpt.policy.model.layers)
+    calls = []
+    # a pre-hook: the recomputation stops as soon as the saved tensors are back, before the MLP returns
+    ckpt.policy.model.layers[0].mlp.register_forward_pre_hook(lambda *args: calls.append(torch.is_grad_enabled()))
+    ckpt.manual_backward = lambda loss: loss.backward()
+    metrics = ckpt.accumulate_gradients(exp, rows)
+    assert calls == [True, True]  # the forward, then its recomputation in the backward pass
+    torch.testing.assert_close(metrics["loss"], plain_metrics["loss"], atol=1e-6, rtol=1e-5)
+    for name, p in ckpt.policy.named_parameters():
+        torch.testing.assert_close(p.grad, plain[name], atol=1e-6, rtol=1e-4, msg=name)
+    calls.clear()
+    with torch.no_grad():  # a pass without gradient keeps the shared prompt (one prompt forward per group)
+        ckpt.sequence_logprobs(ckpt.policy, exp, slice(None))
+    assert calls == [False, False]
+    with pytest.raises(ValueError, match="gradient_checkpointing"):
+        PolicyOptimizationModule(torch.nn.Linear(2, 2), module.tokenizer, reward_fns=[varied],
+                                 gradient_checkpointing=True)
