@@ -8,9 +8,14 @@ completions are forced to full length (min_new_tokens = max_new_tokens) so both 
     python benchmarks/throughput.py --device cuda         # on a GPU machine (peak = GPU memory allocated)
 
 Prints per workload: median seconds per rollout step (one optimizer step on-policy; all mini-batch steps of one
-rollout off-policy), generated tokens per second, peak RSS (GPU memory with --device cuda), the polopt/TRL speed ratio, and the FLOP floor: the
-step's FLOPs (2N per generated or scored token, 6N per trained token, prompts counted once per group, N =
-non-embedding parameters) over the fp32 matmul throughput measured at the start of the run.
+rollout off-policy), generated tokens per second, peak RSS (its own ``VmHWM``; GPU memory with --device cuda), the
+speed-up against each TRL run, and two floors: the FLOP floor, the step's FLOPs (2N per generated or scored token, 6N
+per trained token, prompts counted once per group, N = non-embedding parameters) with each phase at the matmul
+throughput of the dtype it computes in, measured at the start of the run; and the roofline floor, where each
+decoding step takes the longer of its FLOPs and the bytes it must read at the measured memory bandwidth.
+
+TRL's GRPOConfig turns gradient checkpointing on by default: the default run measures TRL with and without it
+(``trl`` and ``trl:gradient_checkpointing=false``), so polopt can be compared like for like.
 """
 
 from __future__ import annotations
@@ -83,6 +88,8 @@ def run_polopt(workload: dict, steps: int, overrides: dict | None = None, device
 
     from polopt_lightning import PolicyOptimizationModule, PromptDataModule
 
+    overrides = dict(overrides or {})
+    precision = overrides.pop("precision", "32-true")  # the Trainer's; every other key is the module's
     model, tok, prompts = build(workload)
     data = PromptDataModule(train=[{"prompt": p} for p in prompts], tokenizer=tok, batch_size=workload["prompts"],
                             shuffle=False)
@@ -91,7 +98,7 @@ def run_polopt(workload: dict, steps: int, overrides: dict | None = None, device
         model, tok, objective={"name": "grpo", "beta": workload["beta"]}, reward_fns=[length_reward],
         num_generations=workload["generations"], mini_batches=workload["mini_batches"],
         generation={"max_new_tokens": n, "min_new_tokens": n, "temperature": 1.0}, lr=1e-6,
-        **(overrides or {}),
+        **overrides,
     )
     times: list[float] = []
 
@@ -105,6 +112,7 @@ def run_polopt(workload: dict, steps: int, overrides: dict | None = None, device
             times.append(time.perf_counter() - self.t)
 
     trainer = L.Trainer(max_steps=steps * workload["mini_batches"], accelerator=device, devices=1, logger=False,
+                        precision=precision,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         num_sanity_val_steps=0, limit_val_batches=0, callbacks=[Timer()])
     torch.manual_seed(0)
@@ -112,7 +120,7 @@ def run_polopt(workload: dict, steps: int, overrides: dict | None = None, device
     return times
 
 
-def run_trl(workload: dict, steps: int, device: str = "cpu") -> list[float]:
+def run_trl(workload: dict, steps: int, overrides: dict | None = None, device: str = "cpu") -> list[float]:
     from datasets import Dataset
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
@@ -126,13 +134,14 @@ def run_trl(workload: dict, steps: int, device: str = "cpu") -> list[float]:
     mb = workload["mini_batches"]
     n = workload["new_tokens"]
     out = tempfile.mkdtemp(prefix="trl_bench_")
+    overrides = {"bf16": False, **(overrides or {})}
     config = GRPOConfig(
-        output_dir=out, use_cpu=device == "cpu", bf16=False, fp16=False, report_to="none", save_strategy="no",
+        output_dir=out, use_cpu=device == "cpu", fp16=False, report_to="none", save_strategy="no",
         per_device_train_batch_size=completions_per_rollout // mb, steps_per_generation=mb,
         gradient_accumulation_steps=1, num_generations=workload["generations"], max_completion_length=n,
         generation_kwargs={"min_new_tokens": n}, temperature=1.0, beta=workload["beta"], num_iterations=1,
         learning_rate=1e-6, max_steps=steps * mb, logging_steps=1, disable_dropout=True, shuffle_dataset=False,
-        dataloader_num_workers=0, seed=0,
+        dataloader_num_workers=0, seed=0, **overrides,
     )
     step_times: list[float] = []
 
@@ -158,30 +167,60 @@ def child(impl: str, name: str, steps: int, threads: int, device: str = "cpu") -
 
     torch.set_num_threads(threads)
     workload = WORKLOADS[name]
-    if impl == "trl":
-        times = run_trl(workload, steps, device)
-    else:  # "polopt" or a lever switched off, e.g. "polopt:share_prompt=false"
-        overrides = {}
-        for item in impl.partition(":")[2].split(",") if ":" in impl else []:
-            key, _, value = item.partition("=")
-            overrides[key] = json.loads(value)
+    peer, overrides = parse_impl(impl)
+    if peer == "trl":  # "trl" or "trl:bf16=true" (GRPOConfig arguments)
+        times = run_trl(workload, steps, overrides, device)
+    else:  # "polopt" or a lever changed, e.g. "polopt:share_prompt=false" or 'polopt:precision="bf16-mixed"'
         times = run_polopt(workload, steps, overrides, device)
     if device == "cpu":
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB -> GiB
+        peak = peak_rss_gib()
     else:  # accelerator memory is what bounds a GPU run
         peak = torch.cuda.max_memory_allocated() / 2**30
     generated = workload["prompts"] * workload["generations"] * workload["new_tokens"]
     print("RESULT " + json.dumps(asdict(TrialResult(impl, name, times[1:] or times, peak, generated))))
 
 
-def matmul_gflops(threads: int, size: int = 2048, repeats: int = 5, rounds: int = 5, device: str = "cpu") -> float:
-    """Best of ``rounds`` timings of fp32 ``size x size`` matrix products: what the hardware gives this process."""
+def peak_rss_gib() -> float:
+    """This process's peak resident memory. Linux's ``ru_maxrss`` survives ``exec`` (a child started by this script
+    would report at least the parent's peak, e.g. the bandwidth probe's 512 MiB): ``VmHWM`` is the process's own."""
+    try:
+        with open("/proc/self/status") as fh:
+            line = next(x for x in fh if x.startswith("VmHWM:"))
+        return int(line.split()[1]) / 2**20  # kB -> GiB
+    except (OSError, StopIteration):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB (Linux) -> GiB
+
+
+def parse_impl(impl: str) -> tuple[str, dict]:
+    """``"polopt:KEY=JSON,KEY=JSON"`` -> ``("polopt", {KEY: value, ...})``."""
+    name, _, rest = impl.partition(":")
+    overrides = {}
+    for item in rest.split(",") if rest else []:
+        key, _, value = item.partition("=")
+        overrides[key] = json.loads(value)
+    return name, overrides
+
+
+def phase_dtypes(impl: str) -> dict[str, str]:
+    """The dtype each phase's matrix products run in: sampling (with prefill), reference pass, training pass."""
+    name, o = parse_impl(impl)
+    if name == "trl":  # bf16=True: autocast over the whole step
+        return dict.fromkeys(("sample", "ref", "train"), "bfloat16" if o.get("bf16") else "float32")
+    mixed = "bfloat16" if str(o.get("precision", "")).startswith("bf16") else "float32"  # autocast dtype
+    return {"sample": o.get("rollout_dtype") or mixed, "ref": o.get("ref_dtype") or mixed, "train": mixed}
+
+
+def matmul_gflops(threads: int, size: int = 2048, repeats: int = 5, rounds: int = 5, device: str = "cpu",
+                  dtype: str = "float32") -> float:
+    """Best of ``rounds`` timings of ``size x size`` matrix products in ``dtype``: what the hardware gives this
+    process."""
     import torch
 
     torch.set_num_threads(threads)
     if device != "cpu":  # a GPU needs more work per timing to be measured at all
         size, repeats = 8192, 20
-    a, b = torch.randn(size, size, device=device), torch.randn(size, size, device=device)
+    dt = getattr(torch, dtype)
+    a, b = torch.randn(size, size, device=device, dtype=dt), torch.randn(size, size, device=device, dtype=dt)
     a @ b
     _sync(device)
     best = float("inf")
@@ -194,21 +233,61 @@ def matmul_gflops(threads: int, size: int = 2048, repeats: int = 5, rounds: int 
     return 2 * size**3 * repeats / best / 1e9
 
 
-def flop_floor(workload: dict) -> float:
-    """FLOPs of one rollout step with each prompt counted once per group."""
+def memory_gbps(threads: int, mib: int = 512, rounds: int = 5, device: str = "cpu") -> float:
+    """Best of ``rounds`` timings of reading a ``mib`` MiB tensor (a sum): the memory bandwidth a decoding step
+    that streams its weights and KV cache can hope for."""
+    import torch
+
+    torch.set_num_threads(threads)
+    x = torch.ones(mib * 2**20 // 4, device=device)
+    x.sum()
+    best = float("inf")
+    for _ in range(rounds):
+        _sync(device)
+        t = time.perf_counter()
+        x.sum()
+        _sync(device)
+        best = min(best, time.perf_counter() - t)
+    return x.numel() * 4 / best / 1e9
+
+
+def step_costs(workload: dict) -> dict:
+    """Per phase of one rollout step: FLOPs (each prompt counted once per group) and, for sampling, the bytes each
+    decoding step must read at the least (every weight once, each prompt's keys/values once per group, each
+    sample's completion keys/values) as a function of the dtype's size."""
     from polopt_lightning.models import build_tiny_model, count_parameters
 
     model, _ = build_tiny_model(hidden_size=workload["hidden"], num_layers=workload["layers"],
                                 num_heads=workload["heads"], intermediate_size=workload["intermediate"])
     N = count_parameters(model, non_embedding=True)
+    weights = count_parameters(model)  # the tied embedding is read once, as the output head
     P, G, Lp, T = workload["prompts"], workload["generations"], workload["prompt_len"], workload["new_tokens"]
-    generated = P * G * T
+    cfg = model.config
+    kv_width = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads)
     scored = P * Lp + P * G * T  # prompt once per group + every completion token
-    flops = 2 * N * (P * Lp + generated)  # prefill + sampling
-    if workload["beta"] > 0:
-        flops += 2 * N * scored  # reference pass
-    flops += 6 * N * scored  # training forward + backward
-    return flops
+    return {
+        "prefill_flops": 2 * N * P * Lp,
+        "decode_flops_per_step": 2 * N * P * G,
+        "decode_elements_per_step": [weights + kv_width * (P * Lp + P * G * t) for t in range(T)],
+        "ref_flops": 2 * N * scored if workload["beta"] > 0 else 0,
+        "train_flops": 6 * N * scored,  # forward + backward
+    }
+
+
+def floors(costs: dict, dtypes: dict[str, str], gflops: dict[str, float], gbps: float) -> tuple[float, float]:
+    """Seconds one step needs at the least: (FLOP floor, roofline floor).
+
+    FLOP floor: every phase's FLOPs at the measured matmul throughput of the dtype it computes in. Roofline: the
+    same, except that each decoding step takes the longer of its FLOPs and its bytes at the measured bandwidth."""
+    def rate(phase):
+        return gflops[dtypes[phase]] * 1e9
+
+    size = {"float32": 4, "bfloat16": 2, "float16": 2}[dtypes["sample"]]
+    decode = [costs["decode_flops_per_step"] / rate("sample") for _ in costs["decode_elements_per_step"]]
+    reads = [elements * size / (gbps * 1e9) for elements in costs["decode_elements_per_step"]]
+    rest = (costs["prefill_flops"] / rate("sample") + costs["ref_flops"] / rate("ref")
+            + costs["train_flops"] / rate("train"))
+    return rest + sum(decode), rest + sum(map(max, decode, reads))
 
 
 def main() -> None:
@@ -218,18 +297,21 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4, help="rollout steps per trial (the first is warm-up)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--device", default="cpu", help="cpu or cuda: where both trainers run")
-    parser.add_argument("--impls", nargs="+", default=["polopt", "trl"],
-                        help="polopt, trl, or polopt:KEY=JSON,... for polopt with module arguments changed, to "
-                             "measure a lever (e.g. polopt:share_prompt=false or 'polopt:rollout_dtype=\"bfloat16\"')")
+    parser.add_argument("--impls", nargs="+", default=["polopt", "trl:gradient_checkpointing=false", "trl"],
+                        help="polopt, trl, polopt:KEY=JSON,... (module arguments changed, to measure a lever, e.g. "
+                             "polopt:share_prompt=false or 'polopt:rollout_dtype=\"bfloat16\"'; the key precision "
+                             "is the Trainer's) or trl:KEY=JSON,... (GRPOConfig arguments, e.g. trl:bf16=true)")
     parser.add_argument("--json", help="also write the rows to this file")
     parser.add_argument("--child", nargs=2, metavar=("IMPL", "WORKLOAD"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         return child(args.child[0], args.child[1], args.steps, args.threads, args.device)
 
-    gflops = matmul_gflops(args.threads, device=args.device)
-    print(f"machine: {os.cpu_count()} CPUs, {args.threads} torch threads, device {args.device}; "
-          f"fp32 matmul {gflops:.0f} GFLOP/s; peak = {'resident memory' if args.device == 'cpu' else 'GPU memory allocated'}")
+    gflops = {dt: matmul_gflops(args.threads, device=args.device, dtype=dt) for dt in ("float32", "bfloat16")}
+    gbps = memory_gbps(args.threads, device=args.device)
+    print(f"machine: {os.cpu_count()} CPUs, {args.threads} torch threads, device {args.device}; matmul "
+          f"{gflops['float32']:.0f} GFLOP/s fp32, {gflops['bfloat16']:.0f} bf16; memory read {gbps:.1f} GB/s; "
+          f"peak = {'resident memory' if args.device == 'cpu' else 'GPU memory allocated'}")
     rows = []
     for name in args.workloads:
         results: dict[str, list[TrialResult]] = {impl: [] for impl in args.impls}
@@ -246,29 +328,33 @@ def main() -> None:
                 results[impl].append(r)
                 print(f"  {name:12s} {impl:20s} trial {trial}: {r.median_s:.3f} s/step, peak {r.peak_rss_gib:.2f} GiB",
                       flush=True)
-        floor_s = flop_floor(WORKLOADS[name]) / (gflops * 1e9)
-        row = {"workload": name, "floor_s": floor_s}
+        costs = step_costs(WORKLOADS[name])
+        row = {"workload": name, "runs": {}}
         for impl, rs in results.items():
             all_steps = [s for r in rs for s in r.step_s]
-            row[impl] = {"s_per_step": statistics.median(all_steps),
-                         "tokens_per_s": rs[0].generated_tokens_per_step / statistics.median(all_steps),
-                         "peak_rss_gib": max(r.peak_rss_gib for r in rs)}
+            flop_s, roofline_s = floors(costs, phase_dtypes(impl), gflops, gbps)
+            row["runs"][impl] = {"s_per_step": statistics.median(all_steps),
+                                 "tokens_per_s": rs[0].generated_tokens_per_step / statistics.median(all_steps),
+                                 "peak_rss_gib": max(r.peak_rss_gib for r in rs),
+                                 "flop_floor_s": flop_s, "roofline_s": roofline_s}
         rows.append(row)
 
     print()
-    header = "| workload | run | s/step | speed-up vs TRL | generated tok/s | peak GiB | FLOP floor s | s/step / floor |"
+    peers = [impl for impl in args.impls if parse_impl(impl)[0] == "trl"]
+    header = ("| workload | run | s/step | " + "".join(f"speed-up vs {p} | " for p in peers)
+              + "generated tok/s | peak GiB | FLOP floor s | s/step / FLOP floor | roofline s | s/step / roofline |")
     print(header)
     print("|---" * (header.count("|") - 1) + "|")
     for row in rows:
-        trl = row.get("trl")
-        for impl in [k for k in row if k not in ("workload", "floor_s")]:
-            r = row[impl]
-            speed = f"{trl['s_per_step'] / r['s_per_step']:.2f}x" if trl else "-"
-            print(f"| {row['workload']} | {impl} | {r['s_per_step']:.3f} | {speed} | {r['tokens_per_s']:.0f} "
-                  f"| {r['peak_rss_gib']:.2f} | {row['floor_s']:.3f} | {r['s_per_step'] / row['floor_s']:.2f}x |")
+        runs = row["runs"]
+        for impl, r in runs.items():
+            speed = "".join(f"{runs[p]['s_per_step'] / r['s_per_step']:.2f}x | " for p in peers)
+            print(f"| {row['workload']} | {impl} | {r['s_per_step']:.3f} | {speed}{r['tokens_per_s']:.0f} "
+                  f"| {r['peak_rss_gib']:.2f} | {r['flop_floor_s']:.3f} | {r['s_per_step'] / r['flop_floor_s']:.2f}x "
+                  f"| {r['roofline_s']:.3f} | {r['s_per_step'] / r['roofline_s']:.2f}x |")
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump({"gflops": gflops, "rows": rows}, fh, indent=2)
+            json.dump({"gflops": gflops, "memory_gbps": gbps, "rows": rows}, fh, indent=2)
 
 
 if __name__ == "__main__":

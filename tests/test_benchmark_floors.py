@@ -1,0 +1,60 @@
+"""The benchmark's floors: the dtype each phase computes in, and the FLOP and roofline floors built from them."""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+spec = importlib.util.spec_from_file_location("throughput", Path(__file__).parents[1] / "benchmarks" / "throughput.py")
+throughput = importlib.util.module_from_spec(spec)
+sys.modules["throughput"] = throughput  # its dataclass looks its module up
+spec.loader.exec_module(throughput)
+
+
+def test_phase_dtypes_follow_the_run_settings():
+    fp32 = dict.fromkeys(("sample", "ref", "train"), "float32")
+    bf16 = dict.fromkeys(("sample", "ref", "train"), "bfloat16")
+    assert throughput.phase_dtypes("polopt") == fp32 and throughput.phase_dtypes("trl") == fp32
+    assert throughput.phase_dtypes("trl:bf16=true") == bf16
+    assert throughput.phase_dtypes('polopt:precision="bf16-mixed"') == bf16
+    assert throughput.phase_dtypes('polopt:rollout_dtype="bfloat16",ref_dtype="bfloat16"') == {
+        "sample": "bfloat16", "ref": "bfloat16", "train": "float32"}
+    assert throughput.parse_impl('polopt:share_prompt=false,micro_batch_tokens=512') == (
+        "polopt", {"share_prompt": False, "micro_batch_tokens": 512})
+
+
+def test_floors_count_flops_per_phase_and_decoding_reads():
+    workload = dict(throughput.WORKLOADS["tiny"])
+    costs = throughput.step_costs(workload)
+    P, G, Lp, T = (workload[k] for k in ("prompts", "generations", "prompt_len", "new_tokens"))
+    N = costs["prefill_flops"] // (2 * P * Lp)  # non-embedding parameters
+    assert costs["train_flops"] == 6 * N * (P * Lp + P * G * T) and costs["ref_flops"] == costs["train_flops"] // 3
+    assert len(costs["decode_elements_per_step"]) == T
+    growth = costs["decode_elements_per_step"][1] - costs["decode_elements_per_step"][0]
+    assert growth == 2 * workload["layers"] * workload["hidden"] * P * G  # one key and value per sample and layer
+    total_flops = (costs["prefill_flops"] + T * costs["decode_flops_per_step"] + costs["ref_flops"]
+                   + costs["train_flops"])
+    dtypes = throughput.phase_dtypes("polopt")
+    flop, roofline = throughput.floors(costs, dtypes, {"float32": 100.0}, gbps=1e9)  # bandwidth never binds
+    assert flop == pytest.approx(total_flops / 100e9) and roofline == pytest.approx(flop)
+    flop, slow = throughput.floors(costs, dtypes, {"float32": 100.0}, gbps=1e-3)  # every decoding step reads
+    assert slow == pytest.approx(flop - T * costs["decode_flops_per_step"] / 100e9
+                                 + sum(costs["decode_elements_per_step"]) * 4 / 1e6)
+    mixed = throughput.floors(costs, throughput.phase_dtypes("trl:bf16=true"), {"bfloat16": 200.0}, gbps=1e-3)
+    assert mixed[0] == pytest.approx(total_flops / 200e9)
+    assert mixed[1] - mixed[0] == pytest.approx((slow - flop) / 2)  # half the bytes, twice the FLOP rate
+
+
+def test_peak_memory_is_the_child_process_own():
+    """Each trial runs in a child process; its peak must not inherit this (larger) process's."""
+    import subprocess
+
+    import torch
+
+    held = torch.ones(64 * 2**20)  # 256 MiB resident here
+    code = f"import sys; sys.path.insert(0, {str(Path(throughput.__file__).parent)!r}); import throughput; " \
+           "print(throughput.peak_rss_gib())"
+    child = float(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
+    assert 0 < child < 0.2 < throughput.peak_rss_gib()
+    del held
