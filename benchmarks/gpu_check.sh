@@ -22,7 +22,9 @@ mkdir -p "$OUT"
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
   export PYTHONPATH="$PWD:/tmp/site" PYTHONUNBUFFERED=1
   python3 -c "import torch, transformers, lightning, trl; print('torch', torch.__version__, 'cuda', torch.cuda.is_available(), 'transformers', transformers.__version__, 'lightning', lightning.__version__, 'trl', trl.__version__)"
-  python3 benchmarks/throughput.py --device cuda --trials 2 --steps 4 \
-      --impls polopt 'polopt:rollout_dtype="bfloat16",ref_dtype="bfloat16"' 'polopt:compile_rollout=true' trl \
+  # like for like: fp32 without activation checkpointing on both sides, then bf16 mixed precision on both sides
+  python3 benchmarks/throughput.py --device cuda --trials 1 --steps 4 \
+      --impls polopt trl:gradient_checkpointing=false 'polopt:precision="bf16-mixed"' \
+      'trl:bf16=true,gradient_checkpointing=false' \
       --json "$OUT/throughput_gpu.json"
 } 2>&1 | tee "$OUT/gpu_check.txt"
