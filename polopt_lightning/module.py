@@ -70,7 +70,8 @@ class PolicyOptimizationModule(L.LightningModule):
         accuracy_reward: name of the reward function whose mean is ``val/accuracy`` (default: the first).
         rollout_engine: default :class:`HFRolloutEngine` (with ``rollout_dtype`` and ``compile_rollout``).
         rollout_dtype: sample with a copy of the policy in this dtype (e.g. ``"bfloat16"``; see
-            :class:`HFRolloutEngine`); ``None`` samples with the policy's own weights.
+            :class:`HFRolloutEngine`); ``None`` samples with the policy's own weights, or under a mixed-precision
+            Trainer with a copy in its autocast dtype.
         compile_rollout: ``torch.compile`` the decoding step (pays on small models; compiles on first use).
         share_prompt: run each prompt once per group in the training, reference and old-log-prob passes, the G
             completions attending to its keys/values (same result, fewer FLOPs); off for models whose cache cannot
@@ -78,7 +79,7 @@ class PolicyOptimizationModule(L.LightningModule):
         micro_batch_tokens: bound on the tokens (prompt + completion) of one forward/backward; a mini-batch larger
             than this is split and its gradients accumulated (same gradient, bounded memory). ``None``: no split.
         gradient_checkpointing: recompute each decoder layer's activations in the backward pass instead of keeping
-            them (the model's ``gradient_checkpointing_enable``, non-reentrant): less memory for about one more
+            them (the model's own activation checkpointing, non-reentrant): less memory for about one more
             forward pass. Layers under checkpointing keep no cache, so the training pass then runs each completion
             with its own prompt (the reference and old-log-prob passes, without gradient, still share it). TRL's
             ``GRPOConfig`` turns it on by default.
