@@ -283,11 +283,11 @@ def floors(costs: dict, dtypes: dict[str, str], gflops: dict[str, float], gbps: 
         return gflops[dtypes[phase]] * 1e9
 
     size = {"float32": 4, "bfloat16": 2, "float16": 2}[dtypes["sample"]]
-    decode = [costs["decode_flops_per_step"] / rate("sample") for _ in costs["decode_elements_per_step"]]
+    decode = costs["decode_flops_per_step"] / rate("sample")  # seconds of one decoding step's FLOPs
     reads = [elements * size / (gbps * 1e9) for elements in costs["decode_elements_per_step"]]
     rest = (costs["prefill_flops"] / rate("sample") + costs["ref_flops"] / rate("ref")
             + costs["train_flops"] / rate("train"))
-    return rest + sum(decode), rest + sum(map(max, decode, reads))
+    return rest + decode * len(reads), rest + sum(max(decode, r) for r in reads)
 
 
 def main() -> None:
