@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import resource
 import statistics
 import subprocess
@@ -90,6 +91,11 @@ def run_polopt(workload: dict, steps: int, overrides: dict | None = None, device
 
     overrides = dict(overrides or {})
     precision = overrides.pop("precision", "32-true")  # the Trainer's; every other key is the module's
+    engine = overrides.pop("engine", None)  # HFRolloutEngine arguments, e.g. engine={"packed_weights":false}
+    if engine is not None:
+        from polopt_lightning.rollout import HFRolloutEngine
+
+        overrides["rollout_engine"] = HFRolloutEngine(**engine)
     model, tok, prompts = build(workload)
     data = PromptDataModule(train=[{"prompt": p} for p in prompts], tokenizer=tok, batch_size=workload["prompts"],
                             shuffle=False)
@@ -170,7 +176,8 @@ def child(impl: str, name: str, steps: int, threads: int, device: str = "cpu") -
     peer, overrides = parse_impl(impl)
     if peer == "trl":  # "trl" or "trl:bf16=true" (GRPOConfig arguments)
         times = run_trl(workload, steps, overrides, device)
-    else:  # "polopt" or a lever changed, e.g. "polopt:share_prompt=false" or 'polopt:precision="bf16-mixed"'
+    else:  # "polopt" or a lever changed, e.g. "polopt:share_prompt=false", 'polopt:precision="bf16-mixed"' or
+        # 'polopt:engine={"packed_weights":false}' (rollout engine arguments)
         times = run_polopt(workload, steps, overrides, device)
     if device == "cpu":
         peak = peak_rss_gib()
@@ -192,10 +199,10 @@ def peak_rss_gib() -> float:
 
 
 def parse_impl(impl: str) -> tuple[str, dict]:
-    """``"polopt:KEY=JSON,KEY=JSON"`` -> ``("polopt", {KEY: value, ...})``."""
+    """``"polopt:KEY=JSON,KEY=JSON"`` -> ``("polopt", {KEY: value, ...})`` (a JSON value may hold commas)."""
     name, _, rest = impl.partition(":")
     overrides = {}
-    for item in rest.split(",") if rest else []:
+    for item in re.split(r",(?=\w+=)", rest) if rest else []:
         key, _, value = item.partition("=")
         overrides[key] = json.loads(value)
     return name, overrides

@@ -22,6 +22,8 @@ def test_phase_dtypes_follow_the_run_settings():
         "sample": "bfloat16", "ref": "bfloat16", "train": "float32"}
     assert throughput.parse_impl('polopt:share_prompt=false,micro_batch_tokens=512') == (
         "polopt", {"share_prompt": False, "micro_batch_tokens": 512})
+    assert throughput.parse_impl('polopt:engine={"packed_weights":false,"shared_prompt_kv":true},lr=0.1') == (
+        "polopt", {"engine": {"packed_weights": False, "shared_prompt_kv": True}, "lr": 0.1})
 
 
 def test_floors_count_flops_per_phase_and_decoding_reads():

@@ -1,8 +1,10 @@
+import copy
 import logging
 
 import pytest
 import torch
 
+from polopt_lightning._hf import cache_argument, preallocated_cache
 from polopt_lightning.logprobs import completion_logprobs, selective_log_softmax
 from polopt_lightning.models import build_tiny_model, char_tokenizer, load_pretrained, prepare_tokenizer
 from polopt_lightning.rollout import HFRolloutEngine, SamplingConfig
@@ -172,3 +174,69 @@ def test_shared_prompt_kv_is_chosen_where_it_measured_faster():
     assert decide(100, torch.float32) is False  # 0.7 MiB
     assert decide(300, torch.bfloat16) is False
     assert HFRolloutEngine(shared_prompt_kv=True)._share_prompt_kv(None, 0, 0) is True
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32-mkl", "bf16-onednn"])
+@pytest.mark.parametrize("architecture,heads,kv_heads", [("qwen2", 2, 2), ("llama", 4, 2)])
+def test_packed_decode_weights_give_the_modules_results(architecture, heads, kv_heads, dtype, monkeypatch):
+    """Prepacked products (q/k/v and gate/up fused; Qwen2's q/k/v biases concatenated) against the modules' own."""
+    from polopt_lightning.rollout import fast_decode
+
+    model, tok = build_tiny_model(architecture=architecture, hidden_size=32, num_layers=2, num_heads=heads,
+                                  num_kv_heads=kv_heads, intermediate_size=64, seed=5)
+    model = model.to(dtype)
+    if not fast_decode.PackedProjections.supported(model):
+        pytest.skip(f"this PyTorch build or CPU cannot prepack {dtype} weights (MKL / oneDNN bf16 missing)")
+    calls = []
+    call = fast_decode._Packed.__call__
+    monkeypatch.setattr(fast_decode._Packed, "__call__", lambda self, x: calls.append(1) or call(self, x))
+    ids, mask = _prompts(tok, ["12+34=", "5+6=", "1+100+2="])
+    sampling = SamplingConfig(max_new_tokens=6, min_new_tokens=6)
+    out = {packed: HFRolloutEngine(packed_weights=packed, shared_prompt_kv=False).generate(
+        model, ids, mask, 3, sampling, tok.eos_token_id, tok.pad_token_id, torch.Generator().manual_seed(1))
+        for packed in (True, False)}
+    assert len(calls) == 5 * (2 * 4 + 1)  # 5 decoding steps x (2 layers x 4 products + head): the packed path ran
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=0.05, rtol=0.05)
+    if dtype == torch.float32:
+        assert torch.equal(out[True].completion_ids, out[False].completion_ids)
+        torch.testing.assert_close(out[True].sampling_logprobs, out[False].sampling_logprobs, **tol)
+    # one decoding step's logits from the same cache, packed and not
+    base = fast_decode.llama_like(model)
+    rows = ids.shape[0]
+    pos = torch.full((rows, 1), ids.shape[1])
+    key_mask = torch.zeros(rows, 1, 1, ids.shape[1] + 1, dtype=dtype)
+    logits = {}
+    for packed in (True, False):
+        cache = preallocated_cache(model, ids.shape[1] + 1)
+        with torch.no_grad():
+            model.eval()(input_ids=ids, use_cache=True, **{cache_argument(model): cache})
+        proj = fast_decode.PackedProjections(base, rows) if packed else None
+        logits[packed] = fast_decode.decode_step(base, cache, ids[:, -1], pos, key_mask, proj).float()
+    torch.testing.assert_close(logits[True], logits[False], **tol)
+
+
+def test_packed_decode_weights_step_aside_where_they_cannot_apply(tiny):
+    """A Linear subclass (how quantized and LoRA layers look) or autocast: the modules run, with the same results."""
+    from polopt_lightning.rollout.fast_decode import PackedProjections
+
+    model, tok = tiny
+    model = copy.deepcopy(model)
+    if not PackedProjections.supported(model):
+        pytest.skip("this PyTorch build cannot prepack float32 weights (no MKL)")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert not PackedProjections.supported(model)
+
+    class Wrapped(torch.nn.Linear):
+        pass
+
+    q = model.model.layers[0].self_attn.q_proj
+    wrapped = Wrapped(q.in_features, q.out_features, bias=q.bias is not None)
+    wrapped.load_state_dict(q.state_dict())
+    model.model.layers[0].self_attn.q_proj = wrapped
+    assert not PackedProjections.supported(model)
+    ids, mask = _prompts(tok, ["12+34=", "5+6="])
+    sampling = SamplingConfig(max_new_tokens=5, min_new_tokens=5)
+    a, b = (HFRolloutEngine(packed_weights=p).generate(model, ids, mask, 2, sampling, tok.eos_token_id,
+                                                       tok.pad_token_id, torch.Generator().manual_seed(3))
+            for p in (True, False))
+    assert torch.equal(a.completion_ids, b.completion_ids) and torch.equal(a.sampling_logprobs, b.sampling_logprobs)

@@ -12,7 +12,7 @@ from torch import Tensor, nn
 
 from .._hf import cache_argument, output_cache, positions_from_mask, preallocated_cache
 from ..models import frozen_copy, resolve_dtype
-from .fast_decode import decode_step, llama_like, shared_prompt_decode_step, static_decode_step
+from .fast_decode import PackedProjections, decode_step, llama_like, shared_prompt_decode_step, static_decode_step
 
 
 @dataclass
@@ -136,11 +136,16 @@ class HFRolloutEngine(RolloutEngine):
             fp32 model on the CPU when the copies would make each token re-read at least 1 MiB per layer (long-prompt
             benchmark: generation 2.71 s -> 2.24 s); off otherwise (tiny prompts and bf16 CPU kernels measured
             slower with it: 0.081 -> 0.092 s and 1.68 -> 1.91 s).
+        packed_weights: run the lean step's products on weights prepacked for the math library (see
+            :class:`.fast_decode.PackedProjections`) where the model allows it: plain ``nn.Linear`` projections on
+            the CPU in float32 (MKL) or bfloat16 (oneDNN), autocast off, not compiled. The packed copy is rebuilt at
+            each rollout and freed after it (float32: MKL pads each packed matrix, up to ~8 MB for small ones).
     """
 
     def __init__(self, fast_decode: bool = True, dtype: torch.dtype | str | None = None, compile: bool = False,
-                 shared_prompt_kv: bool | None = None) -> None:
+                 shared_prompt_kv: bool | None = None, packed_weights: bool = True) -> None:
         self.fast_decode = fast_decode
+        self.packed_weights = packed_weights
         self.shared_prompt_kv = shared_prompt_kv
         self.dtype = resolve_dtype(dtype, "rollout_dtype", auto=False)
         self.compile = compile
@@ -228,6 +233,8 @@ class HFRolloutEngine(RolloutEngine):
         N, Lp = attention_mask.shape
         fast = llama_like(model) if (self.fast_decode and extra) else None
         shared = fast is not None and not self.compile and self._share_prompt_kv(cache, N, Lp)
+        packed = (PackedProjections(fast, N) if fast is not None and self.packed_weights and not self.compile
+                  and PackedProjections.supported(fast) else None)
         if shared:  # the prompt's keys/values stay one per group; completions get a cache of their own
             prompt_kv = [(kv._k[:, :, :Lp], kv._v[:, :, :Lp]) for kv in cache.layers]  # [P, kv_heads, Lp, D]
             completion_kv = [(k.new_zeros(N, k.shape[1], sampling.max_new_tokens, k.shape[3]),
@@ -277,9 +284,10 @@ class HFRolloutEngine(RolloutEngine):
                 logits = step_fn(*buffers, torch.tensor([slot], device=device), token, next_position, key_mask).float()
             elif shared:
                 logits = shared_prompt_decode_step(fast, prompt_kv, prompt_bias, completion_kv, step, token,
-                                                   next_position).float()
+                                                   next_position, packed).float()
             elif fast is not None:
-                logits = decode_step(fast, cache, token, next_position, key_mask[..., : Lp + step + 1]).float()
+                logits = decode_step(fast, cache, token, next_position, key_mask[..., : Lp + step + 1],
+                                     packed).float()
             else:
                 attention_mask = torch.cat([attention_mask, torch.ones_like(attention_mask[:, :1])], dim=1)
                 out = model(input_ids=token[:, None], attention_mask=attention_mask, position_ids=next_position,

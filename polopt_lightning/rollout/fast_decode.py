@@ -5,6 +5,9 @@ output bookkeeping, hooks): on small models that is most of the generation time.
 modules (so LoRA-wrapped or quantized projections still work) on the keys/values that the prefill left in the
 preallocated cache, and nothing else. It is used only when :func:`llama_like` recognises the model; a test checks
 its logits against the model's own forward.
+
+On the CPU its matrix products can run on prepacked weights (:class:`PackedProjections`): a 16-row product with a
+weight in PyTorch's ``[out, in]`` layout is 2-4x slower than with the weight reordered once for the math library.
 """
 
 from __future__ import annotations
@@ -46,8 +49,111 @@ def _rms_norm(norm: nn.Module, x: Tensor) -> Tensor:
     return norm.weight * h.to(x.dtype)
 
 
+class Projections:
+    """The decoding step's matrix products through the model's own modules (LoRA-wrapped or quantized ones too)."""
+
+    def __init__(self, base: nn.Module) -> None:
+        self.layers, self.head = base.model.layers, base.lm_head
+
+    def qkv(self, i: int, h: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        attn = self.layers[i].self_attn
+        return attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)
+
+    def o(self, i: int, x: Tensor) -> Tensor:
+        return self.layers[i].self_attn.o_proj(x)
+
+    def mlp(self, i: int, h: Tensor) -> Tensor:
+        return self.layers[i].mlp(h)
+
+    def lm_head(self, x: Tensor) -> Tensor:
+        return self.head(x)
+
+
+class _Packed:
+    """One or more ``nn.Linear`` sharing an input, as one product on a prepacked weight (outputs split back)."""
+
+    def __init__(self, linears: list[nn.Linear], rows: int) -> None:
+        weight = torch.cat([m.weight for m in linears]) if len(linears) > 1 else linears[0].weight
+        weight = weight.detach().contiguous()
+        if all(m.bias is None for m in linears):
+            self.bias = None
+        else:
+            self.bias = torch.cat([m.weight.new_zeros(m.out_features) if m.bias is None else m.bias.detach()
+                                   for m in linears])
+        self.rows, self.splits = rows, [m.out_features for m in linears]
+        if weight.dtype == torch.float32:  # MKL's packed GEMM
+            self.weight, self.packed = weight, torch.ops.mkl._mkl_reorder_linear_weight(weight, rows)
+        else:  # oneDNN's blocked layout (bfloat16)
+            self.weight, self.packed = None, torch.ops.mkldnn._reorder_linear_weight(weight, rows)
+
+    def __call__(self, x: Tensor) -> Tensor | tuple[Tensor, ...]:
+        if self.weight is not None:
+            y = torch.ops.mkl._mkl_linear(x, self.packed, self.weight, self.bias, self.rows)
+        else:
+            y = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        return y.split(self.splits, dim=-1) if len(self.splits) > 1 else y
+
+
+class PackedProjections(Projections):
+    """The decoding step's products on CPU weights prepacked for ``rows``-row inputs: MKL's packed GEMM for float32,
+    oneDNN's blocked layout for bfloat16; q/k/v run as one product and gate/up as another.
+
+    Built from the current weights at each rollout (the policy changes between rollouts); the packed copy lives for
+    the rollout only. Long-prompt benchmark model (16 rows, 25M parameters), generation: fp32 3.06-3.90 s ->
+    2.32-2.83 s, bf16 1.80-2.03 s -> 1.58-1.71 s (alternating repeats in one process, packing included).
+    """
+
+    def __init__(self, base: nn.Module, rows: int) -> None:
+        super().__init__(base)
+        self.act = [layer.mlp.act_fn for layer in self.layers]
+        self.packed_qkv, self.packed_o, self.packed_gate_up, self.packed_down = [], [], [], []
+        for layer in self.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            self.packed_qkv.append(_Packed([attn.q_proj, attn.k_proj, attn.v_proj], rows))
+            self.packed_o.append(_Packed([attn.o_proj], rows))
+            self.packed_gate_up.append(_Packed([mlp.gate_proj, mlp.up_proj], rows))
+            self.packed_down.append(_Packed([mlp.down_proj], rows))
+        self.packed_head = _Packed([base.lm_head], rows)
+
+    @staticmethod
+    def supported(base: nn.Module) -> bool:
+        """Whether every projection is a plain CPU ``nn.Linear`` in a dtype this PyTorch build can prepack, with
+        autocast off (the packed products would bypass it)."""
+        linears = [base.lm_head]
+        for layer in base.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            if not all(hasattr(mlp, name) for name in ("gate_proj", "up_proj", "down_proj", "act_fn")):
+                return False
+            linears += [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj]
+        if not all(type(m) is nn.Linear for m in linears):  # LoRA wrappers, quantized layers (Linear subclasses)
+            return False
+        dtypes = {m.weight.dtype for m in linears}
+        if len(dtypes) != 1 or not all(m.weight.is_cpu for m in linears) or torch.is_autocast_enabled("cpu"):
+            return False
+        dtype = dtypes.pop()
+        if dtype == torch.float32:
+            return torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")
+        if dtype == torch.bfloat16:
+            return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+        return False
+
+    def qkv(self, i: int, h: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        return self.packed_qkv[i](h)
+
+    def o(self, i: int, x: Tensor) -> Tensor:
+        return self.packed_o[i](x)
+
+    def mlp(self, i: int, h: Tensor) -> Tensor:
+        gate, up = self.packed_gate_up[i](h)
+        return self.packed_down[i](self.act[i](gate) * up)
+
+    def lm_head(self, x: Tensor) -> Tensor:
+        return self.packed_head(x)
+
+
 @torch.no_grad()
-def decode_step(base: nn.Module, cache: Any, token: Tensor, position: Tensor, key_mask: Tensor) -> Tensor:
+def decode_step(base: nn.Module, cache: Any, token: Tensor, position: Tensor, key_mask: Tensor,
+                projections: Projections | None = None) -> Tensor:
     """Logits ``[N, V]`` for one new token per row, appending its keys/values to ``cache``.
 
     Args:
@@ -56,8 +162,9 @@ def decode_step(base: nn.Module, cache: Any, token: Tensor, position: Tensor, ke
         token: ``[N]`` token ids.
         position: ``[N, 1]`` position ids.
         key_mask: ``[N, 1, 1, L]`` additive mask over the cache positions including the new one.
+        projections: how the products run (default: the model's own modules).
     """
-    return _step(base, [_sdpa(kv.update, key_mask) for kv in cache.layers], token, position)
+    return _step(base, [_sdpa(kv.update, key_mask) for kv in cache.layers], token, position, projections)
 
 
 def static_decode_step(base: nn.Module, keys: list[Tensor], values: list[Tensor], slot: Tensor, token: Tensor,
@@ -83,7 +190,7 @@ def static_decode_step(base: nn.Module, keys: list[Tensor], values: list[Tensor]
 @torch.no_grad()
 def shared_prompt_decode_step(base: nn.Module, prompt_kv: list[tuple[Tensor, Tensor]], prompt_bias: Tensor,
                               completion_kv: list[tuple[Tensor, Tensor]], length: int, token: Tensor,
-                              position: Tensor) -> Tensor:
+                              position: Tensor, projections: Projections | None = None) -> Tensor:
     """:func:`decode_step` with each prompt's keys/values held once per group instead of once per sample.
 
     Rows are ``P`` groups of ``G`` samples, group by group. ``prompt_kv[i]`` holds layer i's prompt keys/values
@@ -101,7 +208,7 @@ def shared_prompt_decode_step(base: nn.Module, prompt_kv: list[tuple[Tensor, Ten
                                             scale)
         return run
 
-    return _step(base, [attend(*p, *c) for p, c in zip(prompt_kv, completion_kv)], token, position)
+    return _step(base, [attend(*p, *c) for p, c in zip(prompt_kv, completion_kv)], token, position, projections)
 
 
 def _shared_prompt_attention(q: Tensor, kp: Tensor, vp: Tensor, kc: Tensor, vc: Tensor, prompt_bias: Tensor,
@@ -133,9 +240,11 @@ def _sdpa(update, key_mask: Tensor):
     return run
 
 
-def _step(base: nn.Module, attends: list, token: Tensor, position: Tensor) -> Tensor:
+def _step(base: nn.Module, attends: list, token: Tensor, position: Tensor,
+          projections: Projections | None = None) -> Tensor:
     """The decoding step; ``attends[i](q, k, v, scale)`` stores layer i's new keys/values and returns the
     attention output ``[N, heads, 1, D]``."""
+    proj = projections or Projections(base)
     inner, config = base.model, base.config
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
@@ -143,17 +252,17 @@ def _step(base: nn.Module, attends: list, token: Tensor, position: Tensor) -> Te
     cos, sin = inner.rotary_emb(x, position)  # [N, 1, D]
     cos, sin = cos[:, None], sin[:, None]  # [N, 1, 1, D]
     n = x.shape[0]
-    for layer, attend in zip(inner.layers, attends):
+    for i, (layer, attend) in enumerate(zip(inner.layers, attends)):
         attn = layer.self_attn
         h = _rms_norm(layer.input_layernorm, x)
-        q, k, v = attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)
-        q = q.view(n, 1, -1, head_dim).transpose(1, 2)  # [N, heads, 1, D]
-        k = k.view(n, 1, -1, head_dim).transpose(1, 2)  # [N, kv_heads, 1, D]
-        v = v.view(n, 1, -1, head_dim).transpose(1, 2)
+        q, k, v = proj.qkv(i, h)
+        q = q.reshape(n, 1, -1, head_dim).transpose(1, 2)  # [N, heads, 1, D]
+        k = k.reshape(n, 1, -1, head_dim).transpose(1, 2)  # [N, kv_heads, 1, D]
+        v = v.reshape(n, 1, -1, head_dim).transpose(1, 2)
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
         out = attend(q, k, v, attn.scaling)
-        x = x + attn.o_proj(out.transpose(1, 2).reshape(n, 1, -1))
+        x = x + proj.o(i, out.transpose(1, 2).reshape(n, 1, -1))
         h = _rms_norm(layer.post_attention_layernorm, x)
-        x = x + layer.mlp(h)
-    return base.lm_head(_rms_norm(inner.norm, x))[:, -1]
+        x = x + proj.mlp(i, h)
+    return proj.lm_head(_rms_norm(inner.norm, x))[:, -1]
