@@ -98,8 +98,8 @@ class PackedProjections(Projections):
     oneDNN's blocked layout for bfloat16; q/k/v run as one product and gate/up as another.
 
     Built from the current weights at each rollout (the policy changes between rollouts); the packed copy lives for
-    the rollout only. Long-prompt benchmark model (16 rows, 25M parameters), generation: fp32 3.06-3.90 s ->
-    2.32-2.83 s, bf16 1.80-2.03 s -> 1.58-1.71 s (alternating repeats in one process, packing included).
+    the rollout only. Long-prompt benchmark model (16 rows, 25M parameters), generation: fp32 2.96-3.50 s ->
+    2.26-2.65 s, bf16 1.80-2.03 s -> 1.58-1.71 s (alternating repeats in one process, packing included).
     """
 
     def __init__(self, base: nn.Module, rows: int) -> None:
