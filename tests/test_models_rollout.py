@@ -240,3 +240,26 @@ def test_packed_decode_weights_step_aside_where_they_cannot_apply(tiny):
                                                        tok.pad_token_id, torch.Generator().manual_seed(3))
             for p in (True, False))
     assert torch.equal(a.completion_ids, b.completion_ids) and torch.equal(a.sampling_logprobs, b.sampling_logprobs)
+
+
+def test_packing_that_fails_falls_back_to_the_modules_with_a_warning(tiny, monkeypatch):
+    from polopt_lightning.rollout import fast_decode
+
+    model, tok = tiny
+    if not fast_decode.PackedProjections.supported(model):
+        pytest.skip("this PyTorch build cannot prepack float32 weights (no MKL)")
+
+    def refuse(self, base, rows):
+        raise RuntimeError("reorder refused")
+
+    monkeypatch.setattr(fast_decode.PackedProjections, "__init__", refuse)
+    ids, mask = _prompts(tok, ["12+34="])
+    sampling = SamplingConfig(max_new_tokens=4, min_new_tokens=4)
+    engine = HFRolloutEngine()
+    with pytest.warns(RuntimeWarning, match="packed_weights=True.*reorder refused"):
+        a = engine.generate(model, ids, mask, 2, sampling, tok.eos_token_id, tok.pad_token_id,
+                            torch.Generator().manual_seed(0))
+    assert engine.packed_weights is False  # asked once, not at every rollout
+    b = HFRolloutEngine(packed_weights=False).generate(model, ids, mask, 2, sampling, tok.eos_token_id,
+                                                       tok.pad_token_id, torch.Generator().manual_seed(0))
+    assert torch.equal(a.completion_ids, b.completion_ids)

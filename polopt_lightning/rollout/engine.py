@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from abc import ABC, abstractmethod
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -211,6 +212,19 @@ class HFRolloutEngine(RolloutEngine):
         reread = (N - P) * k.shape[1] * Lp * k.shape[3] * k.element_size() * 2  # bytes per layer and token
         return k.is_cpu and k.dtype == torch.float32 and reread >= 2**20
 
+    def _packed_projections(self, base: nn.Module, rows: int) -> PackedProjections | None:
+        """Prepacked products for this rollout, or ``None`` (off, not applicable, or the math library refused once:
+        then the modules run from here on, with a warning)."""
+        if not (self.packed_weights and PackedProjections.supported(base)):
+            return None
+        try:
+            return PackedProjections(base, rows)
+        except RuntimeError as err:
+            warnings.warn(f"HFRolloutEngine(packed_weights=True): prepacking the decoding weights failed ({err}); "
+                          "decoding runs on the model's own modules", RuntimeWarning, stacklevel=2)
+            self.packed_weights = False
+            return None
+
     def _static_step(self, base: nn.Module):
         if self._compiled is None or self._compiled[0] is not base:
             self._compiled = (base, torch.compile(partial(static_decode_step, base)))
@@ -233,8 +247,7 @@ class HFRolloutEngine(RolloutEngine):
         N, Lp = attention_mask.shape
         fast = llama_like(model) if (self.fast_decode and extra) else None
         shared = fast is not None and not self.compile and self._share_prompt_kv(cache, N, Lp)
-        packed = (PackedProjections(fast, N) if fast is not None and self.packed_weights and not self.compile
-                  and PackedProjections.supported(fast) else None)
+        packed = self._packed_projections(fast, N) if fast is not None and not self.compile else None
         if shared:  # the prompt's keys/values stay one per group; completions get a cache of their own
             prompt_kv = [(kv._k[:, :, :Lp], kv._v[:, :, :Lp]) for kv in cache.layers]  # [P, kv_heads, Lp, D]
             completion_kv = [(k.new_zeros(N, k.shape[1], sampling.max_new_tokens, k.shape[3]),

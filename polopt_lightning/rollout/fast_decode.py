@@ -133,7 +133,8 @@ class PackedProjections(Projections):
         if dtype == torch.float32:
             return torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")
         if dtype == torch.bfloat16:
-            return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+            bf16_ok = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+            return torch.backends.mkldnn.is_available() and bf16_ok is not None and bool(bf16_ok())
         return False
 
     def qkv(self, i: int, h: Tensor) -> tuple[Tensor, Tensor, Tensor]:
