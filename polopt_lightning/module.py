@@ -409,6 +409,9 @@ class PolicyOptimizationModule(L.LightningModule):
         if self.max_grad_norm:
             self.clip_gradients(optimizer, gradient_clip_val=self.max_grad_norm, gradient_clip_algorithm="norm")
         optimizer.step()
+        # gradients are not needed past the step: freeing them leaves their memory to the next rollout (which holds
+        # no activations but may hold a sampler copy or prepacked decoding weights)
+        optimizer.zero_grad(set_to_none=True)
         scheduler.step()
         return metrics
 

@@ -48,6 +48,7 @@ def test_drop_in_trainer_updates_and_logs(tmp_path, tiny, arithmetic_rows, objec
     assert "val/accuracy" in t.logged_metrics
     changed = sum(not torch.equal(a, b) for a, b in zip(before, module.policy.parameters()))
     assert changed > 0
+    assert all(p.grad is None for p in module.policy.parameters())  # freed after each step, before the next rollout
     for key in REQUIRED:
         assert key in t.logged_metrics, key
         assert math.isfinite(float(t.logged_metrics[key])), key
