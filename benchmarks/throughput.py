@@ -208,6 +208,13 @@ def parse_impl(impl: str) -> tuple[str, dict]:
     return name, overrides
 
 
+def paired_speedups(run: dict, peer: dict) -> list[float]:
+    """The peer's time over the run's, trial by trial: trial i of each ran back to back, so the machine's drift (which
+    moves a whole trial by 10-40% here) mostly cancels in each ratio, where the medians over all trials mix fast and
+    slow hours."""
+    return [p / r for r, p in zip(run["trial_s_per_step"], peer["trial_s_per_step"])]
+
+
 def phase_dtypes(impl: str) -> dict[str, str]:
     """The dtype each phase's matrix products run in: sampling (with prefill), reference pass, training pass."""
     name, o = parse_impl(impl)
@@ -341,6 +348,7 @@ def main() -> None:
             all_steps = [s for r in rs for s in r.step_s]
             flop_s, roofline_s = floors(costs, phase_dtypes(impl), gflops, gbps)
             row["runs"][impl] = {"s_per_step": statistics.median(all_steps),
+                                 "trial_s_per_step": [r.median_s for r in rs],
                                  "tokens_per_s": rs[0].generated_tokens_per_step / statistics.median(all_steps),
                                  "peak_rss_gib": max(r.peak_rss_gib for r in rs),
                                  "flop_floor_s": flop_s, "roofline_s": roofline_s}
@@ -348,14 +356,15 @@ def main() -> None:
 
     print()
     peers = [impl for impl in args.impls if parse_impl(impl)[0] == "trl"]
-    header = ("| workload | run | s/step | " + "".join(f"speed-up vs {p} | " for p in peers)
+    header = ("| workload | run | s/step | " + "".join(f"speed-up vs {p} (per trial) | " for p in peers)
               + "generated tok/s | peak GiB | FLOP floor s | s/step / FLOP floor | roofline s | s/step / roofline |")
     print(header)
     print("|---" * (header.count("|") - 1) + "|")
     for row in rows:
         runs = row["runs"]
         for impl, r in runs.items():
-            speed = "".join(f"{runs[p]['s_per_step'] / r['s_per_step']:.2f}x | " for p in peers)
+            speed = "".join(f"{runs[p]['s_per_step'] / r['s_per_step']:.2f}x "
+                            f"({', '.join(f'{x:.2f}' for x in paired_speedups(r, runs[p]))}) | " for p in peers)
             print(f"| {row['workload']} | {impl} | {r['s_per_step']:.3f} | {speed}{r['tokens_per_s']:.0f} "
                   f"| {r['peak_rss_gib']:.2f} | {r['flop_floor_s']:.3f} | {r['s_per_step'] / r['flop_floor_s']:.2f}x "
                   f"| {r['roofline_s']:.3f} | {r['s_per_step'] / r['roofline_s']:.2f}x |")

@@ -60,3 +60,10 @@ def test_peak_memory_is_the_child_process_own():
     child = float(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
     assert 0 < child < 0.2 < throughput.peak_rss_gib()
     del held
+
+
+def test_paired_speedups_compare_trials_that_ran_back_to_back():
+    run = {"trial_s_per_step": [3.0, 5.0]}
+    peer = {"trial_s_per_step": [7.2, 7.5]}
+    assert throughput.paired_speedups(run, peer) == [2.4, 1.5]
+    assert throughput.paired_speedups(peer, peer) == [1.0, 1.0]
