@@ -263,3 +263,31 @@ def test_packing_that_fails_falls_back_to_the_modules_with_a_warning(tiny, monke
     b = HFRolloutEngine(packed_weights=False).generate(model, ids, mask, 2, sampling, tok.eos_token_id,
                                                        tok.pad_token_id, torch.Generator().manual_seed(0))
     assert torch.equal(a.completion_ids, b.completion_ids)
+
+
+def test_packed_decode_weights_carry_every_bias():
+    """Llama with attention and MLP biases (o_proj, gate/up and down biased too): packed logits equal the modules'."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from polopt_lightning.rollout import fast_decode
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, attention_bias=True, mlp_bias=True,
+                         tie_word_embeddings=False)
+    model = LlamaForCausalLM(config).eval()
+    for name, p in model.named_parameters():  # biases start at zero: make them count
+        if name.endswith("bias"):
+            torch.nn.init.normal_(p, std=0.5)
+    if not fast_decode.PackedProjections.supported(model):
+        pytest.skip("this PyTorch build cannot prepack float32 weights (no MKL)")
+    ids = torch.randint(3, 40, (3, 5))
+    logits = {}
+    for packed in (True, False):
+        cache = preallocated_cache(model, 6)
+        with torch.no_grad():
+            model(input_ids=ids, use_cache=True, **{cache_argument(model): cache})
+        proj = fast_decode.PackedProjections(model, 3) if packed else None
+        logits[packed] = fast_decode.decode_step(model, cache, ids[:, -1], torch.full((3, 1), 5),
+                                                 torch.zeros(3, 1, 1, 6), proj)
+    torch.testing.assert_close(logits[True], logits[False], atol=1e-5, rtol=1e-5)
