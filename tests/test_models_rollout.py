@@ -201,18 +201,22 @@ def test_packed_decode_weights_give_the_modules_results(architecture, heads, kv_
         assert torch.equal(out[True].completion_ids, out[False].completion_ids)
         torch.testing.assert_close(out[True].sampling_logprobs, out[False].sampling_logprobs, **tol)
     # one decoding step's logits from the same cache, packed and not
+    torch.testing.assert_close(_one_decoding_step(model, ids, packed=True), _one_decoding_step(model, ids, packed=False),
+                               **tol)
+
+
+def _one_decoding_step(model, ids, packed: bool):
+    """Logits of the lean step after a prefill of ``ids`` (its last token fed again), prepacked or on the modules."""
+    from polopt_lightning.rollout import fast_decode
+
     base = fast_decode.llama_like(model)
-    rows = ids.shape[0]
-    pos = torch.full((rows, 1), ids.shape[1])
-    key_mask = torch.zeros(rows, 1, 1, ids.shape[1] + 1, dtype=dtype)
-    logits = {}
-    for packed in (True, False):
-        cache = preallocated_cache(model, ids.shape[1] + 1)
-        with torch.no_grad():
-            model.eval()(input_ids=ids, use_cache=True, **{cache_argument(model): cache})
-        proj = fast_decode.PackedProjections(base, rows) if packed else None
-        logits[packed] = fast_decode.decode_step(base, cache, ids[:, -1], pos, key_mask, proj).float()
-    torch.testing.assert_close(logits[True], logits[False], **tol)
+    rows, length = ids.shape
+    cache = preallocated_cache(model, length + 1)
+    with torch.no_grad():
+        model.eval()(input_ids=ids, use_cache=True, **{cache_argument(model): cache})
+    proj = fast_decode.PackedProjections(base, rows) if packed else None
+    key_mask = torch.zeros(rows, 1, 1, length + 1, dtype=next(model.parameters()).dtype)
+    return fast_decode.decode_step(base, cache, ids[:, -1], torch.full((rows, 1), length), key_mask, proj).float()
 
 
 def test_packed_decode_weights_step_aside_where_they_cannot_apply(tiny):
@@ -282,12 +286,5 @@ def test_packed_decode_weights_carry_every_bias():
     if not fast_decode.PackedProjections.supported(model):
         pytest.skip("this PyTorch build cannot prepack float32 weights (no MKL)")
     ids = torch.randint(3, 40, (3, 5))
-    logits = {}
-    for packed in (True, False):
-        cache = preallocated_cache(model, 6)
-        with torch.no_grad():
-            model(input_ids=ids, use_cache=True, **{cache_argument(model): cache})
-        proj = fast_decode.PackedProjections(model, 3) if packed else None
-        logits[packed] = fast_decode.decode_step(model, cache, ids[:, -1], torch.full((3, 1), 5),
-                                                 torch.zeros(3, 1, 1, 6), proj)
-    torch.testing.assert_close(logits[True], logits[False], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(_one_decoding_step(model, ids, packed=True), _one_decoding_step(model, ids, packed=False),
+                               atol=1e-5, rtol=1e-5)
