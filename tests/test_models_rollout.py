@@ -288,3 +288,44 @@ def test_packed_decode_weights_carry_every_bias():
     ids = torch.randint(3, 40, (3, 5))
     torch.testing.assert_close(_one_decoding_step(model, ids, packed=True), _one_decoding_step(model, ids, packed=False),
                                atol=1e-5, rtol=1e-5)
+
+
+def test_inference_mode_sampling_gives_the_same_rollout_as_ordinary_tensors(tiny):
+    """Sampling under inference mode (chosen for a plain model) draws what no_grad draws, and hands back tensors a
+    training pass can use: a backward through an embedding of the sampled ids fails on inference tensors."""
+    model, tok = tiny
+    ids, mask = _prompts(tok, ["12+34=", "5+6="])
+    sampling = SamplingConfig(max_new_tokens=6, min_new_tokens=6)
+    modes = []
+    hook = model.model.embed_tokens.register_forward_hook(lambda *_: modes.append(torch.is_inference_mode_enabled()))
+    batches = [HFRolloutEngine(inference_mode=m).generate(model, ids, mask, 3, sampling, tok.eos_token_id,
+                                                          tok.pad_token_id, torch.Generator().manual_seed(1))
+               for m in (None, False)]
+    hook.remove()
+    assert modes[0] and not modes[-1], "auto must pick inference mode for a plain model, False must not"
+    auto, plain = batches
+    for name in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "sampling_logprobs", "finished"):
+        assert not getattr(auto, name).is_inference(), name
+        assert torch.equal(getattr(auto, name), getattr(plain, name)), name
+    model.train()
+    logprobs, _ = completion_logprobs(model, auto.prompt_ids, auto.prompt_mask, auto.completion_ids,
+                                      auto.completion_mask)
+    (logprobs * auto.sampling_logprobs).sum().backward()
+    assert model.model.embed_tokens.weight.grad is not None
+
+
+def test_inference_mode_is_left_off_for_quantized_or_adapter_layers(tiny):
+    from polopt_lightning.rollout.engine import _stateless
+
+    model, _ = tiny
+    assert _stateless(model)
+    model = copy.deepcopy(model)
+
+    class Quantized(torch.nn.Linear):  # bitsandbytes' layers subclass nn.Linear and keep state built in forward
+        pass
+
+    mlp = model.model.layers[1].mlp
+    mlp.up_proj = Quantized(mlp.up_proj.in_features, mlp.up_proj.out_features, bias=False)
+    assert not _stateless(model)
+    model.peft_config = {}
+    assert not _stateless(model)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import warnings
 from abc import ABC, abstractmethod
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 from functools import partial
 
 import torch
@@ -141,11 +141,19 @@ class HFRolloutEngine(RolloutEngine):
             :class:`.fast_decode.PackedProjections`) where the model allows it: plain ``nn.Linear`` projections on
             the CPU in float32 (MKL) or bfloat16 (oneDNN), autocast off, not compiled. The packed copy is rebuilt at
             each rollout and freed after it (float32: MKL pads each packed matrix, up to ~8 MB for small ones).
+        inference_mode: sample under ``torch.inference_mode`` instead of ``no_grad`` (less bookkeeping per
+            operation; generation, medians of alternating repeats: tiny benchmark model 90 -> 83 ms, long-prompt
+            2.64 -> 2.42 s); the returned tensors are ordinary copies. ``None`` decides: on for a plain
+            ``transformers`` model whose linear layers are ``nn.Linear`` itself, off for quantized layers
+            (bitsandbytes builds state in its forward, which must not become inference tensors) and adapters
+            (peft). Set ``False`` for a model whose modules keep tensors made during the forward.
     """
 
     def __init__(self, fast_decode: bool = True, dtype: torch.dtype | str | None = None, compile: bool = False,
-                 shared_prompt_kv: bool | None = None, packed_weights: bool = True) -> None:
+                 shared_prompt_kv: bool | None = None, packed_weights: bool = True,
+                 inference_mode: bool | None = None) -> None:
         self.fast_decode = fast_decode
+        self.inference_mode = inference_mode
         self.packed_weights = packed_weights
         self.shared_prompt_kv = shared_prompt_kv
         self.dtype = resolve_dtype(dtype, "rollout_dtype", auto=False)
@@ -194,14 +202,19 @@ class HFRolloutEngine(RolloutEngine):
         # model may rely on it)
         precision = (torch.autocast(_device_type(model), enabled=False) if self.sampling_dtype(model) is not None
                      else nullcontext())
+        inference = _stateless(sampler) if self.inference_mode is None else self.inference_mode
         was_training = sampler.training
         sampler.eval()
         try:
-            with precision:
-                return self._generate(sampler, prompt_ids, prompt_mask, num_generations, sampling, eos_token_id,
-                                      pad_token_id, generator)
+            with precision, torch.inference_mode() if inference else nullcontext():
+                batch = self._generate(sampler, prompt_ids, prompt_mask, num_generations, sampling, eos_token_id,
+                                       pad_token_id, generator)
         finally:
             sampler.train(was_training)
+        if inference:  # inference tensors cannot be saved for backward: the training pass gets ordinary copies
+            batch = replace(batch, **{f.name: getattr(batch, f.name).clone() for f in fields(batch)
+                                      if isinstance(getattr(batch, f.name), Tensor)})
+        return batch
 
     def _share_prompt_kv(self, cache, N: int, Lp: int) -> bool:
         """``shared_prompt_kv``, or where it is ``None`` whether the measured rule says it pays (see the class)."""
@@ -322,6 +335,14 @@ class HFRolloutEngine(RolloutEngine):
             finished=finished,
             group_size=G,
         )
+
+
+def _stateless(model: nn.Module) -> bool:
+    """Whether ``model`` may sample under ``torch.inference_mode``: a plain ``transformers`` model (no peft adapter)
+    whose linear layers are all ``nn.Linear`` itself (quantized layers subclass or replace it)."""
+    if hasattr(model, "peft_config") or not hasattr(model, "config"):
+        return False
+    return all(type(m) is nn.Linear for m in model.modules() if isinstance(m, nn.Linear))
 
 
 def _device_type(model: nn.Module) -> str:
