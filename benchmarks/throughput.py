@@ -78,12 +78,30 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+class Baton:
+    """A trial's turn in ``--interleave`` mode, where every implementation runs in its own process at the same time
+    and the parent (:func:`run_interleaved`) lets one step run at a time. Before each rollout step a child asks for a
+    turn, which also hands back the one it had (its previous step and whatever its trainer does after a step are
+    done), and waits; after its last step it keeps the turn until it exits. Step i of each implementation then runs
+    right after step i of the one before, so the machine's drift, which moves whole trials by 10-40% here, hits both
+    sides of each pair alike, and no step shares the CPU with another process's work."""
+
+    def __init__(self, fds: str) -> None:
+        self.go, self.ask = (int(x) for x in fds.split(","))
+
+    def wait(self, name: str) -> None:
+        os.write(self.ask, b"w")
+        if os.read(self.go, 1) != b"g":
+            raise SystemExit(f"{name}: the benchmark's parent went away")
+
+
 def length_reward(prompts, completions, **kwargs):
     """Cheap and varied, so groups carry signal (rewards are not what is measured)."""
     return [float(sum(map(ord, c)) % 7) for c in completions]
 
 
-def run_polopt(workload: dict, steps: int, overrides: dict | None = None, device: str = "cpu") -> list[float]:
+def run_polopt(workload: dict, steps: int, overrides: dict | None = None, device: str = "cpu",
+               baton: Baton | None = None, name: str = "polopt") -> list[float]:
     import lightning as L
     import torch
 
@@ -110,6 +128,8 @@ def run_polopt(workload: dict, steps: int, overrides: dict | None = None, device
 
     class Timer(L.Callback):
         def on_train_batch_start(self, *args):
+            if baton:
+                baton.wait(name)
             _sync(device)
             self.t = time.perf_counter()
 
@@ -126,7 +146,8 @@ def run_polopt(workload: dict, steps: int, overrides: dict | None = None, device
     return times
 
 
-def run_trl(workload: dict, steps: int, overrides: dict | None = None, device: str = "cpu") -> list[float]:
+def run_trl(workload: dict, steps: int, overrides: dict | None = None, device: str = "cpu",
+            baton: Baton | None = None, name: str = "trl") -> list[float]:
     from datasets import Dataset
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
@@ -153,6 +174,8 @@ def run_trl(workload: dict, steps: int, overrides: dict | None = None, device: s
 
     class Timer(TrainerCallback):
         def on_step_begin(self, args, state, control, **kw):
+            if baton and state.global_step % mb == 0:  # a rollout starts: TRL generates in this step
+                baton.wait(name)
             _sync(device)
             self.t = time.perf_counter()
 
@@ -168,17 +191,21 @@ def run_trl(workload: dict, steps: int, overrides: dict | None = None, device: s
     return [sum(step_times[i:i + mb]) for i in range(0, len(step_times) - mb + 1, mb)]
 
 
-def child(impl: str, name: str, steps: int, threads: int, device: str = "cpu") -> None:
+def run_impl(impl: str, workload: dict, steps: int, device: str = "cpu", baton: Baton | None = None) -> list[float]:
+    peer, overrides = parse_impl(impl)
+    if peer == "trl":  # "trl" or "trl:bf16=true" (GRPOConfig arguments)
+        return run_trl(workload, steps, overrides, device, baton, impl)
+    # "polopt" or a lever changed, e.g. "polopt:share_prompt=false", 'polopt:precision="bf16-mixed"' or
+    # 'polopt:engine={"packed_weights":false}' (rollout engine arguments)
+    return run_polopt(workload, steps, overrides, device, baton, impl)
+
+
+def child(impl: str, name: str, steps: int, threads: int, device: str = "cpu", baton: Baton | None = None) -> None:
     import torch
 
     torch.set_num_threads(threads)
     workload = WORKLOADS[name]
-    peer, overrides = parse_impl(impl)
-    if peer == "trl":  # "trl" or "trl:bf16=true" (GRPOConfig arguments)
-        times = run_trl(workload, steps, overrides, device)
-    else:  # "polopt" or a lever changed, e.g. "polopt:share_prompt=false", 'polopt:precision="bf16-mixed"' or
-        # 'polopt:engine={"packed_weights":false}' (rollout engine arguments)
-        times = run_polopt(workload, steps, overrides, device)
+    times = run_impl(impl, workload, steps, device, baton)
     if device == "cpu":
         peak = peak_rss_gib()
     else:  # accelerator memory is what bounds a GPU run
@@ -208,10 +235,12 @@ def parse_impl(impl: str) -> tuple[str, dict]:
     return name, overrides
 
 
-def paired_speedups(run: dict, peer: dict) -> list[float]:
+def paired_speedups(run: dict, peer: dict, steps: bool = False) -> list[float]:
     """The peer's time over the run's, trial by trial: trial i of each ran back to back, so the machine's drift (which
     moves a whole trial by 10-40% here) mostly cancels in each ratio, where the medians over all trials mix fast and
-    slow hours."""
+    slow hours. ``steps``: step by step instead (``--interleave``, where step i of each ran back to back)."""
+    if steps:
+        return [p / r for rt, pt in zip(run["step_s"], peer["step_s"]) for r, p in zip(rt, pt)]
     return [p / r for r, p in zip(run["trial_s_per_step"], peer["trial_s_per_step"])]
 
 
@@ -304,6 +333,53 @@ def floors(costs: dict, dtypes: dict[str, str], gflops: dict[str, float], gbps: 
     return rest + decode * len(reads), rest + sum(max(decode, r) for r in reads)
 
 
+CHILD_ENV = {**os.environ, "PYTHONWARNINGS": "ignore"}
+HANDOVER_PAUSE_S = 0.1
+
+
+def run_child(cmd: list[str]) -> tuple[int, str, str]:
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=CHILD_ENV)
+    return proc.returncode, proc.stdout, proc.stderr
+
+
+def run_interleaved(cmds: list[list[str]]) -> list[tuple[int, str, str]]:
+    """Start every command at once and hand out turns round-robin (see :class:`Baton`): no step starts before every
+    child is ready for its first, and only one child holds the turn at a time. Each child's output goes to a file, so
+    a waiting child can never block on a full pipe."""
+    procs, asks, gos, files = [], [], [], []
+    for cmd in cmds:
+        go_r, go_w = os.pipe()
+        ask_r, ask_w = os.pipe()
+        out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
+        procs.append(subprocess.Popen([*cmd, "--baton", f"{go_r},{ask_w}"], stdout=out, stderr=err, env=CHILD_ENV,
+                                      pass_fds=(go_r, ask_w), text=True))
+        os.close(go_r)
+        os.close(ask_w)
+        asks.append(ask_r)
+        gos.append(go_w)
+        files.append((out, err))
+    # every child asks for its first turn once set up (one that exits first has failed: its output tells)
+    waiting = [i for i in range(len(cmds)) if os.read(asks[i], 1) == b"w"]
+    while waiting:
+        for i in list(waiting):
+            # let the previous holder's OpenMP workers stop spinning (libgomp spins some milliseconds after its last
+            # parallel region) before the next step starts: measured, a polopt step ran 12% slower against another
+            # polopt process without this pause
+            time.sleep(HANDOVER_PAUSE_S)
+            os.write(gos[i], b"g")
+            if os.read(asks[i], 1) != b"w":  # it exited: after its last step, or failed
+                waiting.remove(i)
+    outputs = []
+    for proc, ask, go, (out, err) in zip(procs, asks, gos, files):
+        code = proc.wait()
+        os.close(ask)
+        os.close(go)
+        out.seek(0)
+        err.seek(0)
+        outputs.append((code, out.read(), err.read()))
+    return outputs
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
@@ -315,11 +391,16 @@ def main() -> None:
                         help="polopt, trl, polopt:KEY=JSON,... (module arguments changed, to measure a lever, e.g. "
                              "polopt:share_prompt=false or 'polopt:rollout_dtype=\"bfloat16\"'; the key precision "
                              "is the Trainer's) or trl:KEY=JSON,... (GRPOConfig arguments, e.g. trl:bf16=true)")
+    parser.add_argument("--interleave", action="store_true",
+                        help="run the impls of a trial side by side, each in its own process, taking turns step by "
+                             "step (speed-ups from pairs of steps that ran back to back)")
     parser.add_argument("--json", help="also write the rows to this file")
     parser.add_argument("--child", nargs=2, metavar=("IMPL", "WORKLOAD"), help=argparse.SUPPRESS)
+    parser.add_argument("--baton", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        return child(args.child[0], args.child[1], args.steps, args.threads, args.device)
+        return child(args.child[0], args.child[1], args.steps, args.threads, args.device,
+                     Baton(args.baton) if args.baton else None)
 
     gflops = {dt: matmul_gflops(args.threads, device=args.device, dtype=dt) for dt in ("float32", "bfloat16")}
     gbps = memory_gbps(args.threads, device=args.device)
@@ -330,13 +411,15 @@ def main() -> None:
     for name in args.workloads:
         results: dict[str, list[TrialResult]] = {impl: [] for impl in args.impls}
         for trial in range(args.trials):
-            for impl in args.impls:  # alternate A/B so drift on the machine hits both
-                cmd = [sys.executable, __file__, "--child", impl, name, "--steps", str(args.steps),
-                       "--threads", str(args.threads), "--device", args.device]
-                proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})
-                line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
-                if proc.returncode or line is None:
-                    print(proc.stdout[-2000:], proc.stderr[-4000:], file=sys.stderr)
+            cmds = [[sys.executable, __file__, "--child", impl, name, "--steps", str(args.steps), "--threads",
+                     str(args.threads), "--device", args.device] for impl in args.impls]
+            # interleaved: the impls' processes run side by side, taking turns step by step; otherwise one after the
+            # other, alternating A/B so drift on the machine hits both
+            outputs = run_interleaved(cmds) if args.interleave else [run_child(cmd) for cmd in cmds]
+            for impl, (code, out, err) in zip(args.impls, outputs):
+                line = next((x for x in out.splitlines() if x.startswith("RESULT ")), None)
+                if code or line is None:
+                    print(out[-2000:], err[-4000:], file=sys.stderr)
                     raise SystemExit(f"{impl} on {name} failed (trial {trial})")
                 r = TrialResult(**json.loads(line[len("RESULT "):]))
                 results[impl].append(r)
@@ -349,6 +432,7 @@ def main() -> None:
             flop_s, roofline_s = floors(costs, phase_dtypes(impl), gflops, gbps)
             row["runs"][impl] = {"s_per_step": statistics.median(all_steps),
                                  "trial_s_per_step": [r.median_s for r in rs],
+                                 "step_s": [r.step_s for r in rs],
                                  "tokens_per_s": rs[0].generated_tokens_per_step / statistics.median(all_steps),
                                  "peak_rss_gib": max(r.peak_rss_gib for r in rs),
                                  "flop_floor_s": flop_s, "roofline_s": roofline_s}
@@ -356,21 +440,29 @@ def main() -> None:
 
     print()
     peers = [impl for impl in args.impls if parse_impl(impl)[0] == "trl"]
-    header = ("| workload | run | s/step | " + "".join(f"speed-up vs {p} (per trial) | " for p in peers)
+    pairs = "median of per-step pairs (range)" if args.interleave else "per trial"
+    header = ("| workload | run | s/step | " + "".join(f"speed-up vs {p} ({pairs}) | " for p in peers)
               + "generated tok/s | peak GiB | FLOP floor s | s/step / FLOP floor | roofline s | s/step / roofline |")
     print(header)
     print("|---" * (header.count("|") - 1) + "|")
     for row in rows:
         runs = row["runs"]
         for impl, r in runs.items():
-            speed = "".join(f"{runs[p]['s_per_step'] / r['s_per_step']:.2f}x "
-                            f"({', '.join(f'{x:.2f}' for x in paired_speedups(r, runs[p]))}) | " for p in peers)
+            speed = "".join(f"{runs[p]['s_per_step'] / r['s_per_step']:.2f}x ({_pairs(r, runs[p], args.interleave)}) | "
+                            for p in peers)
             print(f"| {row['workload']} | {impl} | {r['s_per_step']:.3f} | {speed}{r['tokens_per_s']:.0f} "
                   f"| {r['peak_rss_gib']:.2f} | {r['flop_floor_s']:.3f} | {r['s_per_step'] / r['flop_floor_s']:.2f}x "
                   f"| {r['roofline_s']:.3f} | {r['s_per_step'] / r['roofline_s']:.2f}x |")
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"gflops": gflops, "memory_gbps": gbps, "rows": rows}, fh, indent=2)
+
+
+def _pairs(run: dict, peer: dict, steps: bool) -> str:
+    ratios = paired_speedups(run, peer, steps)
+    if not steps:
+        return ", ".join(f"{x:.2f}" for x in ratios)
+    return f"{statistics.median(ratios):.2f}x, {min(ratios):.2f}-{max(ratios):.2f} over {len(ratios)}"
 
 
 if __name__ == "__main__":

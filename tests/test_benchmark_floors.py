@@ -67,3 +67,54 @@ def test_paired_speedups_compare_trials_that_ran_back_to_back():
     peer = {"trial_s_per_step": [7.2, 7.5]}
     assert throughput.paired_speedups(run, peer) == [2.4, 1.5]
     assert throughput.paired_speedups(peer, peer) == [1.0, 1.0]
+    # --interleave: step i of each side ran back to back
+    run, peer = {"step_s": [[1.0, 2.0], [4.0]]}, {"step_s": [[3.0, 3.0], [6.0]]}
+    assert throughput.paired_speedups(run, peer, steps=True) == [3.0, 1.5, 1.5]
+
+
+_CHILD = """
+import sys, time
+sys.path.insert(0, {bench!r})
+import throughput
+name, steps, fail_at, log = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+baton = throughput.Baton(sys.argv[-1])
+if fail_at == -2:  # fails while setting up, before asking for a turn
+    sys.exit(4)
+for step in range(steps):
+    baton.wait(name)
+    if step == fail_at:
+        sys.exit(3)
+    with open(log, "a") as fh:
+        fh.write(f"start {{name}} {{step}} {{time.perf_counter()}}\\n")
+    time.sleep(0.05)
+    with open(log, "a") as fh:
+        fh.write(f"end {{name}} {{step}} {{time.perf_counter()}}\\n")
+print("RESULT", name)
+"""
+
+
+def test_interleaved_trials_take_turns_step_by_step(tmp_path, monkeypatch):
+    """``--interleave``: children run side by side but one step at a time, in turn, and one that fails (before its
+    first step or during a later one) neither hangs the others nor hides its exit code."""
+    monkeypatch.setattr(throughput, "HANDOVER_PAUSE_S", 0.0)
+    log = tmp_path / "log"
+    script = _CHILD.format(bench=str(Path(throughput.__file__).parent))
+
+    def cmd(name, steps, fail_at=-1):
+        return [sys.executable, "-c", script, name, str(steps), str(fail_at), str(log)]
+
+    outputs = throughput.run_interleaved([cmd("a", 3), cmd("b", 3)])
+    assert [code for code, _, _ in outputs] == [0, 0] and all("RESULT" in out for _, out, _ in outputs)
+    events = [line.split() for line in log.read_text().splitlines()]
+    assert [(kind, name) for kind, name, _, _ in events] == [("start", "a"), ("end", "a"), ("start", "b"),
+                                                              ("end", "b")] * 3
+    times = [float(t) for *_, t in events]
+    assert times == sorted(times)  # no step began before the one before it ended
+
+    log.unlink()
+    outputs = throughput.run_interleaved([cmd("a", 3, fail_at=1), cmd("b", 3), cmd("c", 2, fail_at=0),
+                                          cmd("d", 2, fail_at=-2)])
+    assert [code for code, _, _ in outputs] == [3, 0, 3, 4]
+    steps = [(name, step) for kind, name, step, _ in (line.split() for line in log.read_text().splitlines())
+             if kind == "start"]
+    assert steps == [("a", "0"), ("b", "0"), ("b", "1"), ("b", "2")]
