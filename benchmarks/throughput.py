@@ -6,10 +6,13 @@ completions are forced to full length (min_new_tokens = max_new_tokens) so both 
     python benchmarks/throughput.py                       # all workloads, 2 alternating trials each
     python benchmarks/throughput.py --workloads tiny --trials 3 --steps 6
     python benchmarks/throughput.py --device cuda         # on a GPU machine (peak = GPU memory allocated)
+    python benchmarks/throughput.py --interleave --json run.json         # step-paired speed-ups (see --help)
+    python benchmarks/throughput.py --summarize a.json b.json --interleave  # several runs' step pairs pooled
 
 Prints per workload: median seconds per rollout step (one optimizer step on-policy; all mini-batch steps of one
 rollout off-policy), generated tokens per second, peak RSS (its own ``VmHWM``; GPU memory with --device cuda), the
-speed-up against each TRL run, and two floors: the FLOP floor, the step's FLOPs (2N per generated or scored token, 6N
+speed-up against each TRL run (with --interleave: the median of per-step ratios, a 95% bootstrap interval of that
+median, and their range), and two floors: the FLOP floor, the step's FLOPs (2N per generated or scored token, 6N
 per trained token, prompts counted once per group, N = non-embedding parameters) with each phase at the matmul
 throughput of the dtype it computes in, measured at the start of the run; and the roofline floor, where each
 decoding step takes the longer of its FLOPs and the bytes it must read at the measured memory bandwidth.
@@ -395,12 +398,24 @@ def main() -> None:
                         help="run the impls of a trial side by side, each in its own process, taking turns step by "
                              "step (speed-ups from pairs of steps that ran back to back)")
     parser.add_argument("--json", help="also write the rows to this file")
+    parser.add_argument("--summarize", nargs="+", metavar="JSON",
+                        help="measure nothing: print the table of these --json files pooled (runs of one build with "
+                             "the same settings; with --interleave for step-paired runs, which older files do not "
+                             "record)")
     parser.add_argument("--child", nargs=2, metavar=("IMPL", "WORKLOAD"), help=argparse.SUPPRESS)
     parser.add_argument("--baton", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         return child(args.child[0], args.child[1], args.steps, args.threads, args.device,
                      Baton(args.baton) if args.baton else None)
+
+    if args.summarize:
+        results = []
+        for path in args.summarize:
+            with open(path) as fh:
+                results.append(json.load(fh))
+        interleave = args.interleave or all(r.get("interleave") for r in results)
+        return print_table(pool(results), interleave)
 
     gflops = {dt: matmul_gflops(args.threads, device=args.device, dtype=dt) for dt in ("float32", "bfloat16")}
     gbps = memory_gbps(args.threads, device=args.device)
@@ -439,8 +454,65 @@ def main() -> None:
         rows.append(row)
 
     print()
-    peers = [impl for impl in args.impls if parse_impl(impl)[0] == "trl"]
-    pairs = "median of per-step pairs (range)" if args.interleave else "per trial"
+    print_table(rows, args.interleave)
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({"gflops": gflops, "memory_gbps": gbps, "interleave": args.interleave, "rows": rows}, fh,
+                      indent=2)
+
+
+def _pairs(run: dict, peer: dict, steps: bool) -> str:
+    ratios = paired_speedups(run, peer, steps)
+    if not steps:
+        return ", ".join(f"{x:.2f}" for x in ratios)
+    lo, hi = bootstrap_ci(ratios)
+    return (f"{statistics.median(ratios):.2f}x, 95% CI {lo:.2f}-{hi:.2f}, {min(ratios):.2f}-{max(ratios):.2f} "
+            f"over {len(ratios)}")
+
+
+def bootstrap_ci(values: list[float], level: float = 0.95, resamples: int = 2000, seed: int = 0) -> tuple[float, float]:
+    """Percentile bootstrap interval of the median of ``values`` (resampled with replacement, fixed seed): how far the
+    median of this many step pairs may sit from the machine's true speed-up, given their spread."""
+    import random
+
+    if not values:
+        raise ValueError("bootstrap_ci needs at least one value")
+    rng = random.Random(seed)
+    medians = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(resamples))
+    tail = (1 - level) / 2
+    return medians[int(tail * resamples)], medians[min(resamples - 1, int((1 - tail) * resamples))]
+
+
+def pool(results: list[dict]) -> list[dict]:
+    """Rows of several runs' ``--json`` files (same build and settings) as one run: each workload's trials of each
+    implementation together, so the step pairs of all of them feed one median and one interval. Floors are the
+    median of the runs' (each run measured its own matmul and memory rates)."""
+    pooled: dict[str, dict] = {}
+    for result in results:
+        for row in result["rows"]:
+            target = pooled.setdefault(row["workload"], {"workload": row["workload"], "runs": {}})
+            for impl, r in row["runs"].items():
+                into = target["runs"].setdefault(impl, {"trial_s_per_step": [], "step_s": [], "peak_rss_gib": 0.0,
+                                                        "tokens": [], "flop_floor_s": [], "roofline_s": []})
+                into["trial_s_per_step"] += r["trial_s_per_step"]
+                into["step_s"] += r["step_s"]
+                into["peak_rss_gib"] = max(into["peak_rss_gib"], r["peak_rss_gib"])
+                into["tokens"].append(r["tokens_per_s"] * r["s_per_step"])  # generated tokens per step
+                into["flop_floor_s"].append(r["flop_floor_s"])
+                into["roofline_s"].append(r["roofline_s"])
+    for row in pooled.values():
+        for r in row["runs"].values():
+            r["s_per_step"] = statistics.median(s for trial in r["step_s"] for s in trial)
+            r["tokens_per_s"] = statistics.median(r.pop("tokens")) / r["s_per_step"]
+            r["flop_floor_s"] = statistics.median(r["flop_floor_s"])
+            r["roofline_s"] = statistics.median(r["roofline_s"])
+    return list(pooled.values())
+
+
+def print_table(rows: list[dict], interleave: bool) -> None:
+    impls = list(dict.fromkeys(impl for row in rows for impl in row["runs"]))
+    peers = [impl for impl in impls if parse_impl(impl)[0] == "trl"]
+    pairs = "median of per-step pairs, 95% CI, range" if interleave else "per trial"
     header = ("| workload | run | s/step | " + "".join(f"speed-up vs {p} ({pairs}) | " for p in peers)
               + "generated tok/s | peak GiB | FLOP floor s | s/step / FLOP floor | roofline s | s/step / roofline |")
     print(header)
@@ -448,21 +520,11 @@ def main() -> None:
     for row in rows:
         runs = row["runs"]
         for impl, r in runs.items():
-            speed = "".join(f"{runs[p]['s_per_step'] / r['s_per_step']:.2f}x ({_pairs(r, runs[p], args.interleave)}) | "
-                            for p in peers)
+            speed = "".join(f"{runs[p]['s_per_step'] / r['s_per_step']:.2f}x ({_pairs(r, runs[p], interleave)}) | "
+                            if p in runs else "- | " for p in peers)
             print(f"| {row['workload']} | {impl} | {r['s_per_step']:.3f} | {speed}{r['tokens_per_s']:.0f} "
                   f"| {r['peak_rss_gib']:.2f} | {r['flop_floor_s']:.3f} | {r['s_per_step'] / r['flop_floor_s']:.2f}x "
                   f"| {r['roofline_s']:.3f} | {r['s_per_step'] / r['roofline_s']:.2f}x |")
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump({"gflops": gflops, "memory_gbps": gbps, "rows": rows}, fh, indent=2)
-
-
-def _pairs(run: dict, peer: dict, steps: bool) -> str:
-    ratios = paired_speedups(run, peer, steps)
-    if not steps:
-        return ", ".join(f"{x:.2f}" for x in ratios)
-    return f"{statistics.median(ratios):.2f}x, {min(ratios):.2f}-{max(ratios):.2f} over {len(ratios)}"
 
 
 if __name__ == "__main__":

@@ -72,6 +72,46 @@ def test_paired_speedups_compare_trials_that_ran_back_to_back():
     assert throughput.paired_speedups(run, peer, steps=True) == [3.0, 1.5, 1.5]
 
 
+
+def test_bootstrap_interval_brackets_the_median_and_narrows_with_more_pairs():
+    import statistics
+
+    spread = [1.6, 1.8, 1.9, 1.95, 2.0, 2.05, 2.1, 2.2]
+    lo, hi = throughput.bootstrap_ci(spread)
+    assert min(spread) <= lo <= statistics.median(spread) <= hi <= max(spread) and lo < hi
+    assert throughput.bootstrap_ci(spread) == (lo, hi)  # fixed seed: the table is reproducible
+    lo4, hi4 = throughput.bootstrap_ci(spread * 4)  # the same spread, four times the pairs
+    assert hi4 - lo4 < hi - lo
+    assert throughput.bootstrap_ci([2.0] * 5) == (2.0, 2.0)
+    with pytest.raises(ValueError, match="at least one"):
+        throughput.bootstrap_ci([])
+
+
+def test_pooled_runs_keep_each_trial_paired_with_its_peer(capsys):
+    def run(polopt, trl, floor):
+        def side(trials):
+            steps = [s for t in trials for s in t]
+            return {"s_per_step": sorted(steps)[len(steps) // 2], "trial_s_per_step": [max(t) for t in trials],
+                    "step_s": trials, "tokens_per_s": 100 / sorted(steps)[len(steps) // 2], "peak_rss_gib": floor,
+                    "flop_floor_s": floor, "roofline_s": 2 * floor}
+        return {"interleave": True, "rows": [{"workload": "tiny", "runs": {"polopt": side(polopt),
+                                                                           "trl": side(trl)}}]}
+
+    a = run([[1.0, 2.0]], [[3.0, 3.0]], floor=0.5)
+    b = run([[4.0], [2.0]], [[6.0], [2.0]], floor=1.5)
+    (row,) = throughput.pool([a, b])
+    polopt, trl = row["runs"]["polopt"], row["runs"]["trl"]
+    assert polopt["step_s"] == [[1.0, 2.0], [4.0], [2.0]] and trl["step_s"] == [[3.0, 3.0], [6.0], [2.0]]
+    assert throughput.paired_speedups(polopt, trl, steps=True) == [3.0, 1.5, 1.5, 1.0]
+    assert polopt["s_per_step"] == 2.0 and trl["s_per_step"] == 3.0  # medians over every step of every run
+    assert polopt["tokens_per_s"] == pytest.approx(50.0)  # 100 generated tokens per step
+    assert polopt["peak_rss_gib"] == 1.5 and polopt["flop_floor_s"] == 1.0 and polopt["roofline_s"] == 2.0
+    throughput.print_table([row], interleave=True)
+    out = capsys.readouterr().out
+    lo, hi = throughput.bootstrap_ci([3.0, 1.5, 1.5, 1.0])
+    assert f"| tiny | polopt | 2.000 | 1.50x (1.50x, 95% CI {lo:.2f}-{hi:.2f}, 1.00-3.00 over 4) |" in out
+
+
 _CHILD = """
 import sys, time
 sys.path.insert(0, {bench!r})
