@@ -488,9 +488,12 @@ def pool(results: list[dict]) -> list[dict]:
     implementation together, so the step pairs of all of them feed one median and one interval. Floors are the
     median of the runs' (each run measured its own matmul and memory rates)."""
     pooled: dict[str, dict] = {}
-    for result in results:
+    for i, result in enumerate(results):
         for row in result["rows"]:
             target = pooled.setdefault(row["workload"], {"workload": row["workload"], "runs": {}})
+            if target["runs"] and set(target["runs"]) != set(row["runs"]):  # trials pair up only within one run
+                raise ValueError(f"run {i} of those pooled measured {row['workload']} with {sorted(row['runs'])}, an "
+                                 f"earlier one with {sorted(target['runs'])}: pool only runs of the same settings")
             for impl, r in row["runs"].items():
                 into = target["runs"].setdefault(impl, {"trial_s_per_step": [], "step_s": [], "peak_rss_gib": 0.0,
                                                         "tokens": [], "flop_floor_s": [], "roofline_s": []})

@@ -110,6 +110,9 @@ def test_pooled_runs_keep_each_trial_paired_with_its_peer(capsys):
     out = capsys.readouterr().out
     lo, hi = throughput.bootstrap_ci([3.0, 1.5, 1.5, 1.0])
     assert f"| tiny | polopt | 2.000 | 1.50x (1.50x, 95% CI {lo:.2f}-{hi:.2f}, 1.00-3.00 over 4) |" in out
+    del b["rows"][0]["runs"]["trl"]  # a run without the peer would pair its trials with another run's
+    with pytest.raises(ValueError, match=r"run 1 of those pooled measured tiny with \['polopt'\]"):
+        throughput.pool([a, b])
 
 
 _CHILD = """
