@@ -43,7 +43,8 @@ def _rope(x: Tensor, cos: Tensor, signed_sin: Tensor) -> Tensor:
 
 
 def _rms_norm(norm: nn.Module, x: Tensor) -> Tensor:
-    """Llama/Qwen2 RMSNorm inline: statistics in float32, as the modules compute them (one fused kernel here)."""
+    """Llama/Qwen2 RMSNorm inline: statistics in float32, as the modules compute them, in one ``F.rms_norm`` call
+    (on the CPU that call still runs pow/mean/rsqrt/mul inside ATen, without Python between them)."""
     eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6))
     return norm.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
 
