@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import nullcontext
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import lightning as L
@@ -18,7 +20,7 @@ from torchmetrics import MeanMetric
 
 from .advantages import group_relative_advantages, zero_std_groups
 from .logprobs import completion_logprobs, shared_prompt_completion_logprobs
-from .models import cast_weights, frozen_copy, prepare_tokenizer, resolve_dtype
+from .models import cast_weights, evaluating, frozen_copy, prepare_tokenizer, resolve_dtype
 from .models import disable_dropout as _disable_dropout
 from .objectives import Objective, build_objective
 from .rewards import RewardComposer, RewardOutput
@@ -189,17 +191,23 @@ class PolicyOptimizationModule(L.LightningModule):
         if disable_dropout:
             _disable_dropout(self.policy)
         # The reference exists only when the KL term needs it: no copy, no forward pass otherwise.
-        ref_dtype = resolve_dtype(ref_dtype, "ref_dtype", auto=False)
+        # a new name: save_hyperparameters reads the arguments from this frame, and a torch.dtype cannot go to YAML
+        ref_torch_dtype = resolve_dtype(ref_dtype, "ref_dtype", auto=False)
         self.ref_model = None
         if objective.beta > 0 and ref_model is None:
-            self.ref_model = frozen_copy(model, ref_dtype, "ref_dtype")
+            self.ref_model = frozen_copy(model, ref_torch_dtype, "ref_dtype")
         elif objective.beta > 0:
             self.ref_model = ref_model
-            if ref_dtype is not None:
-                cast_weights(ref_model, ref_dtype, "ref_dtype")
+            if ref_torch_dtype is not None:
+                cast_weights(ref_model, ref_torch_dtype, "ref_dtype")
+        if self.ref_model is not None:
+            # Lightning asks every submodule to be in training mode when fit starts (and warns about each one that is
+            # not); the reference only ever runs inside `evaluating`, which puts it in eval mode for its pass.
+            self.ref_model.train()
         self.val_metrics = nn.ModuleDict({k: MeanMetric(nan_strategy="ignore") for k in ("accuracy", "reward")})
         self._generator: torch.Generator | None = None
         self._prompt_iter: Iterator | None = None
+        self._hf_metadata: dict[str, Any] | None = None
         self.save_hyperparameters(ignore=["model", "tokenizer", "objective", "reward_fns", "ref_model",
                                           "rollout_engine", "optimizer"])
 
@@ -308,10 +316,11 @@ class PolicyOptimizationModule(L.LightningModule):
                 exp["completion_mask"][rows, :width])
         # checkpointed layers drop the cache the shared prompt is passed through; without gradient they keep it
         checkpointed = self.gradient_checkpointing and model is self.policy and torch.is_grad_enabled()
-        if self.share_prompt and not checkpointed:
-            return shared_prompt_completion_logprobs(*args, exp["group_index"][rows], self.sampling.logprob_temperature,
-                                                     with_entropy=with_entropy)
-        return completion_logprobs(*args, self.sampling.logprob_temperature, with_entropy=with_entropy)
+        with evaluating(model) if model is self.ref_model else nullcontext():
+            if self.share_prompt and not checkpointed:
+                return shared_prompt_completion_logprobs(*args, exp["group_index"][rows],
+                                                         self.sampling.logprob_temperature, with_entropy=with_entropy)
+            return completion_logprobs(*args, self.sampling.logprob_temperature, with_entropy=with_entropy)
 
     def training_step(self, batch: Mapping[str, Any], batch_idx: int) -> None:
         optimizer = self.optimizers()
@@ -469,11 +478,26 @@ class PolicyOptimizationModule(L.LightningModule):
             self.log(f"val/{key}", metric, on_step=False, on_epoch=True, prog_bar=key == "accuracy")
 
     # ------------------------------------------------------------------------------------------------------------
+    def save_pretrained(self, out_dir: str | Path) -> Path:
+        """Save the policy and its tokenizer in Hugging Face format (``AutoModelForCausalLM.from_pretrained`` loads it).
+
+        The one-liner after ``trainer.fit(module, ...)``: ``module.save_pretrained("my_model")``.
+        """
+        from .export import save_policy
+
+        return save_policy(self.policy, self.tokenizer, out_dir)
+
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        checkpoint["polopt"] = {
+        from .export import CHECKPOINT_KEY, hf_metadata
+
+        if self._hf_metadata is None:  # the config and tokenizer do not change during training: gathered once
+            self._hf_metadata = hf_metadata(self.policy, self.tokenizer)
+        checkpoint[CHECKPOINT_KEY] = {
             "reward_weights": self.rewards.weights.tolist(),
             "sampling_generator": self._sampling_generator().get_state(),
             "torch_rng": torch.get_rng_state(),
+            # what `polopt-export CKPT OUT` needs to rebuild a Hugging Face folder from this file alone
+            "hf": self._hf_metadata,
         }
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:

@@ -1,0 +1,118 @@
+"""The trained policy in Hugging Face format: saved by the module, by polopt-train, and from any checkpoint, loadable
+by transformers in a process that never imports this package, with the same log-probs."""
+
+import json
+import subprocess
+import sys
+
+import lightning as L
+import pytest
+import torch
+
+from polopt_lightning import PolicyOptimizationModule, PromptDataModule
+from polopt_lightning.data import ArithmeticTask
+from polopt_lightning.export import export_checkpoint
+from polopt_lightning.models import load_pretrained
+from polopt_lightning.rewards import DigitMatchReward, ExactMatchReward
+
+TEXT = "12+34=46"
+
+# runs in a fresh interpreter: transformers only, and it checks that polopt_lightning was never imported
+LOAD_AND_SCORE = """
+import json, sys, torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+model = AutoModelForCausalLM.from_pretrained(sys.argv[1]).eval()
+tok = AutoTokenizer.from_pretrained(sys.argv[1])
+ids = tok(sys.argv[2], return_tensors="pt")["input_ids"]
+with torch.no_grad():
+    logits = model(ids).logits.float()
+lp = torch.log_softmax(logits[0, :-1], -1).gather(-1, ids[0, 1:, None])[:, 0]
+assert not any(m.startswith("polopt_lightning") for m in sys.modules), "polopt_lightning was imported"
+print(json.dumps({"logprobs": lp.tolist(), "ids": ids[0].tolist()}))
+"""
+
+
+def logprobs_in_process(model, tokenizer, text=TEXT):
+    ids = tokenizer(text, return_tensors="pt")["input_ids"]
+    model.eval()
+    with torch.no_grad():
+        logits = model(ids).logits.float()
+    return torch.log_softmax(logits[0, :-1], -1).gather(-1, ids[0, 1:, None])[:, 0], ids[0].tolist()
+
+
+def logprobs_elsewhere(folder, text=TEXT):
+    proc = subprocess.run([sys.executable, "-c", LOAD_AND_SCORE, str(folder), text], capture_output=True, text=True,
+                          timeout=300, env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    return torch.tensor(out["logprobs"]), out["ids"]
+
+
+def trained_module(tiny, tmp_path, beta=0.04):
+    model, tok = tiny
+    train, val = ArithmeticTask(digits=1, train_size=40, val_size=8).splits()
+    data = PromptDataModule(train=train, val=val, tokenizer=tok, batch_size=2)
+    module = PolicyOptimizationModule(model, tok, objective={"name": "grpo", "beta": beta}, lr=1e-3,
+                                      reward_fns=[ExactMatchReward(), DigitMatchReward()],
+                                      num_generations=4, generation={"max_new_tokens": 3})
+    trainer = L.Trainer(max_steps=3, accelerator="cpu", logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, enable_checkpointing=False, default_root_dir=str(tmp_path))
+    before = [p.detach().clone() for p in model.parameters()]
+    trainer.fit(module, datamodule=data)
+    assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters())), "training changed nothing"
+    return module, trainer
+
+
+def test_module_save_pretrained_round_trips_without_this_package(tiny, tmp_path):
+    module, _ = trained_module(tiny, tmp_path)
+    folder = module.save_pretrained(tmp_path / "model")
+    expected, ids = logprobs_in_process(module.policy, module.tokenizer)
+    got, got_ids = logprobs_elsewhere(folder)
+    assert got_ids == ids
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
+
+
+def test_any_checkpoint_exports_to_a_loadable_folder(tiny, tmp_path):
+    module, trainer = trained_module(tiny, tmp_path)  # beta > 0: the checkpoint also holds the reference
+    trainer.save_checkpoint(tmp_path / "last.ckpt", weights_only=False)
+    expected, _ = logprobs_in_process(module.policy, module.tokenizer)
+    # the command line, as a user runs it
+    proc = subprocess.run([sys.executable, "-m", "polopt_lightning.export", str(tmp_path / "last.ckpt"),
+                           str(tmp_path / "exported")], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got, _ = logprobs_elsewhere(tmp_path / "exported")
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
+    # the reference's weights (the policy before training) were not exported instead of the policy's
+    ref, _ = logprobs_in_process(module.ref_model, module.tokenizer)
+    assert not torch.allclose(ref, expected, atol=1e-5)
+    # and our own loader reads the folder too
+    model, tok = load_pretrained(str(tmp_path / "exported"), dtype="float32")
+    torch.testing.assert_close(logprobs_in_process(model, tok)[0], expected, rtol=0, atol=1e-5)
+
+
+def test_export_errors_name_the_file(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "polopt_lightning.export", str(tmp_path / "missing.ckpt"),
+                           str(tmp_path / "out")], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and f"no checkpoint file at {tmp_path / 'missing.ckpt'}" in proc.stderr
+    torch.save({"state_dict": {}}, tmp_path / "foreign.ckpt")
+    with pytest.raises(ValueError, match="foreign.ckpt holds no model config"):
+        export_checkpoint(tmp_path / "foreign.ckpt", tmp_path / "out")
+
+
+def test_model_path_errors_name_the_path_and_what_was_looked_for(tiny, tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"model.name_or_path='\./no_such_model': no such folder"):
+        load_pretrained("./no_such_model")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(FileNotFoundError, match=r"has no config\.json"):
+        load_pretrained(str(empty))
+    (empty / "weights.bin").write_text("x")
+    with pytest.raises(NotADirectoryError, match="weights.bin' is a file"):
+        load_pretrained(str(empty / "weights.bin"))
+    model, tok = tiny
+    model.save_pretrained(tmp_path / "no_tokenizer")  # weights without a tokenizer
+    with pytest.raises(FileNotFoundError, match=r"(?s)no_tokenizer.*has no tokenizer\.json or tokenizer_config\.json"):
+        load_pretrained(str(tmp_path / "no_tokenizer"))
+    tok.save_pretrained(tmp_path / "tokenizer_only")
+    loaded, _ = load_pretrained(str(tmp_path / "no_tokenizer"), tokenizer_name_or_path=str(tmp_path / "tokenizer_only"))
+    assert loaded.config.hidden_size == model.config.hidden_size
