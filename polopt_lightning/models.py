@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import copy
 import logging
+import re
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -122,20 +126,60 @@ def load_pretrained(
     ``trust_remote_code`` is off by default: a repository's own Python code runs only when you say so.
     A tokenizer without a pad token gets its EOS token as pad (logged), and left padding for generation.
     """
-    model = AutoModelForCausalLM.from_pretrained(
-        name_or_path,
-        dtype=resolve_dtype(dtype),
-        attn_implementation=attn_implementation,
-        trust_remote_code=trust_remote_code,
-        revision=revision,
-        quantization_config=quantization_config,
-        **model_kwargs,
-    )
-    tokenizer = AutoTokenizer.from_pretrained(
-        tokenizer_name_or_path or name_or_path, trust_remote_code=trust_remote_code, revision=revision
-    )
+    _check_source(name_or_path, "model.name_or_path", "config.json", MODEL_FILES_HINT)
+    tokenizer_source = tokenizer_name_or_path or name_or_path
+    _check_source(tokenizer_source, "model.tokenizer_name_or_path" if tokenizer_name_or_path else "model.name_or_path",
+                  TOKENIZER_FILES, "a tokenizer (save it beside the model with tokenizer.save_pretrained, or set "
+                  "model.tokenizer_name_or_path to another folder or hub id)")
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            name_or_path,
+            dtype=resolve_dtype(dtype),
+            attn_implementation=attn_implementation,
+            trust_remote_code=trust_remote_code,
+            revision=revision,
+            quantization_config=quantization_config,
+            **model_kwargs,
+        )
+    except OSError as exc:  # a hub id that is neither cached nor reachable, or a repository without weights
+        raise OSError(f"model.name_or_path={name_or_path!r}: no local folder of that name, and the hub id could not "
+                      f"be loaded (offline and not in the cache, or not a model repository): {exc}") from exc
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_source, trust_remote_code=trust_remote_code,
+                                                  revision=revision)
+    except OSError as exc:
+        raise OSError(f"tokenizer {tokenizer_source!r}: could not be loaded (looked for {', '.join(TOKENIZER_FILES)}; "
+                      f"set model.tokenizer_name_or_path to a folder or hub id that has one): {exc}") from exc
     prepare_tokenizer(tokenizer)
     return model, tokenizer
+
+
+# what AutoTokenizer reads from a folder: any one of these makes a tokenizer
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
+                   "spiece.model")
+MODEL_FILES_HINT = "a model's config.json (what save_pretrained writes beside the weights)"
+# a hub id: "name" or "owner/name", letters, digits, '-', '_', '.'; no '--' or '..' (the hub's own rule)
+_HUB_ID = re.compile(r"^(?!.*(--|\.\.))[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
+
+
+def _check_source(name_or_path: str, key: str, wanted: str | Sequence[str], what: str) -> None:
+    """Fail early, naming ``key`` and the path, when ``name_or_path`` is neither a usable folder nor a hub id.
+
+    An existing folder must hold ``wanted`` (a file name, or any one of several); a string that is no folder must be
+    a valid hub id (``owner/name``), else it was meant as a path that does not exist.
+    """
+    path = Path(str(name_or_path)).expanduser()
+    names = (wanted,) if isinstance(wanted, str) else tuple(wanted)
+    if path.is_dir():
+        if not any((path / name).is_file() for name in names):
+            raise FileNotFoundError(f"{key}={str(name_or_path)!r}: the folder {path.resolve()} has no "
+                                    f"{' or '.join(names)}: it does not hold {what}")
+        return
+    if path.exists():
+        raise NotADirectoryError(f"{key}={str(name_or_path)!r} is a file; give the folder that holds {what}")
+    if not _HUB_ID.match(str(name_or_path)):
+        raise FileNotFoundError(f"{key}={str(name_or_path)!r}: no such folder ({path.resolve()}), and it is not a "
+                                "hub id of the form owner/name either")
 
 
 def prepare_tokenizer(tokenizer: PreTrainedTokenizerBase) -> PreTrainedTokenizerBase:
@@ -157,6 +201,18 @@ def frozen_copy(model: nn.Module, dtype: torch.dtype | None = None, key: str = "
     if dtype is not None:
         cast_weights(ref, dtype, key)
     return ref
+
+
+@contextmanager
+def evaluating(model: nn.Module) -> Iterator[nn.Module]:
+    """Eval mode for the duration of a block, then every submodule's own mode back (as Lightning's loops do)."""
+    modes = [(module, module.training) for module in model.modules()]
+    model.eval()
+    try:
+        yield model
+    finally:
+        for module, training in modes:
+            module.training = training
 
 
 def cast_weights(model: nn.Module, dtype: torch.dtype, key: str = "dtype") -> None:
