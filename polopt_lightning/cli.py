@@ -49,6 +49,54 @@ def _instantiate_all(group: Any) -> list[Any]:
     return [instantiate(v) for v in group.values() if v is not None]
 
 
+# Console lines that say nothing about this run, dropped unless `verbose=true` (matched by message, CLI only).
+_ADVERTISEMENTS = ("💡 Tip:",)  # Lightning's suggestions to install its cloud packages
+_DEPENDENCY_WARNINGS = (
+    # raised inside Lightning's own pytree helper under torch >= 2.9, at every fit: nothing a user can act on
+    r"`isinstance\(treespec, LeafSpec\)` is deprecated",
+)
+
+
+class _DropMessages(logging.Filter):
+    def __init__(self, prefixes: tuple[str, ...]) -> None:
+        super().__init__()
+        self.prefixes = prefixes
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(self.prefixes)
+
+
+def configure_console(verbose: bool = False) -> None:
+    """One line per record on the console, and no advertisement or dependency noise unless ``verbose``.
+
+    Lightning adds its own console handler to the ``lightning`` logger at import, beside the one Hydra gives the
+    root logger, so each of its records was printed twice: its handler goes, Hydra's stays (and writes the run's log
+    file too). Python warnings go through logging as single records. The rest is dropped by exact message, here in
+    the CLI only; the library itself filters nothing.
+    """
+    import warnings
+
+    import lightning  # noqa: F401  (its handler is added at import: import first, then remove it)
+
+    lightning_logger = logging.getLogger("lightning")
+    root_handlers = logging.getLogger().handlers
+    if root_handlers:  # only when something else prints its records
+        for handler in list(lightning_logger.handlers):
+            if type(handler) is logging.StreamHandler:
+                lightning_logger.removeHandler(handler)
+    logging.captureWarnings(True)
+    if verbose:
+        return
+    for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero"):
+        logging.getLogger(name).addFilter(_DropMessages(_ADVERTISEMENTS))
+    for pattern in _DEPENDENCY_WARNINGS:
+        warnings.filterwarnings("ignore", message=pattern)
+    logging.getLogger("matplotlib").setLevel(logging.WARNING)  # font-cache notices when a dependency imports it
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # "Writing model shards" bars when the model is saved
+
+
 def _validate(trainer, module, datamodule) -> dict[str, float]:
     if not datamodule.val_rows:
         return {}
@@ -65,11 +113,13 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     import torch
     from hydra.utils import instantiate
 
+    from .callbacks import ValidationHistory
     from .data import PromptDataModule
     from .module import PolicyOptimizationModule
     from .warmstart import WarmStartConfig, default_cache_dir, supervised_warm_start
 
     start = time.perf_counter()
+    configure_console(bool(cfg.get("verbose", False)))
     run_dir = _run_dir(cfg)
     run_dir.mkdir(parents=True, exist_ok=True)
     if cfg.get("num_threads"):
@@ -96,7 +146,8 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         **OmegaConf.to_container(cfg.module, resolve=True),
     )
     loggers = _instantiate_all(cfg.get("logger"))
-    callbacks = _instantiate_all(cfg.get("callbacks"))
+    history = ValidationHistory(monitor="val/accuracy", mode="max")
+    callbacks = [*_instantiate_all(cfg.get("callbacks")), history]
     trainer: L.Trainer = instantiate(cfg.trainer, logger=loggers or False, callbacks=callbacks,
                                      default_root_dir=str(run_dir))
 
@@ -105,6 +156,9 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
     rl_wall = time.perf_counter() - rl_start
     after = _validate(trainer, module, datamodule)
+    model_dir = module.save_pretrained(run_dir / "model")
+    best = history.best()
+    best_ckpt = run_dir / "checkpoints" / "best.ckpt"
 
     results = {
         "objective": cfg.objective.get("name", type(objective).__name__.lower()),
@@ -117,8 +171,16 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         "warm_start_probe_accuracy": warm.get("probe_accuracy"),
         "val_accuracy_before": before.get("val/accuracy"),
         "val_accuracy_after": after.get("val/accuracy"),
+        # the best validation during RL (validations every trainer.val_check_interval rollouts) and its step
+        "val_accuracy_best": best.get("val/accuracy") if best else None,
+        "val_accuracy_best_step": best["step"] if best else None,
+        "val_accuracy_best_rollout": best["rollout"] if best else None,
+        "best_checkpoint": str(best_ckpt) if best_ckpt.is_file() else None,
+        # the final policy in Hugging Face format: AutoModelForCausalLM.from_pretrained(model_dir)
+        "model_dir": str(model_dir),
         "val_reward_before": before.get("val/reward"),
         "val_reward_after": after.get("val/reward"),
+        "val_history": [{k: v for k, v in r.items() if k != "fitting"} for r in history.records if r["fitting"]],
         "seed": int(cfg.seed),
         "run_dir": str(run_dir),
     }
@@ -132,7 +194,8 @@ def summary_table(results: dict[str, Any]) -> str:
         return f"{v:.3f}" if isinstance(v, float) else str(v)
 
     rows = [(k, fmt(results[k])) for k in ("objective", "steps", "val_accuracy_before", "val_accuracy_after",
-                                           "warm_start_wall_s", "rl_wall_s", "wall_s", "run_dir")]
+                                           "val_accuracy_best", "val_accuracy_best_step", "warm_start_wall_s",
+                                           "rl_wall_s", "wall_s", "model_dir", "run_dir")]
     width = max(len(k) for k, _ in rows)
     lines = ["polopt-train summary", "-" * (width + 30)] + [f"{k:<{width}}  {v}" for k, v in rows]
     return "\n".join(lines)

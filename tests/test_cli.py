@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import lightning as L
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
@@ -88,17 +89,25 @@ def test_unknown_group_value_lists_the_known_ones():
 
 
 def test_train_function_writes_results_and_metrics(tmp_path):
-    cfg = compose_with(FAST + ["objective=gspo"], tmp_path)
+    cfg = compose_with(FAST + ["objective=gspo", "trainer.max_steps=4", "trainer.val_check_interval=1"], tmp_path)
     _set_hydra(cfg)
     results = train(cfg)
     saved = json.loads((tmp_path / "results.json").read_text())
     assert saved == results
     for key in ("objective", "steps", "wall_s", "val_accuracy_before", "val_accuracy_after"):
         assert key in saved
-    assert saved["objective"] == "gspo" and saved["steps"] == 2
+    assert saved["objective"] == "gspo" and saved["steps"] == 4
     rows = list(csv.DictReader(open(tmp_path / "csv" / "version_0" / "metrics.csv")))
     assert any(r.get("train/reward") not in (None, "") for r in rows)
     assert (tmp_path / "checkpoints" / "last.ckpt").is_file()
+    # the final policy in Hugging Face format, and the best validation during RL beside the final one
+    assert saved["model_dir"] == str(tmp_path / "model") and (tmp_path / "model" / "config.json").is_file()
+    history = saved["val_history"]
+    assert history and all(r["step"] > 0 for r in history)  # validations during RL only
+    best = max(history, key=lambda r: (r["val/accuracy"], -r["step"]))
+    assert saved["val_accuracy_best"] == best["val/accuracy"] and saved["val_accuracy_best_step"] == best["step"]
+    assert saved["best_checkpoint"] == str(tmp_path / "checkpoints" / "best.ckpt")
+    assert (tmp_path / "checkpoints" / "best.ckpt").is_file()
 
 
 def test_precision_keys_reach_the_module(tmp_path):
@@ -169,3 +178,50 @@ def test_crash_mid_run_keeps_checkpoint_and_logs(tmp_path):
     assert (run / "checkpoints" / "last.ckpt").is_file()
     rows = list(csv.DictReader(open(run / "csv" / "version_0" / "metrics.csv")))
     assert len([r for r in rows if r.get("train/reward")]) >= 1
+
+
+# Lightning and dependency lines that say nothing about the run (issue: a quiet, honest console)
+NOISE = ["Tip:", "litlogger", "ckpt_path=None", 'ckpt_path="last"', "manual optimization", "pre-optimization state",
+         "in eval mode", "LeafSpec", "Writing model shards", "fontManager"]
+
+
+def test_console_prints_each_record_once_and_no_noise(tmp_path):
+    """beta > 0 (a reference in eval mode), a checkpoint every step (Lightning's manual-optimisation lecture), an
+    exception checkpoint (the `ckpt_path="last"` warnings) and the model saved at the end: the console stays quiet."""
+    args = FAST + ["objective.beta=0.04", "trainer.max_steps=4", "callbacks.checkpoint.every_n_train_steps=1",
+                   f"hydra.run.dir={tmp_path}/run"]
+    proc = _cli(args, tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [line for line in (proc.stdout + proc.stderr).splitlines() if line.strip()]
+    messages = [line.split("] - ", 1)[-1] for line in lines]  # the record without Hydra's time stamp
+    repeated = {m for m in messages if messages.count(m) > 1}
+    assert not repeated, f"printed more than once: {repeated}\n" + "\n".join(lines)
+    assert not [line for line in lines for n in NOISE if n in line], "\n".join(lines)
+    assert "Trainer.fit` stopped: `max_steps=4` reached" in proc.stdout  # Lightning's own lines still come, once
+    # verbose=true brings everything back
+    proc = _cli(args[:-1] + [f"hydra.run.dir={tmp_path}/verbose", "verbose=true"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Tip:" in proc.stdout + proc.stderr
+
+
+class CheckpointProbe(L.Callback):
+    """Records, after each training batch, the global step stored in last.ckpt (None before the first one)."""
+
+    seen: dict = {}
+    folder: Path | None = None
+
+    def on_train_batch_end(self, trainer, *args, **kwargs):
+        last = self.folder / "checkpoints" / "last.ckpt"
+        # checkpoint callbacks run after this one in the same hook: this sees what the previous batches left
+        self.seen[trainer.global_step] = torch.load(last, weights_only=True)["global_step"] if last.is_file() else None
+
+
+def test_last_checkpoint_is_written_every_n_optimizer_steps(tmp_path):
+    """`callbacks.checkpoint.every_n_train_steps` counts optimizer steps (2 per rollout here): last.ckpt holds the
+    state of the latest multiple of it while training goes on, not only at the end."""
+    CheckpointProbe.seen, CheckpointProbe.folder = {}, tmp_path
+    cfg = compose_with(FAST + ["trainer.max_steps=12", "callbacks.checkpoint.every_n_train_steps=4",
+                               "+callbacks.probe._target_=tests.test_cli.CheckpointProbe"], tmp_path)
+    _set_hydra(cfg)
+    train(cfg)
+    assert CheckpointProbe.seen == {2: None, 4: None, 6: 4, 8: 4, 10: 8, 12: 8}, CheckpointProbe.seen

@@ -1,0 +1,64 @@
+"""Checkpoint callbacks for :class:`~polopt_lightning.PolicyOptimizationModule` (manual optimisation).
+
+Lightning's own classes assume things that do not hold for a module whose training step is a whole rollout with its
+own optimizer steps; these keep their behaviour and drop the assumptions:
+
+- :class:`RolloutCheckpoint` is ``ModelCheckpoint`` saving after a training step. Under manual optimisation
+  Lightning's class warns at every periodic save (with a sample ``training_step``) that the file holds the state
+  *after* the optimizer step; for this module that is the state wanted: the rollout's updates are done.
+- :class:`ExceptionCheckpoint` saves a checkpoint when training raises, like ``OnExceptionCheckpoint``, without being
+  one: Lightning turns ``fit(ckpt_path=None)`` into ``ckpt_path="last"`` whenever an ``OnExceptionCheckpoint`` is
+  present, resuming silently from whatever last checkpoint it finds (and warning twice on a fresh run). Resuming
+  here happens only when asked (``ckpt_path=...``).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+log = logging.getLogger(__name__)
+
+
+class RolloutCheckpoint(ModelCheckpoint):
+    """``ModelCheckpoint`` that saves the state a training step leaves (every rollout's optimizer steps done).
+
+    Takes every ``ModelCheckpoint`` argument. ``every_n_train_steps`` counts optimizer steps, as ``global_step`` does.
+    """
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any, **kwargs: Any) -> None:
+        if pl_module.automatic_optimization or self._train_time_interval is not None:
+            return super().on_train_batch_end(trainer, pl_module, *args, **kwargs)
+        # Lightning's manual-optimisation branch differs from the automatic one only by restoring a pre-step state that
+        # its own test module keeps, and by a warning when there is none: the automatic branch's saving, here. (The
+        # automatic flag cannot be flipped for the call: `trainer.global_step` reads another counter then.)
+        if self._every_n_train_steps < 1 or trainer.global_step % self._every_n_train_steps:
+            return
+        if self._should_skip_saving_checkpoint(trainer):
+            return
+        candidates = self._monitor_candidates(trainer)
+        if self.monitor is not None and self.monitor not in candidates:
+            self._defer_save_until_validation = True  # saved when validation has logged the monitored metric
+            return
+        self._save_topk_checkpoint(trainer, candidates)
+        self._save_last_checkpoint(trainer, candidates)
+
+
+class ExceptionCheckpoint(L.Callback):
+    """Save ``<dirpath>/<filename>.ckpt`` when training raises, so a crash loses no more than the current step.
+
+    Args:
+        dirpath: folder of the checkpoint.
+        filename: file name without the ``.ckpt`` suffix.
+    """
+
+    def __init__(self, dirpath: str | Path, filename: str = "on_exception") -> None:
+        self.ckpt_path = str(Path(dirpath) / f"{filename}.ckpt")
+
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        trainer.save_checkpoint(self.ckpt_path)
+        log.info("training raised %s: state saved to %s", type(exception).__name__, self.ckpt_path)
