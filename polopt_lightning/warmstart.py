@@ -41,7 +41,11 @@ class WarmStartConfig:
         target_accuracy: stop as soon as greedy exact-match accuracy on a probe of training prompts reaches this
             (``None``: run all ``steps``). The supervised curve of a small model is steep, so a fixed step count
             lands anywhere from 15% to 60% depending on the seed; a target lands where RL has room and signal.
-        eval_every: steps between probe evaluations.
+        eval_every: steps between probe evaluations while the probe is far below the target.
+        fine_eval_every: steps between probe evaluations once the probe is within ``fine_margin`` of the target
+            (``None``: always ``eval_every``). The curve is steep near the target: a coarse check overshoots it by a
+            seed- and machine-dependent amount, and checking finely all along costs a probe every few steps.
+        fine_margin: how close to the target (in accuracy) the fine checks start.
         probe_size: training prompts in the probe (the validation set is never used here).
     """
 
@@ -55,11 +59,16 @@ class WarmStartConfig:
     cache_dir: str | None = None
     target_accuracy: float | None = None
     eval_every: int = 50
+    fine_eval_every: int | None = None
+    fine_margin: float = 0.2
     probe_size: int = 256
 
     def __post_init__(self) -> None:
         if self.steps < 0 or self.batch_size < 1 or self.lr <= 0:
             raise ValueError(f"warm_start needs steps >= 0, batch_size >= 1, lr > 0; got {self}")
+        if self.eval_every < 1 or (self.fine_eval_every is not None and self.fine_eval_every < 1):
+            raise ValueError(f"warm_start.eval_every and warm_start.fine_eval_every must be >= 1, got "
+                             f"{self.eval_every} and {self.fine_eval_every}")
 
 
 def default_cache_dir() -> Path:
@@ -150,7 +159,9 @@ def supervised_warm_start(model: nn.Module, tokenizer: Any, rows: Sequence[dict[
         scheduler.step()
         loss_value = float(out.loss.detach())
         steps_done = step + 1
-        if cfg.target_accuracy is not None and steps_done % cfg.eval_every == 0:
+        near = (cfg.fine_eval_every is not None and accuracy is not None
+                and accuracy >= cfg.target_accuracy - cfg.fine_margin)
+        if cfg.target_accuracy is not None and steps_done % (cfg.fine_eval_every if near else cfg.eval_every) == 0:
             accuracy = greedy_accuracy(model, tokenizer, probe, cfg.prompt_column, cfg.answer_column)
             model.train()
             if accuracy >= cfg.target_accuracy:

@@ -41,3 +41,20 @@ def test_bad_rows_are_named():
     model, tok = tiny()
     with pytest.raises(KeyError, match="row 0 has no column 'answer'"):
         supervised_warm_start(model, tok, [{"prompt": "1+1="}], WarmStartConfig(steps=1))
+
+
+def test_probe_checks_finely_near_the_target(monkeypatch):
+    """Coarse checks far from the target, fine ones within fine_margin of it: stops at the first fine check above."""
+    import polopt_lightning.warmstart as ws
+
+    scripted = iter([0.10, 0.30, 0.50, 0.55, 0.60, 0.70])
+    monkeypatch.setattr(ws, "greedy_accuracy", lambda *args, **kwargs: next(scripted))
+    train, _ = ArithmeticTask(digits=1, train_size=30, val_size=0).splits()
+    model, tok = tiny()
+    cfg = WarmStartConfig(steps=500, batch_size=4, target_accuracy=0.65, eval_every=20, fine_eval_every=5,
+                          fine_margin=0.2)
+    info = supervised_warm_start(model, tok, train, cfg)
+    # checks at 20 (0.10), 40 (0.30), 60 (0.50: within 0.2), then every 5: 65, 70, 75 (0.70 >= 0.65)
+    assert info["steps"] == 75 and info["probe_accuracy"] == 0.70
+    with pytest.raises(ValueError, match="fine_eval_every must be >= 1"):
+        WarmStartConfig(fine_eval_every=0)

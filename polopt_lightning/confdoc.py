@@ -1,0 +1,119 @@
+"""Render ``docs/configuration.md`` from the shipped configs: every group, option and key with its comment.
+
+Each key in ``conf/`` carries the comment above it (what it does, its unit); this page is made from those comments,
+and a test checks that the committed page equals what this renders, so the reference cannot drift from the configs.
+
+    python -m polopt_lightning.confdoc > docs/configuration.md
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from .cli import config_dir
+
+_KEY = re.compile(r"^(?P<indent>\s*)(?P<key>[A-Za-z_][\w.]*|'[^']+'|\"[^\"]+\"):(?:\s+(?P<value>.*))?$")
+_DEFAULT = re.compile(r"^\s*-\s*(?:override\s+)?(?P<group>[\w/]+):\s*(?P<value>\S+)\s*$")
+
+HEADER = """# Configuration reference
+
+Generated from the shipped configs (`conf/`) by `python -m polopt_lightning.confdoc > docs/configuration.md`;
+a test fails when this page and the configs disagree. Every key can be overridden on the command line
+(`polopt-train module.lr=1e-5`), a group option is chosen with `group=option` (`polopt-train objective=gspo`),
+and a key that a file does not have is added with `+key=value`. Values in `${...}` are Hydra interpolations.
+"""
+
+
+def _entries(text: str, prefix: str) -> tuple[str, list[str], list[tuple[str, str, str]]]:
+    """(file description, its defaults list, [(dotted key, value, comment)]) of one YAML file."""
+    lines = text.splitlines()
+    description: list[str] = []
+    i = 0
+    while i < len(lines) and (lines[i].startswith("#") or not lines[i].strip()):
+        line = lines[i].lstrip("#").strip()
+        if line and not line.startswith("@package"):
+            description.append(line)
+        i += 1
+    defaults: list[str] = []
+    entries: list[tuple[str, str, str]] = []
+    stack: list[tuple[int, str]] = []  # (indent, key) of the open mappings
+    comment: list[str] = []
+    in_defaults = False
+    for line in lines[i:]:
+        stripped = line.strip()
+        if not stripped:
+            comment = []
+            continue
+        if stripped.startswith("#"):
+            comment.append(stripped.lstrip("#").strip())
+            continue
+        if in_defaults and stripped.startswith("-"):
+            match = _DEFAULT.match(line)
+            if match:
+                defaults.append(f"{match['group']}: {match['value']}")
+            continue
+        match = _KEY.match(line)
+        if not match:  # a list item of a value, or a continuation
+            comment = []
+            continue
+        indent, key, value = len(match["indent"]), match["key"].strip("'\""), (match["value"] or "").strip()
+        in_defaults = indent == 0 and key == "defaults" and not value
+        if in_defaults:
+            comment = []
+            continue
+        while stack and stack[-1][0] >= indent:
+            stack.pop()
+        path = ".".join([p for p in (prefix, *[k for _, k in stack], key) if p])
+        if value:
+            entries.append((path, value, " ".join(comment)))
+        elif comment:
+            entries.append((path, "", " ".join(comment)))
+        if not value:
+            stack.append((indent, key))
+        comment = []
+    return " ".join(description), defaults, entries
+
+
+def _table(entries: list[tuple[str, str, str]]) -> list[str]:
+    if not entries:
+        return ["(no keys)", ""]
+    rows = ["| key | default | what it does |", "|---|---|---|"]
+    for key, value, comment in entries:
+        shown = f"`{value}`" if value else ""
+        rows.append(f"| `{key}` | {shown.replace('|', '&#124;')} | {comment.replace('|', '&#124;')} |")
+    return [*rows, ""]
+
+
+def render(conf: str | Path | None = None) -> str:
+    """The configuration reference as Markdown."""
+    root = Path(conf or config_dir())
+    primary = (root / "train.yaml").read_text()
+    description, defaults, entries = _entries(primary, "")
+    chosen = dict(d.split(": ", 1) for d in defaults)
+    out = [HEADER, "## The primary config (`conf/train.yaml`)", "", description, "",
+           "Defaults list (one option per group): " + ", ".join(f"`{d.replace(': ', '=')}`" for d in defaults), "",
+           *_table(entries)]
+    for group in sorted(p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith("_")):
+        options = sorted((root / group).glob("*.yaml"))
+        if not options:
+            continue
+        out += [f"## `{group}`", ""]
+        for path in options:
+            text = path.read_text()
+            is_global = "@package _global_" in text
+            description, option_defaults, entries = _entries(text, "" if is_global else group)
+            mark = " (default)" if chosen.get(group) == path.stem else ""
+            out += [f"### `{group}={path.stem}`{mark}", "", description, ""]
+            if option_defaults:
+                out += ["Starts from: " + ", ".join(f"`{d.replace(': ', '=')}`" for d in option_defaults), ""]
+            out += _table(entries)
+    return "\n".join(out).rstrip() + "\n"
+
+
+def main() -> None:
+    print(render(), end="")
+
+
+if __name__ == "__main__":
+    main()
