@@ -23,3 +23,4 @@ def test_quickstart_notebook_executes(tmp_path, monkeypatch):
     outputs = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []))
     assert "held-out accuracy:" in outputs
     assert (tmp_path / "quickstart_logs").is_dir()
+    assert (tmp_path / "quickstart_model" / "config.json").is_file()
