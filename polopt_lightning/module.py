@@ -144,6 +144,11 @@ class PolicyOptimizationModule(L.LightningModule):
         self.automatic_optimization = False
 
         self.policy = model
+        # `from_pretrained` returns a model in eval mode, and Lightning keeps each module's mode through fit: without
+        # this, a loaded policy trained with gradient checkpointing off (transformers applies it only in training
+        # mode) and dropout off even when asked for, and Lightning warned about its modules at every fit. The
+        # sampler and validation put it in eval mode for their own passes.
+        model.train()
         self.tokenizer = prepare_tokenizer(tokenizer)
         if isinstance(objective, str):
             objective = build_objective(objective)

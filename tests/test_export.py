@@ -116,3 +116,20 @@ def test_model_path_errors_name_the_path_and_what_was_looked_for(tiny, tmp_path)
     tok.save_pretrained(tmp_path / "tokenizer_only")
     loaded, _ = load_pretrained(str(tmp_path / "no_tokenizer"), tokenizer_name_or_path=str(tmp_path / "tokenizer_only"))
     assert loaded.config.hidden_size == model.config.hidden_size
+
+
+def test_a_loaded_policy_trains_in_training_mode(tiny, tmp_path):
+    """`from_pretrained` returns eval mode; the module puts the policy in training mode (gradient checkpointing and
+    dropout act only there), and sampling still runs in eval mode and gives the mode back."""
+    model, tok = tiny
+    model.save_pretrained(tmp_path / "m")
+    tok.save_pretrained(tmp_path / "m")
+    loaded, tok = load_pretrained(str(tmp_path / "m"), dtype="float32")
+    assert not loaded.training  # what transformers hands over
+    module = PolicyOptimizationModule(loaded, tok, reward_fns=[ExactMatchReward()], num_generations=2,
+                                      generation={"max_new_tokens": 2}, gradient_checkpointing=True)
+    assert all(m.training for m in module.policy.modules())
+    batch = PromptDataModule(train=[{"prompt": "1+1=", "answer": "2"}], tokenizer=tok, batch_size=1).collate(
+        [{"prompt": "1+1=", "answer": "2"}])
+    module.rollout(batch, module.sampling, 2)
+    assert all(m.training for m in module.policy.modules())
