@@ -88,7 +88,10 @@ def configure_console(verbose: bool = False) -> None:
     if verbose:
         return
     for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero"):
-        logging.getLogger(name).addFilter(_DropMessages(_ADVERTISEMENTS))
+        logger = logging.getLogger(name)
+        # train() runs once per job, and a Hydra multirun runs its jobs in one process: one filter per logger
+        if not any(isinstance(f, _DropMessages) for f in logger.filters):
+            logger.addFilter(_DropMessages(_ADVERTISEMENTS))
     for pattern in _DEPENDENCY_WARNINGS:
         warnings.filterwarnings("ignore", message=pattern)
     logging.getLogger("matplotlib").setLevel(logging.WARNING)  # font-cache notices when a dependency imports it
