@@ -15,8 +15,10 @@ def positions_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
 
 
 def cache_argument(model: nn.Module) -> str:
-    """transformers 5 renamed ``past_key_values`` to ``cache``; the name this model's forward takes."""
-    params = inspect.signature(model.forward).parameters
+    """transformers 5 renamed ``past_key_values`` to ``cache``; the name this model's forward takes (a peft model's
+    forward passes its keywords on to its base's)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    params = inspect.signature(base.forward).parameters
     return "cache" if "cache" in params else "past_key_values"
 
 

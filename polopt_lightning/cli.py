@@ -54,7 +54,18 @@ _ADVERTISEMENTS = ("💡 Tip:",)  # Lightning's suggestions to install its cloud
 _DEPENDENCY_WARNINGS = (
     # raised inside Lightning's own pytree helper under torch >= 2.9, at every fit: nothing a user can act on
     r"`isinstance\(treespec, LeafSpec\)` is deprecated",
+    # peft asks transformers with its deprecated name when it wraps a model (peft 0.21, transformers 5)
+    r"`is_gradient_checkpointing` is deprecated",
 )
+# log records that say nothing a user can act on, by logger, dropped by prefix unless `verbose=true`
+_DROPPED_RECORDS = {
+    "lightning.pytorch.utilities.rank_zero": _ADVERTISEMENTS,
+    "lightning.fabric.utilities.rank_zero": _ADVERTISEMENTS,
+    # bitsandbytes >= 0.50 looks for an optional kernels package for its CPU 4-bit product, then uses its own
+    "bitsandbytes.backends.cpu.ops": ("Failed to load CPU gemm_4bit_forward",),
+    # bitsandbytes' int8 layers in eval mode (sampling, validation), at every call
+    "bitsandbytes.autograd._functions": ("MatMul8bitLt: inputs will be cast",),
+}
 
 
 class _DropMessages(logging.Filter):
@@ -87,17 +98,23 @@ def configure_console(verbose: bool = False) -> None:
     logging.captureWarnings(True)
     if verbose:
         return
-    for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero"):
+    for name, prefixes in _DROPPED_RECORDS.items():
         logger = logging.getLogger(name)
         # train() runs once per job, and a Hydra multirun runs its jobs in one process: one filter per logger
         if not any(isinstance(f, _DropMessages) for f in logger.filters):
-            logger.addFilter(_DropMessages(_ADVERTISEMENTS))
+            logger.addFilter(_DropMessages(prefixes))
     for pattern in _DEPENDENCY_WARNINGS:
         warnings.filterwarnings("ignore", message=pattern)
     logging.getLogger("matplotlib").setLevel(logging.WARNING)  # font-cache notices when a dependency imports it
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # "Writing model shards" bars when the model is saved
+
+
+def _container(cfg: DictConfig, key: str) -> dict[str, Any]:
+    """``cfg[key]`` as a plain dict (``{}`` when absent)."""
+    node = cfg.get(key)
+    return OmegaConf.to_container(node, resolve=True) if node is not None else {}
 
 
 def _validate(trainer, module, datamodule) -> dict[str, float]:
@@ -118,6 +135,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
 
     from .callbacks import ValidationHistory
     from .data import PromptDataModule
+    from .models import as_adapter, as_quantization, check_combination, is_quantized, prepare_policy
     from .module import PolicyOptimizationModule
     from .warmstart import WarmStartConfig, default_cache_dir, supervised_warm_start
 
@@ -129,15 +147,27 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         torch.set_num_threads(int(cfg.num_threads))
     L.seed_everything(cfg.seed, workers=True, verbose=False)
 
+    quantization = as_quantization(_container(cfg, "quantization"))
+    adapter = as_adapter(_container(cfg, "adapter"))
+    check_combination(quantization, adapter)  # before anything loads
     model, tokenizer = instantiate(cfg.model)
     task = instantiate(cfg.task) if cfg.get("task") is not None else None
     datamodule = PromptDataModule(task=task, tokenizer=tokenizer, **OmegaConf.to_container(cfg.data, resolve=True))
 
     warm = {"cached": False, "wall_s": 0.0}
     ws_cfg = OmegaConf.to_container(cfg.warm_start, resolve=True) if cfg.get("warm_start") else {"enabled": False}
-    if ws_cfg.pop("enabled", False):
+    warm_started = ws_cfg.pop("enabled", False)
+    if warm_started:
+        if is_quantized(model):
+            raise ValueError(f"warm_start.enabled=true trains every weight, but the model was loaded quantized "
+                             f"(quantization={quantization.mode}); set warm_start.enabled=false")
         ws_cfg["cache_dir"] = ws_cfg.get("cache_dir") or str(default_cache_dir())
         warm = supervised_warm_start(model, tokenizer, datamodule.train_rows, WarmStartConfig(**ws_cfg))
+    # the base of an adapter is kept in the run when no folder or hub id holds it (built, or changed by the warm start)
+    base_dir = run_dir / "base_model" if adapter.enabled and (warm_started or not model.name_or_path) else None
+    model = prepare_policy(model, quantization, adapter, base_dir)
+    if base_dir is not None:
+        tokenizer.save_pretrained(base_dir)
 
     objective = instantiate(cfg.objective)
     reward_fns = _instantiate_all(cfg.reward.functions)
@@ -146,6 +176,8 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         reward_weights=OmegaConf.to_container(cfg.reward.weights) if cfg.reward.get("weights") else None,
         reward_on_error=cfg.reward.get("on_error", "raise"), accuracy_reward=cfg.reward.get("accuracy"),
         generation=OmegaConf.to_container(cfg.generation, resolve=True), seed=cfg.seed,
+        optimizer=instantiate(cfg.optimizer) if cfg.get("optimizer") else None,
+        ref_quantization=_container(cfg, "reference").get("quantization"),
         **OmegaConf.to_container(cfg.module, resolve=True),
     )
     loggers = _instantiate_all(cfg.get("logger"))
@@ -159,7 +191,8 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
     rl_wall = time.perf_counter() - rl_start
     after = _validate(trainer, module, datamodule)
-    model_dir = module.save_pretrained(run_dir / "model")
+    model_dir = module.save_pretrained(run_dir / "model")  # merged into its base when there is an adapter
+    adapter_dir = module.save_pretrained(run_dir / "adapter", merge=False) if adapter.enabled else None
     best = history.best()
     best_ckpt = run_dir / "checkpoints" / "best.ckpt"
 
@@ -181,6 +214,9 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         "best_checkpoint": str(best_ckpt) if best_ckpt.is_file() else None,
         # the final policy in Hugging Face format: AutoModelForCausalLM.from_pretrained(model_dir)
         "model_dir": str(model_dir),
+        # with an adapter: the adapter alone (peft) and the base it applies to
+        "adapter_dir": str(adapter_dir) if adapter_dir else None,
+        "base_model": module.policy.peft_config["default"].base_model_name_or_path if adapter_dir else None,
         "val_reward_before": before.get("val/reward"),
         "val_reward_after": after.get("val/reward"),
         "val_history": [{k: v for k, v in r.items() if k != "fitting"} for r in history.records if r["fitting"]],

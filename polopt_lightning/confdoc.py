@@ -31,6 +31,8 @@ def _entries(text: str, prefix: str) -> tuple[str, list[str], list[tuple[str, st
     description: list[str] = []
     i = 0
     while i < len(lines) and (lines[i].startswith("#") or not lines[i].strip()):
+        if not lines[i].strip() and description:  # a blank line ends the description: comments below are a key's
+            break
         line = lines[i].lstrip("#").strip()
         if line and not line.startswith("@package"):
             description.append(line)

@@ -6,15 +6,22 @@ Three ways in:
 - ``polopt-train`` writes ``<run_dir>/model/`` at the end of every run;
 - ``polopt-export CKPT OUT`` (or ``python -m polopt_lightning.export CKPT OUT``) turns any of this project's
   Lightning checkpoints (``last.ckpt``, ``best.ckpt``, ``on_exception.ckpt``) into such a folder. Checkpoints carry
-  the model's ``transformers`` config and its tokenizer's files for this, so no other file is needed.
+  the model's ``transformers`` config, its adapter's peft config and its tokenizer's files for this, so no other
+  file is needed.
 
 The folder holds ``config.json``, ``generation_config.json``, ``model.safetensors`` and the tokenizer's files:
 ``AutoModelForCausalLM.from_pretrained(OUT)`` and ``AutoTokenizer.from_pretrained(OUT)`` load it.
+
+A policy with a LoRA adapter is written either merged (the default: the adapter folded into its base, a quantized
+base dequantized first, so the folder is an ordinary full-precision model as above) or as the adapter alone
+(``merge=False``, ``polopt-export --adapter-only``): ``adapter_model.safetensors`` and ``adapter_config.json``,
+which ``peft.PeftModel.from_pretrained(base, OUT)`` loads over the base named in ``base_model_name_or_path``.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import tempfile
 from collections.abc import Mapping
@@ -24,6 +31,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from .models import has_adapter
+
 log = logging.getLogger(__name__)
 
 # where PolicyOptimizationModule.on_save_checkpoint puts what an export needs
@@ -32,10 +41,15 @@ POLICY_PREFIX = "policy."
 
 
 def hf_metadata(model: nn.Module, tokenizer: Any) -> dict[str, Any]:
-    """What a checkpoint needs to be turned into a Hugging Face folder: the model's config and the tokenizer's files.
+    """What a checkpoint needs to be turned into a Hugging Face folder: the model's config and the tokenizer's files,
+    and for a peft model its adapter's config (``adapter``).
 
     ``{}`` when ``model`` is not a ``transformers`` model (it has no config to rebuild it from).
     """
+    adapter = None
+    if has_adapter(model):
+        adapter = _json_safe(model.peft_config["default"].to_dict())
+        model = model.get_base_model()
     config = getattr(model, "config", None)
     if config is None or not hasattr(config, "to_dict"):
         return {}
@@ -45,18 +59,31 @@ def hf_metadata(model: nn.Module, tokenizer: Any) -> dict[str, Any]:
             tokenizer.save_pretrained(tmp)
             files = {p.name: p.read_bytes() for p in Path(tmp).iterdir() if p.is_file()}
     generation = getattr(model, "generation_config", None)
-    return {"config": config.to_dict(), "tokenizer_files": files,
+    meta = {"config": _json_safe(config.to_dict()), "tokenizer_files": files,
             "generation_config": generation.to_dict() if generation is not None else None}
+    if adapter is not None:
+        meta["adapter"] = adapter
+    return meta
 
 
-def save_policy(model: nn.Module, tokenizer: Any, out_dir: str | Path) -> Path:
+def _json_safe(value: dict[str, Any]) -> dict[str, Any]:
+    """Plain JSON types only (sets as sorted lists, enums as their values): checkpoints are read back with
+    ``torch.load(weights_only=True)``, which refuses other classes (a quantized config holds an enum)."""
+    return json.loads(json.dumps(value, default=lambda o: sorted(o) if isinstance(o, set) else getattr(o, "value",
+                                                                                                         str(o))))
+
+
+def save_policy(model: nn.Module, tokenizer: Any, out_dir: str | Path, merge: bool = True) -> Path:
     """Save a ``transformers`` policy and its tokenizer into ``out_dir`` with ``save_pretrained`` (safetensors).
 
+    A peft policy is saved merged into a full-precision copy of its base (``merge``) or as the adapter alone.
     Raises a TypeError naming the model's class when it has no ``save_pretrained`` (not a ``transformers`` model).
     """
     if not hasattr(model, "save_pretrained"):
         raise TypeError(f"cannot save {type(model).__name__} in Hugging Face format: it has no save_pretrained "
                         "(a transformers PreTrainedModel has)")
+    if has_adapter(model) and merge:
+        model = rebuild_policy(model.state_dict(), hf_metadata(model, None)).merge_and_unload()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
@@ -70,15 +97,67 @@ def _policy_state(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Ten
     return {k[len(POLICY_PREFIX):]: v for k, v in state_dict.items() if k.startswith(POLICY_PREFIX)}
 
 
-def export_checkpoint(ckpt_path: str | Path, out_dir: str | Path) -> Path:
-    """Turn a :class:`PolicyOptimizationModule` Lightning checkpoint into a Hugging Face folder at ``out_dir``.
+def dequantized_state(state: Mapping[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """``state`` with every bitsandbytes-quantized weight (4-bit with its quant-state entries, int8 with its ``SCB``
+    row scales) replaced by its floating-point value in ``dtype``: the weights the quantized layers compute with."""
+    out = dict(state)
+    for key in [k for k in state if ".quant_state.bitsandbytes__" in k]:  # one per 4-bit weight
+        from bitsandbytes.functional import QuantState, dequantize_4bit
 
-    The policy's weights come from the checkpoint's ``state_dict`` (the reference, optimizer and the rest are left
-    out); its architecture and tokenizer from what the module stored beside them.
+        prefix = key[: key.index(".quant_state.")]  # "...base_layer.weight"
+        parts = {k[len(prefix) + 1:]: out.pop(k) for k in list(out) if k.startswith(prefix + ".")}
+        quant_state = QuantState.from_dict(parts, device=torch.device("cpu"))
+        out[prefix] = dequantize_4bit(out[prefix].cpu(), quant_state).to(dtype)
+    for key in [k for k in state if k.endswith("SCB")]:  # int8: weight ~ round(W * 127 / absmax) per row
+        prefix = key[: -len("SCB")]
+        scale = out.pop(key).float()
+        out.pop(prefix + "weight_format", None)
+        out[prefix + "weight"] = (out[prefix + "weight"].float() * (scale[:, None] / 127)).to(dtype)
+    return out
+
+
+def rebuild_policy(state: Mapping[str, torch.Tensor], meta: Mapping[str, Any], where: str = "the policy") -> nn.Module:
+    """A full-precision ``transformers`` model (a peft model over it when ``meta`` has an adapter) holding ``state``.
+
+    ``state`` is a policy's ``state_dict`` (a live one, or a checkpoint's without the ``policy.`` prefix), ``meta``
+    what :func:`hf_metadata` stored beside it. A quantized base is dequantized into the dtype of its other weights.
     """
     from transformers import AutoModelForCausalLM, GenerationConfig
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
+    config_dict = {k: v for k, v in meta["config"].items() if k != "quantization_config"}
+    model_type = config_dict.get("model_type")
+    if model_type not in CONFIG_MAPPING:
+        raise ValueError(f"polopt-export: {where} stores a config of model_type {model_type!r}, which this "
+                         "transformers version does not know")
+    config = CONFIG_MAPPING[model_type].from_dict(config_dict)
+    # the base's own dtype: not the adapter's, nor that of bitsandbytes' constants ("weight.absmax", "SCB", ...)
+    dtype = next(v.dtype for k, v in state.items() if v.dtype.is_floating_point and "lora_" not in k
+                 and ".weight." not in k and not k.endswith("SCB"))
+    state = dequantized_state(state, dtype)
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    if meta.get("generation_config"):
+        model.generation_config = GenerationConfig.from_dict(meta["generation_config"])
+    if meta.get("adapter"):
+        from peft import PeftConfig, get_peft_model
+
+        model = get_peft_model(model, PeftConfig.from_peft_type(**meta["adapter"]))
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [k for k in missing if not k.endswith("lm_head.weight")]  # tied to the input embeddings
+    if missing or unexpected:
+        raise ValueError(f"polopt-export: {where}'s weights do not fit its config: missing {missing[:5]}, "
+                         f"unexpected {unexpected[:5]}")
+    (model.get_base_model() if meta.get("adapter") else model).tie_weights()
+    return model
+
+
+def export_checkpoint(ckpt_path: str | Path, out_dir: str | Path, merge: bool = True) -> Path:
+    """Turn a :class:`PolicyOptimizationModule` Lightning checkpoint into a Hugging Face folder at ``out_dir``.
+
+    The policy's weights come from the checkpoint's ``state_dict`` (the reference, optimizer and the rest are left
+    out); its architecture, adapter and tokenizer from what the module stored beside them. A policy with an
+    adapter is written merged (``merge``) or as the adapter alone.
+    """
     path = Path(ckpt_path)
     if not path.is_file():
         raise FileNotFoundError(f"polopt-export: no checkpoint file at {path}")
@@ -90,23 +169,12 @@ def export_checkpoint(ckpt_path: str | Path, out_dir: str | Path) -> Path:
     state = _policy_state(checkpoint.get("state_dict", {}))
     if not state:
         raise ValueError(f"polopt-export: {path} has no '{POLICY_PREFIX}*' weights in its state_dict")
-    config_dict = dict(meta["config"])
-    model_type = config_dict.get("model_type")
-    if model_type not in CONFIG_MAPPING:
-        raise ValueError(f"polopt-export: {path} stores a config of model_type {model_type!r}, which this "
-                         "transformers version does not know")
-    config = CONFIG_MAPPING[model_type].from_dict(config_dict)
-    dtype = next(iter(state.values())).dtype
-    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    tied = set(getattr(model, "_tied_weights_keys", None) or [])
-    missing = [k for k in missing if k not in tied and not k.endswith("lm_head.weight")]
-    if missing or unexpected:
-        raise ValueError(f"polopt-export: the checkpoint's policy weights do not fit its config: missing {missing[:5]}, "
-                         f"unexpected {unexpected[:5]}")
-    model.tie_weights()
-    if meta.get("generation_config"):
-        model.generation_config = GenerationConfig.from_dict(meta["generation_config"])
+    if not merge and not meta.get("adapter"):
+        raise ValueError(f"polopt-export --adapter-only: {path} holds a policy without an adapter (full fine-tuning); "
+                         "export it whole")
+    model = rebuild_policy(state, meta, where=str(path))
+    if meta.get("adapter") and merge:
+        model = model.merge_and_unload()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
@@ -122,9 +190,12 @@ def main(argv: list[str] | None = None) -> None:
                     "(AutoModelForCausalLM/AutoTokenizer.from_pretrained load it).")
     parser.add_argument("checkpoint", help="a Lightning checkpoint written by polopt-train or PolicyOptimizationModule")
     parser.add_argument("out", help="output folder (created; files in it are overwritten)")
+    parser.add_argument("--adapter-only", action="store_true",
+                        help="a LoRA policy: write the adapter alone (adapter_model.safetensors, loadable with peft "
+                             "over its base) instead of merging it into a full-precision copy of the base")
     args = parser.parse_args(argv)
     try:
-        out = export_checkpoint(args.checkpoint, args.out)
+        out = export_checkpoint(args.checkpoint, args.out, merge=not args.adapter_only)
     except (FileNotFoundError, ValueError) as exc:
         parser.exit(2, f"{exc}\n")
     print(f"saved {out}")

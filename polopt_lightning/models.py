@@ -6,8 +6,9 @@ from __future__ import annotations
 import copy
 import logging
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -118,6 +119,7 @@ def load_pretrained(
     trust_remote_code: bool = False,
     revision: str | None = None,
     tokenizer_name_or_path: str | None = None,
+    quantization: Quantization | str | Mapping[str, Any] | None = None,
     quantization_config: Any = None,
     **model_kwargs: Any,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
@@ -125,7 +127,14 @@ def load_pretrained(
 
     ``trust_remote_code`` is off by default: a repository's own Python code runs only when you say so.
     A tokenizer without a pad token gets its EOS token as pad (logged), and left padding for generation.
+    ``quantization`` (a :class:`Quantization`, a mode name such as ``"nf4"``, or its fields) quantizes the linear
+    layers while loading, so the full-precision weights are never held; ``quantization_config`` takes a ready
+    ``transformers`` quantization config instead.
     """
+    quantization = as_quantization(quantization)
+    if quantization.enabled and quantization_config is not None:
+        raise ValueError(f"give either quantization={quantization.mode!r} or quantization_config, not both")
+    quantization_config = quantization_config if quantization_config is not None else quantization.bnb_config()
     _check_source(name_or_path, "model.name_or_path", "config.json", MODEL_FILES_HINT)
     tokenizer_source = tokenizer_name_or_path or name_or_path
     _check_source(tokenizer_source, "model.tokenizer_name_or_path" if tokenizer_name_or_path else "model.name_or_path",
@@ -151,6 +160,8 @@ def load_pretrained(
         raise OSError(f"tokenizer {tokenizer_source!r}: could not be loaded (looked for {', '.join(TOKENIZER_FILES)}; "
                       f"set model.tokenizer_name_or_path to a folder or hub id that has one): {exc}") from exc
     prepare_tokenizer(tokenizer)
+    if is_quantized(model):
+        prepare_quantized(model)
     return model, tokenizer
 
 
@@ -204,10 +215,19 @@ def frozen_copy(model: nn.Module, dtype: torch.dtype | None = None, key: str = "
 
 
 @contextmanager
-def evaluating(model: nn.Module) -> Iterator[nn.Module]:
-    """Eval mode for the duration of a block, then every submodule's own mode back (as Lightning's loops do)."""
+def evaluating(model: nn.Module, keep_quantized: bool = False) -> Iterator[nn.Module]:
+    """Eval mode for the duration of a block, then every submodule's own mode back (as Lightning's loops do).
+
+    ``keep_quantized``: bitsandbytes' quantized layers keep their mode (its int8 layer computes with int8 activations
+    in eval mode and with dequantized weights in training mode: a reference pass that must match the training
+    forward keeps the training kernels).
+    """
     modes = [(module, module.training) for module in model.modules()]
     model.eval()
+    if keep_quantized:
+        for module, training in modes:
+            if is_quantized_layer(module):
+                module.training = training
     try:
         yield model
     finally:
@@ -247,3 +267,270 @@ def count_parameters(model: nn.Module, non_embedding: bool = False) -> int:
         if emb is not None:
             total -= emb.weight.numel()
     return total
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Quantization (bitsandbytes through transformers) and adapters (peft)
+#
+# Lightning's `BitsandbytesPrecision` is not used: it is CUDA-only and replaces every Linear of the LightningModule,
+# the reference's too, at `setup`; loading through `transformers.BitsAndBytesConfig` quantizes the policy's base
+# alone, runs on the CPU (bitsandbytes >= 0.45 has CPU nf4/int8 kernels and the LoRA backward), and leaves the
+# model a plain `transformers` model that `save_pretrained`, peft and the rollout understand.
+
+QUANTIZATION_MODES = ("none", "int8", "nf4", "fp4")
+
+
+@dataclass
+class Quantization:
+    """How the base model's linear layers are stored: the ``quantization`` config group.
+
+    Attributes:
+        mode: ``none``, ``int8`` (LLM.int8 weights), ``nf4`` or ``fp4`` (4-bit, QLoRA). A quantized base is frozen:
+            it trains only through an adapter.
+        double_quant: 4-bit only: quantize the quantization constants too (~0.4 bits per weight saved).
+        compute_dtype: 4-bit only: dtype the dequantized weights compute in (``float32``, ``bfloat16``,
+            ``float16``); bf16 halves the bandwidth on GPUs and bf16-capable CPUs.
+        skip_modules: module names left unquantized (``None``: transformers' choice, the output head and tied
+            embeddings).
+        key: the config key errors name.
+    """
+
+    mode: str = "none"
+    double_quant: bool = True
+    compute_dtype: str = "float32"
+    skip_modules: list[str] | None = None
+    key: str = "quantization"
+
+    def __post_init__(self) -> None:
+        if self.mode not in QUANTIZATION_MODES:
+            raise ValueError(f"{self.key}.mode must be one of {QUANTIZATION_MODES}, got {self.mode!r}")
+        resolve_dtype(self.compute_dtype, f"{self.key}.compute_dtype", auto=False)
+
+    @property
+    def enabled(self) -> bool:
+        return self.mode != "none"
+
+    def bnb_config(self) -> Any:
+        """The ``transformers.BitsAndBytesConfig`` for ``from_pretrained`` (``None`` when ``mode`` is ``none``)."""
+        if not self.enabled:
+            return None
+        from transformers import BitsAndBytesConfig
+
+        skip = list(self.skip_modules) if self.skip_modules is not None else None
+        if self.mode == "int8":
+            return BitsAndBytesConfig(load_in_8bit=True, llm_int8_skip_modules=skip)
+        return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=self.mode,
+                                  bnb_4bit_use_double_quant=self.double_quant,
+                                  bnb_4bit_compute_dtype=resolve_dtype(self.compute_dtype), llm_int8_skip_modules=skip)
+
+
+def as_quantization(value: Quantization | str | Mapping[str, Any] | None, key: str = "quantization") -> Quantization:
+    """``None``, a mode name, a mapping of :class:`Quantization` fields or one itself -> :class:`Quantization`."""
+    return _as_spec(Quantization, "mode", value, key)
+
+
+def _as_spec(cls: type, name_field: str, value: Any, key: str) -> Any:
+    """An instance of the dataclass ``cls`` from itself, ``None`` or a name (its ``name_field``), or its fields."""
+    if isinstance(value, cls):
+        return value
+    if value is None or isinstance(value, str):
+        return cls(**{name_field: value or "none", "key": key})
+    return cls(**{"key": key, **dict(value)})
+
+
+# the projections of Llama-family blocks; peft's "all-linear" finds the same ones (and skips the output head)
+LLAMA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+ADAPTER_KINDS = ("none", "lora")
+
+
+@dataclass
+class Adapter:
+    """A trainable adapter over a frozen base: the ``adapter`` config group (peft LoRA).
+
+    Attributes:
+        kind: ``none`` (full fine-tuning) or ``lora``.
+        r: LoRA rank.
+        alpha: LoRA scaling numerator (the update is ``alpha / r * B @ A``, or ``alpha / sqrt(r)`` with ``rslora``).
+        dropout: dropout on the adapter's input (0 keeps importance ratios exact, as the policy's dropout is off).
+        target_modules: module names to adapt, or ``"all-linear"``; ``None``: the attention and MLP projections of
+            Llama-family models (Llama, Qwen2, Mistral), ``all-linear`` for others.
+        bias: ``none``, ``all`` or ``lora_only`` (peft's): which biases train.
+        rslora: rank-stabilised scaling ``alpha / sqrt(r)``.
+        key: the config key errors name.
+    """
+
+    kind: str = "none"
+    r: int = 16
+    alpha: float = 32.0
+    dropout: float = 0.0
+    target_modules: list[str] | str | None = None
+    bias: str = "none"
+    rslora: bool = False
+    key: str = "adapter"
+
+    def __post_init__(self) -> None:
+        if self.kind not in ADAPTER_KINDS:
+            raise ValueError(f"{self.key}.kind must be one of {ADAPTER_KINDS}, got {self.kind!r}")
+        if self.r < 1:
+            raise ValueError(f"{self.key}.r must be >= 1, got {self.r}")
+        if not 0 <= self.dropout < 1:
+            raise ValueError(f"{self.key}.dropout must be in [0, 1), got {self.dropout}")
+        if self.bias not in ("none", "all", "lora_only"):
+            raise ValueError(f"{self.key}.bias must be none, all or lora_only, got {self.bias!r}")
+        if isinstance(self.target_modules, str) and self.target_modules != "all-linear":
+            self.target_modules = [self.target_modules]
+
+    @property
+    def enabled(self) -> bool:
+        return self.kind != "none"
+
+    def peft_config(self, model: nn.Module) -> Any:
+        from peft import LoraConfig
+
+        targets = self.target_modules
+        if targets is None:
+            names = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
+            targets = list(LLAMA_TARGETS) if set(LLAMA_TARGETS) <= names else "all-linear"
+        return LoraConfig(r=self.r, lora_alpha=self.alpha, lora_dropout=self.dropout, target_modules=targets,
+                          bias=self.bias, use_rslora=self.rslora, task_type="CAUSAL_LM")
+
+
+def as_adapter(value: Adapter | str | Mapping[str, Any] | None, key: str = "adapter") -> Adapter:
+    """``None``, a kind name, a mapping of :class:`Adapter` fields or one itself -> :class:`Adapter`."""
+    return _as_spec(Adapter, "kind", value, key)
+
+
+def check_combination(quantization: Quantization, adapter: Adapter) -> None:
+    """A quantized base has frozen integer weights: it trains only through an adapter."""
+    if quantization.enabled and not adapter.enabled:
+        raise ValueError(f"{quantization.key}={quantization.mode} needs an adapter: quantized weights cannot be "
+                         f"trained, so full fine-tuning of a quantized base is impossible; set {adapter.key}=lora "
+                         f"(QLoRA) or {quantization.key}=none")
+
+
+def is_quantized_layer(module: nn.Module) -> bool:
+    """Whether ``module`` is one of bitsandbytes' quantized linear layers (4-bit or int8)."""
+    return any(cls.__name__ in ("Linear4bit", "Linear8bitLt") for cls in type(module).__mro__)
+
+
+def is_quantized(model: nn.Module) -> bool:
+    """Whether some linear layer of ``model`` is a bitsandbytes quantized one (or any weight is not floating point)."""
+    return any(is_quantized_layer(m) for m in model.modules()) or any(
+        not p.dtype.is_floating_point for p in model.parameters())
+
+
+def has_adapter(model: nn.Module) -> bool:
+    """Whether ``model`` is a peft model (adapters over a frozen base)."""
+    return hasattr(model, "peft_config") and hasattr(model, "disable_adapter")
+
+
+def reference_context(model: nn.Module) -> Any:
+    """A context in which ``model`` computes as its own frozen base (peft: adapters disabled), or ``None`` when the
+    model has no such mode. This is the shared KL reference: no second copy of the weights."""
+    return model.disable_adapter() if has_adapter(model) else None
+
+
+def quantized_copy(model: PreTrainedModel, quantization: Quantization, folder: str | Path | None = None
+                   ) -> PreTrainedModel:
+    """``model`` reloaded with its linear layers quantized (``from_pretrained`` with ``quantization.bnb_config()``).
+
+    bitsandbytes quantizes at load time, so an in-memory model (a built or warm-started one) goes through a
+    ``save_pretrained`` folder: ``folder`` keeps it (an adapter's exports point their base there), else a
+    temporary one is removed after loading.
+    """
+    import tempfile
+
+    if not hasattr(model, "save_pretrained"):
+        raise TypeError(f"{quantization.key}={quantization.mode}: {type(model).__name__} is not a transformers model "
+                        "(it has no save_pretrained to reload it quantized from)")
+    with tempfile.TemporaryDirectory(prefix="polopt_quantize_") as tmp:
+        target = Path(folder) if folder is not None else Path(tmp)
+        model.save_pretrained(target, safe_serialization=True)
+        quantized = AutoModelForCausalLM.from_pretrained(target, quantization_config=quantization.bnb_config(),
+                                                         dtype=_float_dtype(model))
+    quantized.generation_config = copy.deepcopy(model.generation_config)
+    return prepare_quantized(quantized)
+
+
+def prepare_quantized(model: nn.Module) -> nn.Module:
+    """Keep bitsandbytes' 4-bit layers trainable after they have run in eval mode.
+
+    bitsandbytes 0.50 repacks a ``Linear4bit`` weight for an inference-only CPU kernel the first time the layer runs
+    in eval mode without gradient on an AVX512-BF16 CPU, and nothing packs it back in training mode: every later
+    training forward then takes the inference kernel, which fails in place on layers with a bias (``a view of a leaf
+    Variable that requires grad is being used in an in-place operation``) and gives no input gradient on the others.
+    The sampler, validation and the reference pass all run in eval mode, so the repacking is turned off here.
+    """
+    from bitsandbytes.nn.modules import _convert_weight_packed_for_cpu_inverse
+
+    for module in model.modules():
+        if hasattr(module, "support_avx512bf16_for_cpu"):  # Linear4bit and its subclasses
+            module.support_avx512bf16_for_cpu = False
+            weight = getattr(module, "weight", None)
+            state = getattr(weight, "quant_state", None)
+            if state is not None and getattr(state, "packing_format_for_cpu", False):  # already repacked: undo
+                weight.data, weight.quant_state = _convert_weight_packed_for_cpu_inverse(weight.data, state)
+    return model
+
+
+def apply_adapter(model: nn.Module, adapter: Adapter) -> nn.Module:
+    """``model`` wrapped with ``adapter`` (peft): only the adapter's parameters train, the base is frozen.
+
+    Quantized layers get their non-quantized parameters (norms, biases, embeddings) frozen in their own dtype; no
+    ``prepare_model_for_kbit_training``, which casts them to float32 and turns on reentrant checkpointing (the
+    module's ``gradient_checkpointing`` turns on the non-reentrant kind when asked).
+    """
+    if not adapter.enabled:
+        return model
+    from peft import get_peft_model
+
+    if has_adapter(model):
+        raise ValueError(f"{adapter.key}={adapter.kind}: the model already has a peft adapter; pass it as is "
+                         f"and leave {adapter.key}=none")
+    return get_peft_model(model, adapter.peft_config(model))
+
+
+def _float_dtype(model: nn.Module) -> torch.dtype:
+    return next((p.dtype for p in model.parameters() if p.dtype.is_floating_point), torch.float32)
+
+
+def prepare_policy(model: nn.Module, quantization: Quantization, adapter: Adapter,
+                   base_dir: str | Path | None = None) -> nn.Module:
+    """The policy a run trains: ``model`` quantized (unless it was loaded so already) and wrapped with ``adapter``.
+
+    ``base_dir``: save the base there (full precision) and name it as the adapter's base, for a model built or
+    changed in memory (a tiny model, a warm start) that no folder or hub id holds; an adapter exported alone then
+    points at a base that exists. Without it the base keeps the name it was loaded from.
+    """
+    check_combination(quantization, adapter)
+    source = getattr(model, "name_or_path", "")
+    if quantization.enabled and not is_quantized(model):
+        model = quantized_copy(model, quantization, folder=base_dir)
+    elif adapter.enabled and base_dir is not None:
+        model.save_pretrained(base_dir, safe_serialization=True)
+    if adapter.enabled:  # peft records the base's name from this attribute
+        model.name_or_path = model.config._name_or_path = str(base_dir) if base_dir is not None else source
+    return apply_adapter(model, adapter)
+
+
+def frozen_quantized_state(model: nn.Module, state_dict: Mapping[str, torch.Tensor]) -> set[str]:
+    """The keys of ``state_dict`` that belong to ``model``'s bitsandbytes layers and do not train: quantized weights
+    and their constants, frozen biases.
+
+    bitsandbytes writes these into a state dict but refuses to load them back on the CPU (4-bit: its constants are
+    unexpected keys; int8: "Loading a quantized checkpoint into non-quantized Linear8bitLt is not supported"). A
+    resumed run rebuilds the same frozen base from its settings, so they are compared instead of loaded: a key that
+    differs from the rebuilt base raises a ValueError naming it (the run was resumed with another base or
+    quantization).
+    """
+    prefixes = tuple(f"{name}." for name, module in model.named_modules() if name and is_quantized_layer(module))
+    if not prefixes:
+        return set()
+    trainable = {name for name, p in model.named_parameters() if p.requires_grad}
+    frozen = {k for k in state_dict if k.startswith(prefixes) and k not in trainable}
+    own = model.state_dict()
+    for key in sorted(frozen):
+        if key not in own or not torch.equal(own[key].cpu(), state_dict[key].cpu()):
+            raise ValueError(f"the checkpoint's {key} differs from the quantized base this run built: resume with the "
+                             "model, warm start and quantization settings the checkpoint was trained with")
+    return frozen

@@ -20,9 +20,24 @@ from torchmetrics import MeanMetric
 
 from .advantages import group_relative_advantages, zero_std_groups
 from .logprobs import completion_logprobs, shared_prompt_completion_logprobs
-from .models import cast_weights, evaluating, frozen_copy, prepare_tokenizer, resolve_dtype
+from .models import (
+    Quantization,
+    as_quantization,
+    cast_weights,
+    evaluating,
+    frozen_copy,
+    frozen_quantized_state,
+    has_adapter,
+    is_quantized,
+    prepare_quantized,
+    prepare_tokenizer,
+    quantized_copy,
+    reference_context,
+    resolve_dtype,
+)
 from .models import disable_dropout as _disable_dropout
 from .objectives import Objective, build_objective
+from .optim import build_optimizer
 from .rewards import RewardComposer, RewardOutput
 from .rollout import HFRolloutEngine, RolloutBatch, RolloutEngine, SamplingConfig
 
@@ -56,14 +71,20 @@ class PolicyOptimizationModule(L.LightningModule):
         generation: sampling settings (:class:`SamplingConfig` fields) for training rollouts.
         val_generation: settings for validation (greedy by default).
         lr, weight_decay, betas: AdamW settings, used when ``optimizer`` is None.
-        optimizer: a factory ``params -> Optimizer`` (e.g. ``functools.partial(torch.optim.AdamW, lr=1e-5)``).
+        optimizer: a factory ``params -> Optimizer`` called on the trainable parameters (e.g.
+            ``functools.partial(torch.optim.AdamW, lr=1e-5)``, or :func:`~polopt_lightning.optim.build_optimizer`
+            with ``name="adamw_8bit"``); default torch's AdamW, fused where allowed.
         lr_schedule: ``"constant"``, ``"linear"`` or ``"cosine"`` decay over ``trainer.max_steps``, after
             ``warmup_steps`` of linear warm-up; ``min_lr_ratio`` is the floor as a fraction of the peak.
         max_grad_norm: gradient clipping by global norm (``None`` or 0 disables).
-        ref_model: reference policy for the KL term; default a frozen copy of ``model`` taken at construction,
-            made only when the objective's ``beta > 0``.
-        ref_dtype: weights of the reference in this dtype (e.g. ``"bfloat16"``: half the memory and a faster pass
-            on GPUs and AMX CPUs, at bf16 rounding of the KL term); a given ``ref_model`` is cast in place.
+        ref_model: reference policy for the KL term, used only when the objective's ``beta > 0``. Default: for a
+            policy with an adapter (peft), the policy itself with its adapters disabled (its frozen base: no second
+            copy of the weights); otherwise a frozen copy of ``model`` taken at construction.
+        ref_dtype: weights of the reference copy in this dtype (e.g. ``"bfloat16"``: half the memory and a faster
+            pass on GPUs and AMX CPUs, at bf16 rounding of the KL term); a given ``ref_model`` is cast in place.
+        ref_quantization: the reference copy quantized (``"int8"``, ``"nf4"``, or :class:`Quantization` fields):
+            a quarter to an eighth of its memory, for full fine-tuning (it never needs gradients). A
+            ``transformers`` policy only; not with an adapter, whose reference is its own base.
         advantage_scale: ``"group"``, ``"batch"`` or ``"none"``; default the objective's own (Dr. GRPO: none).
         dynamic_sampling: DAPO's dynamic sampling: drop groups whose rewards are all equal and draw more prompts
             until the batch is full again, at most ``max_extra_draws`` extra batches per step.
@@ -115,6 +136,7 @@ class PolicyOptimizationModule(L.LightningModule):
         max_grad_norm: float | None = 1.0,
         ref_model: nn.Module | None = None,
         ref_dtype: str | torch.dtype | None = None,
+        ref_quantization: Quantization | str | Mapping[str, Any] | None = None,
         advantage_scale: str | None = None,
         dynamic_sampling: bool = False,
         max_extra_draws: int = 4,
@@ -142,6 +164,14 @@ class PolicyOptimizationModule(L.LightningModule):
         if reward_fns is None:
             raise ValueError("reward_fns is required: give at least one reward function")
         self.automatic_optimization = False
+        if is_quantized(model):
+            if not has_adapter(model):
+                raise ValueError(f"{type(model).__name__} has quantized weights and no adapter: they cannot be trained "
+                                 "(set adapter=lora with quantization=int8/nf4 in the CLI, or wrap the model with "
+                                 "peft.get_peft_model before passing it)")
+            prepare_quantized(model)
+        if not any(p.requires_grad for p in model.parameters()):
+            raise ValueError(f"{type(model).__name__} has no trainable parameter (requires_grad is False everywhere)")
 
         self.policy = model
         # `from_pretrained` returns a model in eval mode, and Lightning keeps each module's mode through fit: without
@@ -198,10 +228,24 @@ class PolicyOptimizationModule(L.LightningModule):
         # The reference exists only when the KL term needs it: no copy, no forward pass otherwise.
         # a new name: save_hyperparameters reads the arguments from this frame, and a torch.dtype cannot go to YAML
         ref_torch_dtype = resolve_dtype(ref_dtype, "ref_dtype", auto=False)
+        ref_quant = as_quantization(ref_quantization, "ref_quantization")
         self.ref_model = None
-        if objective.beta > 0 and ref_model is None:
-            self.ref_model = frozen_copy(model, ref_torch_dtype, "ref_dtype")
-        elif objective.beta > 0:
+        # the adapter-disabled policy is the reference: it is the base the adapters started from
+        self.shared_reference = objective.beta > 0 and ref_model is None and reference_context(model) is not None
+        if self.shared_reference and (ref_torch_dtype is not None or ref_quant.enabled):
+            key = "ref_dtype" if ref_torch_dtype is not None else "ref_quantization"
+            raise ValueError(f"{key}={ref_dtype if ref_torch_dtype is not None else ref_quant.mode!r} has nothing to "
+                             "act on: the policy has an adapter, so its reference is its own base with the adapter "
+                             f"disabled (no copy to cast or quantize); leave {key} unset")
+        if objective.beta > 0 and ref_model is None and not self.shared_reference:
+            if ref_quant.enabled:
+                if ref_torch_dtype is not None:
+                    raise ValueError("ref_quantization and ref_dtype both set: a quantized reference computes in "
+                                     "ref_quantization.compute_dtype; leave ref_dtype unset")
+                self.ref_model = quantized_copy(model, ref_quant).requires_grad_(False)
+            else:
+                self.ref_model = frozen_copy(model, ref_torch_dtype, "ref_dtype")
+        elif objective.beta > 0 and ref_model is not None:
             self.ref_model = ref_model
             if ref_torch_dtype is not None:
                 cast_weights(ref_model, ref_torch_dtype, "ref_dtype")
@@ -214,7 +258,8 @@ class PolicyOptimizationModule(L.LightningModule):
         self._prompt_iter: Iterator | None = None
         self._hf_metadata: dict[str, Any] | None = None
         self.save_hyperparameters(ignore=["model", "tokenizer", "objective", "reward_fns", "ref_model",
-                                          "rollout_engine", "optimizer"])
+                                          "rollout_engine", "optimizer", "ref_quantization"])
+        self.hparams["ref_quantization"] = ref_quant.mode
 
     # ------------------------------------------------------------------------------------------------------------
     @property
@@ -224,21 +269,14 @@ class PolicyOptimizationModule(L.LightningModule):
 
     def configure_optimizers(self):
         params = [p for p in self.policy.parameters() if p.requires_grad]
-        if self.optimizer_factory is not None:
-            optimizer = self.optimizer_factory(params)
-        else:
-            kwargs = dict(lr=self.lr, weight_decay=self.weight_decay, betas=self.betas)
-            optimizer = None
-            # the fused kernel is ~5x faster per step on CPU and GPU, but Lightning's mixed-precision plugins refuse
-            # to clip the gradients of an optimizer that unscales them itself (as the fused one declares it does)
-            mixed = self.trainer is not None and isinstance(self.trainer.precision_plugin, MixedPrecision)
-            if not (mixed and self.max_grad_norm):
-                try:  # not every parameter type supports the fused kernel
-                    optimizer = torch.optim.AdamW(params, fused=True, **kwargs)
-                except (RuntimeError, TypeError, ValueError):
-                    pass
-            if optimizer is None:
-                optimizer = torch.optim.AdamW(params, **kwargs)
+        factory = self.optimizer_factory or partial(build_optimizer, name="adamw", lr=self.lr,
+                                                    weight_decay=self.weight_decay, betas=self.betas)
+        # Lightning's mixed-precision plugins refuse to clip the gradients of an optimizer that unscales them itself
+        # (as torch's fused AdamW declares it does): this project's factory then builds the unfused kernel
+        mixed = self.trainer is not None and isinstance(self.trainer.precision_plugin, MixedPrecision)
+        if mixed and self.max_grad_norm and getattr(factory, "func", None) is build_optimizer:
+            factory = partial(factory, fused=False)
+        optimizer = factory(params)
         total = self.trainer.max_steps if self.trainer is not None and self.trainer.max_steps > 0 else 0
         scheduler = torch.optim.lr_scheduler.LambdaLR(
             optimizer, partial(_lr_factor, schedule=self.lr_schedule, warmup=self.warmup_steps, total=total,
@@ -321,11 +359,20 @@ class PolicyOptimizationModule(L.LightningModule):
                 exp["completion_mask"][rows, :width])
         # checkpointed layers drop the cache the shared prompt is passed through; without gradient they keep it
         checkpointed = self.gradient_checkpointing and model is self.policy and torch.is_grad_enabled()
-        with evaluating(model) if model is self.ref_model else nullcontext():
+        with evaluating(model, keep_quantized=True) if model is self.ref_model else nullcontext():
             if self.share_prompt and not checkpointed:
                 return shared_prompt_completion_logprobs(*args, exp["group_index"][rows],
                                                          self.sampling.logprob_temperature, with_entropy=with_entropy)
             return completion_logprobs(*args, self.sampling.logprob_temperature, with_entropy=with_entropy)
+
+    def reference_logprobs(self, exp: Mapping[str, Any]) -> Tensor:
+        """Log-probs ``[N, T]`` of the rollout's completions under the KL reference."""
+        if not self.shared_reference:
+            return self.sequence_logprobs(self.ref_model, exp, slice(None))[0]
+        # the policy's frozen base, adapters disabled; eval mode as a reference copy's pass, except the quantized
+        # layers, which keep the kernels the training forward uses (see `evaluating`)
+        with evaluating(self.policy, keep_quantized=True), reference_context(self.policy):
+            return self.sequence_logprobs(self.policy, exp, slice(None))[0]
 
     def training_step(self, batch: Mapping[str, Any], batch_idx: int) -> None:
         optimizer = self.optimizers()
@@ -356,7 +403,7 @@ class PolicyOptimizationModule(L.LightningModule):
                         exp["old_logprobs"][later] = self.sequence_logprobs(self.policy, exp, later)[0]
                     own_old = True
             if self.objective.beta > 0:  # only the KL term needs the reference
-                exp["ref_logprobs"] = self.sequence_logprobs(self.ref_model, exp, slice(None))[0]
+                exp["ref_logprobs"] = self.reference_logprobs(exp)
 
         step_metrics: list[dict[str, Tensor]] = []
         for i, order in enumerate(orders):
@@ -483,14 +530,16 @@ class PolicyOptimizationModule(L.LightningModule):
             self.log(f"val/{key}", metric, on_step=False, on_epoch=True, prog_bar=key == "accuracy")
 
     # ------------------------------------------------------------------------------------------------------------
-    def save_pretrained(self, out_dir: str | Path) -> Path:
+    def save_pretrained(self, out_dir: str | Path, merge: bool = True) -> Path:
         """Save the policy and its tokenizer in Hugging Face format (``AutoModelForCausalLM.from_pretrained`` loads it).
 
-        The one-liner after ``trainer.fit(module, ...)``: ``module.save_pretrained("my_model")``.
+        The one-liner after ``trainer.fit(module, ...)``: ``module.save_pretrained("my_model")``. A policy with an
+        adapter is merged into a full-precision copy of its base (a quantized base dequantized); ``merge=False``
+        writes the adapter alone (``adapter_model.safetensors``, for ``peft.PeftModel.from_pretrained``).
         """
         from .export import save_policy
 
-        return save_policy(self.policy, self.tokenizer, out_dir)
+        return save_policy(self.policy, self.tokenizer, out_dir, merge=merge)
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         from .export import CHECKPOINT_KEY, hf_metadata
@@ -504,6 +553,20 @@ class PolicyOptimizationModule(L.LightningModule):
             # what `polopt-export CKPT OUT` needs to rebuild a Hugging Face folder from this file alone
             "hf": self._hf_metadata,
         }
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False):
+        """``nn.Module.load_state_dict``, except that the frozen part of a quantized base is checked against the base
+        this module holds instead of loaded (see :func:`~polopt_lightning.models.frozen_quantized_state`)."""
+        frozen = frozen_quantized_state(self, state_dict)
+        if not frozen:
+            return super().load_state_dict(state_dict, strict=strict, assign=assign)
+        result = super().load_state_dict({k: v for k, v in state_dict.items() if k not in frozen}, strict=False,
+                                         assign=assign)
+        missing = [k for k in result.missing_keys if k not in frozen]
+        if strict and (missing or result.unexpected_keys):
+            raise RuntimeError(f"Error(s) in loading state_dict for {type(self).__name__}: missing keys {missing[:5]}, "
+                               f"unexpected keys {result.unexpected_keys[:5]}")
+        return result
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         state = checkpoint.get("polopt")

@@ -18,7 +18,8 @@ from omegaconf import OmegaConf
 from polopt_lightning.cli import config_dir, train
 
 CONF = Path(config_dir())
-GROUPS = ["model", "objective", "task", "reward", "trainer", "logger", "callbacks", "experiment"]
+GROUPS = ["model", "quantization", "adapter", "objective", "task", "reward", "optimizer", "trainer", "logger", "callbacks",
+          "experiment"]
 # the tiniest settings that still run every stage
 FAST = ["model.hidden_size=16", "model.num_layers=1", "model.num_heads=2", "model.intermediate_size=32",
         "task.digits=1", "task.train_size=40", "task.val_size=8", "data.batch_size=2", "module.num_generations=2",
@@ -65,6 +66,16 @@ def test_every_group_value_composes_and_builds(group, value, tmp_path):
         tok.save_pretrained(tmp_path / "m")
     if group == "task" and value == "jsonl":
         (tmp_path / "train.jsonl").write_text('{"prompt": "1+1=", "answer": "2"}\n')
+    if group in ("quantization", "adapter"):
+        from polopt_lightning.models import as_adapter, as_quantization
+
+        built = (as_quantization if group == "quantization" else as_adapter)(OmegaConf.to_container(node))
+        assert built.enabled is (value != "none")
+        return
+    if group == "optimizer":
+        factory = instantiate(node)
+        assert factory.keywords["name"] == value and factory.keywords["lr"] == cfg.module.lr
+        return
     if group in ("reward", "logger", "callbacks"):
         items = node.get("functions", node) if group == "reward" else node
         built = [instantiate(v) for v in items.values()]
@@ -225,3 +236,66 @@ def test_last_checkpoint_is_written_every_n_optimizer_steps(tmp_path):
     _set_hydra(cfg)
     train(cfg)
     assert CheckpointProbe.seen == {2: None, 4: None, 6: 4, 8: 4, 10: 8, 12: 8}, CheckpointProbe.seen
+
+
+QLORA = ["quantization=nf4", "adapter=lora", "adapter.r=4", "objective.beta=0.04", "module.mini_batches=2",
+         "optimizer=adamw_8bit", "callbacks.checkpoint.every_n_train_steps=2"]
+
+
+def test_qlora_from_the_command_line_resumes_and_exports(tmp_path):
+    """nf4 + LoRA + 8-bit AdamW through the CLI: a quiet console, the merged model, the adapter and its base in the run
+    directory, and a resume from last.ckpt (bitsandbytes cannot load its own quantized weights back: they are checked
+    against the rebuilt base instead)."""
+    proc = _cli(FAST + QLORA + ["trainer.max_steps=4", f"hydra.run.dir={tmp_path}/run"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [line for line in (proc.stdout + proc.stderr).splitlines() if line.strip()]
+    noise = NOISE + ["gemm_4bit_forward", "MatMul8bitLt", "is_gradient_checkpointing", "past_key_values"]
+    assert not [line for line in lines for n in noise if n in line], "\n".join(lines)
+    run = tmp_path / "run"
+    results = json.loads((run / "results.json").read_text())
+    assert results["adapter_dir"] == str(run / "adapter") and results["base_model"] == str(run / "base_model")
+    assert (run / "adapter" / "adapter_model.safetensors").is_file() and (run / "model" / "model.safetensors").is_file()
+    assert (run / "base_model" / "config.json").is_file() and (run / "base_model" / "tokenizer.json").is_file()
+    proc = _cli(FAST + QLORA + ["trainer.max_steps=6", f"ckpt_path={run}/checkpoints/last.ckpt",
+                                f"hydra.run.dir={tmp_path}/resumed"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads((tmp_path / "resumed" / "results.json").read_text())["steps"] == 6
+    # resuming with another base is refused, naming a weight that differs
+    proc = _cli(FAST + QLORA + ["trainer.max_steps=6", "model.seed=1", f"ckpt_path={run}/checkpoints/last.ckpt",
+                                f"hydra.run.dir={tmp_path}/other"], tmp_path)
+    assert proc.returncode != 0 and "differs from the quantized base this run built" in proc.stderr
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["quantization=nf4"], "quantization=nf4 needs an adapter"),
+    (["quantization=int8", "adapter=lora", "reference.quantization=nf4", "objective.beta=0.04"],
+     "ref_quantization='nf4' has nothing to act on"),
+    (["adapter=lora", "optimizer=paged_adamw"], "optimizer.name=paged_adamw pages optimizer state through CUDA"),
+    (["quantization.mode=int4"], "quantization.mode must be one of"),
+    (["adapter=lora", "adapter.bias=some"], "adapter.bias must be none, all or lora_only"),
+])
+def test_impossible_combinations_from_the_command_line_name_their_keys(overrides, message, tmp_path):
+    cfg = compose_with(FAST + overrides, tmp_path)
+    _set_hydra(cfg)
+    with pytest.raises(ValueError, match=message):
+        train(cfg)
+
+
+def test_a_model_loaded_quantized_refuses_the_warm_start(tmp_path):
+    from polopt_lightning.models import build_tiny_model
+
+    model, tok = build_tiny_model(hidden_size=64, num_layers=1, num_heads=2)
+    model.save_pretrained(tmp_path / "m")
+    tok.save_pretrained(tmp_path / "m")
+    fast = [a for a in FAST if not a.startswith("model.")]  # the tiny model's shape keys
+    cfg = compose_with(fast + ["model=pretrained", f"model.name_or_path={tmp_path}/m", "quantization=nf4",
+                               "adapter=lora"], tmp_path)
+    _set_hydra(cfg)
+    with pytest.raises(ValueError, match="warm_start.enabled=true trains every weight, but the model was loaded "
+                                         "quantized .*set warm_start.enabled=false"):
+        train(cfg)
+    cfg = compose_with(fast + ["model=pretrained", f"model.name_or_path={tmp_path}/m", "quantization=nf4",
+                               "adapter=lora", "warm_start.enabled=false"], tmp_path)
+    _set_hydra(cfg)
+    results = train(cfg)
+    assert results["steps"] == 2 and results["base_model"] == f"{tmp_path}/m"  # the adapter's base is the folder

@@ -8,7 +8,7 @@ import torch
 
 from polopt_lightning import PolicyOptimizationModule, PromptDataModule
 from polopt_lightning.logprobs import completion_logprobs
-from polopt_lightning.models import build_tiny_model
+from polopt_lightning.models import build_tiny_model, cast_weights
 from polopt_lightning.rollout import HFRolloutEngine, SamplingConfig
 from tests.test_module import distinct_chars
 
@@ -65,9 +65,13 @@ def test_rollout_dtype_rejects_bad_values_and_quantized_weights(tiny):
     quantized = copy.deepcopy(model)
     quantized.model.norm.register_parameter("codes", torch.nn.Parameter(torch.zeros(2, dtype=torch.uint8),
                                                                         requires_grad=False))
-    with pytest.raises(ValueError, match=r"rollout_dtype=torch.bfloat16 needs .* model\.norm\.codes is torch\.uint8"):
-        HFRolloutEngine(dtype="bfloat16").sampling_model(quantized)
-    with pytest.raises(ValueError, match=r"ref_dtype=torch.bfloat16 needs .* model\.norm\.codes"):
+    # a quantized policy has no floating-point copy to sample with: the lever steps aside and says so (once)
+    engine = HFRolloutEngine(dtype="bfloat16")
+    with pytest.warns(RuntimeWarning, match="rollout_dtype=bfloat16 is off: the policy is quantized"):
+        assert engine.sampling_model(quantized) is quantized
+    with pytest.raises(ValueError, match=r"ref_dtype=torch.bfloat16 needs .* model\.norm\.codes is torch\.uint8"):
+        cast_weights(quantized, torch.bfloat16, "ref_dtype")
+    with pytest.raises(ValueError, match="has quantized weights and no adapter: they cannot be trained"):
         PolicyOptimizationModule(quantized, tok, objective={"name": "grpo", "beta": 0.1}, ref_dtype="bf16",
                                  reward_fns=[distinct_chars])
     with pytest.raises(ValueError, match="ref_dtype must be one of"):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import warnings
 from abc import ABC, abstractmethod
 from contextlib import nullcontext
@@ -12,8 +13,10 @@ import torch
 from torch import Tensor, nn
 
 from .._hf import cache_argument, output_cache, positions_from_mask, preallocated_cache
-from ..models import frozen_copy, resolve_dtype
+from ..models import frozen_copy, is_quantized, resolve_dtype
 from .fast_decode import PackedProjections, decode_step, llama_like, shared_prompt_decode_step, static_decode_step
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -160,9 +163,21 @@ class HFRolloutEngine(RolloutEngine):
         self.compile = compile
         self._sampler: tuple[nn.Module, nn.Module] | None = None  # (policy, its copy)
         self._compiled = None
+        self._said_quantized = self._said_unpacked = False
 
     def sampling_dtype(self, model: nn.Module) -> torch.dtype | None:
-        """The precision completions are sampled in with autocast off (``None``: ``model`` as it is called)."""
+        """The precision completions are sampled in with autocast off (``None``: ``model`` as it is called).
+
+        A quantized model has no floating-point copy to sample with: it samples as it is, and an explicit ``dtype``
+        is set aside with a warning, once.
+        """
+        if is_quantized(model):
+            if self.dtype is not None and not self._said_quantized:
+                warnings.warn(f"rollout_dtype={str(self.dtype).removeprefix('torch.')} is off: the policy is quantized "
+                              "(bitsandbytes), so completions are sampled with its own quantized layers",
+                              RuntimeWarning, stacklevel=2)
+                self._said_quantized = True
+            return None
         if self.dtype is not None:
             return self.dtype
         device_type = _device_type(model)
@@ -176,8 +191,10 @@ class HFRolloutEngine(RolloutEngine):
         return dtype is not None and any(p.dtype != dtype for p in model.parameters())
 
     def logprobs_match(self, model: nn.Module) -> bool:
-        # under autocast the training forward computes in another precision than any sampler
-        return not self.sampling_dtype_differs(model) and not torch.is_autocast_enabled(_device_type(model))
+        # under autocast the training forward computes in another precision than any sampler; bitsandbytes' int8
+        # layers compute with int8 activations in eval mode (sampling) and dequantized weights in training mode
+        return (not self.sampling_dtype_differs(model) and not torch.is_autocast_enabled(_device_type(model))
+                and not any(type(m).__name__ == "Linear8bitLt" for m in model.modules()))
 
     def sampling_model(self, model: nn.Module) -> nn.Module:
         """The module that samples: ``model``, or its copy in the sampling dtype holding ``model``'s weights."""
@@ -228,7 +245,13 @@ class HFRolloutEngine(RolloutEngine):
     def _packed_projections(self, base: nn.Module, rows: int) -> PackedProjections | None:
         """Prepacked products for this rollout, or ``None`` (off, not applicable, or the math library refused once:
         then the modules run from here on, with a warning)."""
-        if not (self.packed_weights and PackedProjections.supported(base)):
+        if not self.packed_weights:
+            return None
+        if not PackedProjections.supported(base):
+            if not self._said_unpacked:
+                log.info("packed decoding weights are off for this model (adapter or quantized layers, or another "
+                         "dtype or device): decoding runs on the model's own modules")
+                self._said_unpacked = True
             return None
         try:
             return PackedProjections(base, rows)

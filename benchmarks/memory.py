@@ -1,0 +1,235 @@
+"""Peak memory and step time of one short RL job under full fine-tuning, LoRA, int8+LoRA and nf4+LoRA, polopt against
+TRL's GRPOTrainer with the same settings, on a model shaped like Qwen2.5-0.5B (built from its config numbers with random
+weights: no download).
+
+    python benchmarks/memory.py                                   # every setting, polopt and TRL (~30 min on 2 cores)
+    python benchmarks/memory.py --settings nf4+lora --impls polopt
+    python benchmarks/memory.py --shape small --steps 2           # a smoke run (seconds)
+    python benchmarks/memory.py --json benchmarks/results/memory_cpu.json
+
+The job: 2 prompts x 4 completions, 32-token prompts, 16 new tokens forced (min = max), GRPO with a KL term
+(beta 0.04, so a reference is needed), one update per rollout, fp32 (4-bit layers compute in fp32), no gradient
+checkpointing on either side. The model is saved once (fp32 safetensors) and both implementations load it from that
+folder with ``from_pretrained``, quantized by transformers' ``BitsAndBytesConfig`` where the setting says so; LoRA is
+the same ``LoraConfig`` (r 16, alpha 32, the 7 projections of every block) on both sides, and both take the reference
+from the base with the adapter disabled (polopt: its shared reference; TRL: what it does under peft). Under full
+fine-tuning polopt keeps a separate frozen copy as the reference, TRL too.
+
+Each (implementation, setting) runs in a fresh process, one after another (full fine-tuning needs ~12 GiB; two at
+once would not fit a 24 GiB machine), and reports two peaks of its own resident memory (``VmHWM``): while loading the
+model and building the trainer, and during training (the high-water mark is reset in between through
+``/proc/self/clear_refs``, so the second is the training steps' own). Step time: the median of the steps after the
+first (warm-up).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from throughput import length_reward, peak_rss_gib, run_child  # noqa: E402  (the same harness)
+
+SHAPES = {
+    # Qwen2.5-0.5B: 494M parameters, tied embeddings, q/k/v biases
+    "qwen2.5-0.5b": dict(hidden=896, layers=24, heads=14, kv_heads=2, intermediate=4864, vocab=151936),
+    # for a smoke run and the test
+    "small": dict(hidden=128, layers=2, heads=2, kv_heads=1, intermediate=256, vocab=4096),
+}
+SETTINGS = {"none": ("none", "none"), "lora": ("none", "lora"), "int8+lora": ("int8", "lora"),
+            "nf4+lora": ("nf4", "lora")}
+JOB = dict(prompts=2, generations=4, prompt_len=32, new_tokens=16, beta=0.04, lr=1e-6)
+LORA = dict(r=16, alpha=32)
+
+
+def make_model(shape: str, folder: str) -> None:
+    """Build the shape with random weights (seed 0) and save it with its tokenizer: what both sides load."""
+    from polopt_lightning.models import build_tiny_model
+
+    s = SHAPES[shape]
+    model, tok = build_tiny_model(hidden_size=s["hidden"], num_layers=s["layers"], num_heads=s["heads"],
+                                  num_kv_heads=s["kv_heads"], intermediate_size=s["intermediate"],
+                                  vocab_size=s["vocab"], max_position_embeddings=1024, seed=0)
+    model.save_pretrained(folder, safe_serialization=True)
+    tok.save_pretrained(folder)
+
+
+def prompts() -> list[str]:
+    rng = random.Random(0)
+    alphabet = "abcdefghijklmnopqrstuvwxyz0123456789 +-="
+    return ["".join(rng.choice(alphabet) for _ in range(JOB["prompt_len"])) for _ in range(64)]
+
+
+def reset_peak() -> None:
+    """Start a new high-water mark of this process's resident memory (Linux: ``echo 5 > clear_refs``)."""
+    with open("/proc/self/clear_refs", "w") as fh:
+        fh.write("5")
+
+
+def lora_config():
+    from polopt_lightning.models import LLAMA_TARGETS, Adapter
+
+    return Adapter(kind="lora", target_modules=list(LLAMA_TARGETS), **LORA)
+
+
+def run_polopt(folder: str, setting: str, steps: int) -> tuple[list[float], float]:
+    import lightning as L
+
+    from polopt_lightning import PolicyOptimizationModule, PromptDataModule
+    from polopt_lightning.models import Quantization, load_pretrained, prepare_policy
+
+    quant, adapter = SETTINGS[setting]
+    model, tok = load_pretrained(folder, dtype="float32", quantization=quant)
+    if adapter == "lora":
+        model = prepare_policy(model, Quantization(mode=quant), lora_config())
+    data = PromptDataModule(train=[{"prompt": p} for p in prompts()], tokenizer=tok, batch_size=JOB["prompts"],
+                            shuffle=False)
+    n = JOB["new_tokens"]
+    module = PolicyOptimizationModule(
+        model, tok, objective={"name": "grpo", "beta": JOB["beta"]}, reward_fns=[length_reward],
+        num_generations=JOB["generations"], generation={"max_new_tokens": n, "min_new_tokens": n}, lr=JOB["lr"])
+    times: list[float] = []
+
+    class Timer(L.Callback):
+        def on_train_batch_start(self, *args):
+            self.t = time.perf_counter()
+
+        def on_train_batch_end(self, *args):
+            times.append(time.perf_counter() - self.t)
+
+    trainer = L.Trainer(max_steps=steps, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                        limit_val_batches=0, callbacks=[Timer()])
+    load_peak = peak_rss_gib()
+    reset_peak()
+    trainer.fit(module, datamodule=data)
+    return times, load_peak
+
+
+def run_trl(folder: str, setting: str, steps: int) -> tuple[list[float], float]:
+    from datasets import Dataset
+    from transformers import AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from polopt_lightning.models import Quantization
+
+    quant, adapter = SETTINGS[setting]
+    tok = AutoTokenizer.from_pretrained(folder)
+    n = JOB["new_tokens"]
+    config = GRPOConfig(
+        output_dir=tempfile.mkdtemp(prefix="trl_memory_"), use_cpu=True, bf16=False, fp16=False, report_to="none",
+        save_strategy="no", per_device_train_batch_size=JOB["prompts"] * JOB["generations"],
+        gradient_accumulation_steps=1, num_generations=JOB["generations"], max_completion_length=n,
+        generation_kwargs={"min_new_tokens": n}, temperature=1.0, beta=JOB["beta"], num_iterations=1,
+        learning_rate=JOB["lr"], max_steps=steps, logging_steps=1, disable_dropout=True, shuffle_dataset=False,
+        dataloader_num_workers=0, seed=0, gradient_checkpointing=False, model_init_kwargs={"dtype": "float32"})
+    times: list[float] = []
+
+    class Timer(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kw):
+            self.t = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kw):
+            times.append(time.perf_counter() - self.t)
+
+    trainer = GRPOTrainer(
+        model=folder, reward_funcs=[length_reward], args=config, processing_class=tok,
+        train_dataset=Dataset.from_list([{"prompt": p} for p in prompts()]), callbacks=[Timer()],
+        quantization_config=Quantization(mode=quant).bnb_config(),
+        peft_config=lora_config().peft_config(None) if adapter == "lora" else None)
+    load_peak = peak_rss_gib()
+    reset_peak()
+    trainer.train()
+    return times, load_peak
+
+
+def child(impl: str, setting: str, folder: str, steps: int, threads: int) -> None:
+    import torch
+
+    torch.set_num_threads(threads)
+    times, load_peak = (run_polopt if impl == "polopt" else run_trl)(folder, setting, steps)
+    print("RESULT " + json.dumps({"impl": impl, "setting": setting, "step_s": times, "load_peak_gib": load_peak,
+                                  "train_peak_gib": peak_rss_gib()}))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", default="qwen2.5-0.5b", choices=list(SHAPES))
+    parser.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
+    parser.add_argument("--impls", nargs="+", default=["polopt", "trl"], choices=["polopt", "trl"])
+    parser.add_argument("--steps", type=int, default=4, help="RL steps per run (the first is warm-up)")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--model-dir", help="where the model is saved (default: a temporary folder)")
+    parser.add_argument("--json", help="also write the rows to this file")
+    parser.add_argument("--child", nargs=3, metavar=("IMPL", "SETTING", "FOLDER"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        return child(*args.child, args.steps, args.threads)
+
+    with tempfile.TemporaryDirectory(prefix="polopt_memory_") as tmp:
+        folder = args.model_dir or tmp
+        if not (Path(folder) / "config.json").is_file():
+            code, out, err = run_child([sys.executable, "-c", f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); "
+                                        f"from memory import make_model; make_model({args.shape!r}, {folder!r})"])
+            if code:
+                raise SystemExit(f"building the model failed:\n{err[-3000:]}")
+        rows = []
+        for setting in args.settings:
+            for impl in args.impls:
+                start = time.perf_counter()
+                code, out, err = run_child([sys.executable, __file__, "--child", impl, setting, folder,
+                                            "--steps", str(args.steps), "--threads", str(args.threads)])
+                line = next((x for x in out.splitlines() if x.startswith("RESULT ")), None)
+                if code or line is None:
+                    print(f"{impl} {setting}: failed (exit {code})\n{err[-3000:]}", file=sys.stderr)
+                    continue
+                row = json.loads(line[len("RESULT "):])
+                row["median_s"] = statistics.median(row["step_s"][1:] or row["step_s"])
+                row["wall_s"] = round(time.perf_counter() - start, 1)
+                rows.append(row)
+                print(f"{impl:>6} {setting:<10} step {row['median_s']:7.2f} s   peak train {row['train_peak_gib']:6.2f} "
+                      f"GiB   load {row['load_peak_gib']:6.2f} GiB   ({row['wall_s']} s in all)", flush=True)
+    print_table(rows, args)
+    if args.json:
+        meta = {"shape": args.shape, "shape_numbers": SHAPES[args.shape], "job": JOB, "lora": LORA,
+                "steps": args.steps, "threads": args.threads, "cpu": _cpu_name()}
+        Path(args.json).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+
+
+def print_table(rows: list[dict], args) -> None:
+    by = {(r["impl"], r["setting"]): r for r in rows}
+    full = by.get(("polopt", "none"))
+    print(f"\n{args.shape}, {args.threads} threads, {_cpu_name()}; median of steps 2-{args.steps}")
+    print("| setting | polopt s/step | TRL s/step | speed-up | polopt peak GiB (train / load) | TRL peak GiB (train / load) "
+          "| polopt peak / its full fine-tuning |")
+    print("|---|---|---|---|---|---|---|")
+    for setting in args.settings:
+        p, t = by.get(("polopt", setting)), by.get(("trl", setting))
+
+        def cell(r, key="median_s", fmt="{:.2f}"):
+            return fmt.format(r[key]) if r else "-"
+
+        speed = f"{t['median_s'] / p['median_s']:.2f}x" if p and t else "-"
+        peaks = [f"{r['train_peak_gib']:.2f} / {r['load_peak_gib']:.2f}" if r else "-" for r in (p, t)]
+        share = f"{max(p['train_peak_gib'], p['load_peak_gib']) / max(full['train_peak_gib'], full['load_peak_gib']):.2f}" \
+            if p and full else "-"
+        print(f"| {setting} | {cell(p)} | {cell(t)} | {speed} | {peaks[0]} | {peaks[1]} | {share} |")
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as fh:
+            return next(line.split(":", 1)[1].strip() for line in fh if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return os.uname().machine
+
+
+if __name__ == "__main__":
+    main()
