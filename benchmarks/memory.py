@@ -68,7 +68,17 @@ def prompts() -> list[str]:
 
 
 def reset_peak() -> None:
-    """Start a new high-water mark of this process's resident memory (Linux: ``echo 5 > clear_refs``)."""
+    """Start a new high-water mark of this process's resident memory (Linux: ``echo 5 > clear_refs``), after handing
+    the heap that loading freed back to the system (glibc keeps it resident otherwise, and the new mark would start
+    at it)."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except OSError:  # not glibc: the mark starts at what is resident
+        pass
     with open("/proc/self/clear_refs", "w") as fh:
         fh.write("5")
 
@@ -168,10 +178,15 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--model-dir", help="where the model is saved (default: a temporary folder)")
     parser.add_argument("--json", help="also write the rows to this file")
+    parser.add_argument("--summarize", nargs="+", metavar="JSON",
+                        help="pool runs written by --json: per setting and implementation, the median step over every "
+                             "run's steps (warm-up left out) and each peak's median, with their ranges")
     parser.add_argument("--child", nargs=3, metavar=("IMPL", "SETTING", "FOLDER"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         return child(*args.child, args.steps, args.threads)
+    if args.summarize:
+        return print_summary([json.loads(Path(p).read_text()) for p in args.summarize])
 
     with tempfile.TemporaryDirectory(prefix="polopt_memory_") as tmp:
         folder = args.model_dir or tmp
@@ -221,6 +236,34 @@ def print_table(rows: list[dict], args) -> None:
         share = f"{max(p['train_peak_gib'], p['load_peak_gib']) / max(full['train_peak_gib'], full['load_peak_gib']):.2f}" \
             if p and full else "-"
         print(f"| {setting} | {cell(p)} | {cell(t)} | {speed} | {peaks[0]} | {peaks[1]} | {share} |")
+
+
+def print_summary(runs: list[dict]) -> None:
+    """Several runs of one build pooled: each cell is a median with its range (min-max) across runs and steps."""
+    pooled: dict[tuple[str, str], dict[str, list[float]]] = {}
+    for run in runs:
+        for row in run["rows"]:
+            cell = pooled.setdefault((row["impl"], row["setting"]), {"steps": [], "train": [], "load": []})
+            cell["steps"] += row["step_s"][1:] or row["step_s"]
+            cell["train"].append(row["train_peak_gib"])
+            cell["load"].append(row["load_peak_gib"])
+
+    def spread(values: list[float], fmt: str = "{:.2f}") -> str:
+        return f"{fmt.format(statistics.median(values))} ({fmt.format(min(values))}-{fmt.format(max(values))})"
+
+    meta = runs[0]["meta"]
+    print(f"{meta['shape']}, {meta['threads']} threads, {meta['cpu']}; {len(runs)} runs pooled; median (range) of "
+          "every step after each run's first, and of each run's peaks")
+    print("| setting | polopt s/step | TRL s/step | speed-up (ratio of medians) | polopt peak GiB train / load "
+          "| TRL peak GiB train / load |")
+    print("|---|---|---|---|---|---|")
+    for setting in SETTINGS:
+        p, t = pooled.get(("polopt", setting)), pooled.get(("trl", setting))
+        if not (p or t):
+            continue
+        speed = (f"{statistics.median(t['steps']) / statistics.median(p['steps']):.2f}x" if p and t else "-")
+        cells = [(spread(c["steps"]), f"{spread(c['train'])} / {spread(c['load'])}") if c else ("-", "-") for c in (p, t)]
+        print(f"| {setting} | {cells[0][0]} | {cells[1][0]} | {speed} | {cells[0][1]} | {cells[1][1]} |")
 
 
 def _cpu_name() -> str:

@@ -162,6 +162,7 @@ def load_pretrained(
     prepare_tokenizer(tokenizer)
     if is_quantized(model):
         prepare_quantized(model)
+        release_weight_files(model)
     return model, tokenizer
 
 
@@ -448,8 +449,23 @@ def quantized_copy(model: PreTrainedModel, quantization: Quantization, folder: s
         model.save_pretrained(target, safe_serialization=True)
         quantized = AutoModelForCausalLM.from_pretrained(target, quantization_config=quantization.bnb_config(),
                                                          dtype=_float_dtype(model))
+        release_weight_files(quantized)  # before the temporary folder goes
     quantized.generation_config = copy.deepcopy(model.generation_config)
     return prepare_quantized(quantized)
+
+
+def release_weight_files(model: nn.Module) -> None:
+    """Copy the floating-point weights of a model loaded quantized out of the weight files they map.
+
+    ``from_pretrained`` maps the safetensors files and keeps unconverted tensors (embeddings, norms, biases) as views
+    into them, so the whole mapping stays alive with every page the quantization read resident: at 0.5B parameters
+    1.4 GB of the process's memory for 0.5 GB of weights in use (Qwen2.5-0.5B shape, nf4: 1.96 -> 1.13 GB resident).
+    A model loaded in full precision is left as it is (its weights are the file's pages).
+    """
+    with torch.no_grad():
+        for tensor in [*model.parameters(), *model.buffers()]:
+            if tensor.dtype.is_floating_point:
+                tensor.data = tensor.data.clone()
 
 
 def prepare_quantized(model: nn.Module) -> nn.Module:

@@ -229,26 +229,24 @@ class PolicyOptimizationModule(L.LightningModule):
         # a new name: save_hyperparameters reads the arguments from this frame, and a torch.dtype cannot go to YAML
         ref_torch_dtype = resolve_dtype(ref_dtype, "ref_dtype", auto=False)
         ref_quant = as_quantization(ref_quantization, "ref_quantization")
+        if ref_quant.enabled and ref_torch_dtype is not None:
+            raise ValueError("ref_quantization and ref_dtype both set: a quantized reference computes in "
+                             "ref_quantization.compute_dtype; leave ref_dtype unset")
         self.ref_model = None
-        # the adapter-disabled policy is the reference: it is the base the adapters started from
+        # with an adapter, the adapter-disabled policy is the reference: the base the adapters started from
         self.shared_reference = objective.beta > 0 and ref_model is None and reference_context(model) is not None
         if self.shared_reference and (ref_torch_dtype is not None or ref_quant.enabled):
-            key = "ref_dtype" if ref_torch_dtype is not None else "ref_quantization"
-            raise ValueError(f"{key}={ref_dtype if ref_torch_dtype is not None else ref_quant.mode!r} has nothing to "
-                             "act on: the policy has an adapter, so its reference is its own base with the adapter "
-                             f"disabled (no copy to cast or quantize); leave {key} unset")
-        if objective.beta > 0 and ref_model is None and not self.shared_reference:
-            if ref_quant.enabled:
-                if ref_torch_dtype is not None:
-                    raise ValueError("ref_quantization and ref_dtype both set: a quantized reference computes in "
-                                     "ref_quantization.compute_dtype; leave ref_dtype unset")
-                self.ref_model = quantized_copy(model, ref_quant).requires_grad_(False)
-            else:
-                self.ref_model = frozen_copy(model, ref_torch_dtype, "ref_dtype")
-        elif objective.beta > 0 and ref_model is not None:
+            key, value = ("ref_dtype", ref_dtype) if ref_torch_dtype is not None else ("ref_quantization",
+                                                                                     ref_quant.mode)
+            raise ValueError(f"{key}={value!r} has nothing to act on: the policy has an adapter, so its reference is "
+                             f"its own base with the adapter disabled (no copy to cast or quantize); leave {key} unset")
+        if objective.beta > 0 and ref_model is not None:
             self.ref_model = ref_model
             if ref_torch_dtype is not None:
                 cast_weights(ref_model, ref_torch_dtype, "ref_dtype")
+        elif objective.beta > 0 and not self.shared_reference:
+            self.ref_model = (quantized_copy(model, ref_quant).requires_grad_(False) if ref_quant.enabled
+                              else frozen_copy(model, ref_torch_dtype, "ref_dtype"))
         if self.ref_model is not None:
             # Lightning asks every submodule to be in training mode when fit starts (and warns about each one that is
             # not); the reference only ever runs inside `evaluating`, which puts it in eval mode for its pass.

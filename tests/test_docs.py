@@ -57,6 +57,8 @@ def test_recipes_python_blocks_run(tmp_path, monkeypatch, capsys):
             continue
         exec(compile(code, "docs/recipes.md", "exec"), namespace)
     assert (tmp_path / "train.jsonl").is_file() and (tmp_path / "trained" / "config.json").is_file()
+    assert (tmp_path / "qlora_merged" / "config.json").is_file()
+    assert (tmp_path / "qlora_adapter" / "adapter_model.safetensors").is_file()
     assert "<user>2+3=\n<assistant>" in capsys.readouterr().out
     assert namespace["format_reward"]([""], [" 12"]) == [1.0]
     assert namespace["correctness"]([""], ["5"], answer=["5"]) == [1.0]
