@@ -1,0 +1,47 @@
+"""Checks that need CUDA (marker `gpu`, deselected by default; `pytest -m gpu` on a GPU machine). Not yet run: no GPU
+has been available to this project's sessions; docs/quantization.md says what is verified where."""
+
+import lightning as L
+import pytest
+import torch
+
+from polopt_lightning import PolicyOptimizationModule, PromptDataModule
+from polopt_lightning.data import ArithmeticTask
+from polopt_lightning.models import Adapter, Quantization, build_tiny_model, load_pretrained, prepare_policy
+from polopt_lightning.rewards import ExactMatchReward
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run with -m gpu there)")]
+
+
+def distinct_chars(prompts, completions, **kw):
+    return [float(len(set(c))) for c in completions]
+
+
+@pytest.mark.parametrize("optimizer", ["paged_adamw_8bit", "adamw_8bit"])
+def test_qlora_on_cuda_with_bitsandbytes_optimizers(tmp_path, optimizer):
+    from functools import partial
+
+    from polopt_lightning.optim import build_optimizer
+
+    model, tok = build_tiny_model(hidden_size=128, num_layers=2, num_heads=2, intermediate_size=256)
+    model.save_pretrained(tmp_path / "base")
+    tok.save_pretrained(tmp_path / "base")
+    quant = Quantization(mode="nf4", compute_dtype="bfloat16")
+    base, tok = load_pretrained(str(tmp_path / "base"), dtype="float32", quantization=quant, device_map={"": 0})
+    policy = prepare_policy(base, quant, Adapter(kind="lora", r=8))
+    train, val = ArithmeticTask(digits=1, train_size=40, val_size=8).splits()
+    data = PromptDataModule(train=train, val=val, tokenizer=tok, batch_size=2)
+    module = PolicyOptimizationModule(policy, tok, objective={"name": "gspo", "beta": 0.04}, mini_batches=2,
+                                      reward_fns=[distinct_chars, ExactMatchReward()], num_generations=4,
+                                      generation={"max_new_tokens": 4},
+                                      optimizer=partial(build_optimizer, name=optimizer, lr=1e-2))
+    assert module.ref_model is None and module.shared_reference
+    frozen = {k: v.clone() for k, v in policy.state_dict().items() if "lora_" not in k}
+    trainer = L.Trainer(max_steps=4, accelerator="gpu", devices=1, precision="bf16-mixed", logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, default_root_dir=str(tmp_path))
+    trainer.fit(module, datamodule=data)
+    assert all(torch.equal(v, policy.state_dict()[k]) for k, v in frozen.items())
+    assert torch.isfinite(torch.tensor(float(trainer.logged_metrics["train/kl"])))
+    module.save_pretrained(tmp_path / "merged")
+    assert (tmp_path / "merged" / "model.safetensors").is_file()
