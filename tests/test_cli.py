@@ -82,7 +82,7 @@ def test_every_group_value_composes_and_builds(group, value, tmp_path):
         assert all(callable(b) for b in built) if group == "reward" else True
     elif group == "trainer" and node.accelerator == "gpu" and not torch.cuda.is_available():
         # composes (inheriting the cpu defaults); building a GPU Trainer needs a GPU
-        assert node.precision == "bf16-mixed" and node.max_steps == 2400 and node.num_sanity_val_steps == 0
+        assert node.precision == "bf16-mixed" and node.max_steps == 3000 and node.num_sanity_val_steps == 0
     elif group == "trainer":
         trainer = instantiate(node, logger=False, enable_checkpointing=False)
         assert trainer.max_steps == cfg.trainer.max_steps
