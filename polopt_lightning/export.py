@@ -143,11 +143,14 @@ def rebuild_policy(state: Mapping[str, torch.Tensor], meta: Mapping[str, Any], w
 
         model = get_peft_model(model, PeftConfig.from_peft_type(**meta["adapter"]))
     missing, unexpected = model.load_state_dict(state, strict=False)
-    missing = [k for k in missing if not k.endswith("lm_head.weight")]  # tied to the input embeddings
+    base = model.get_base_model() if meta.get("adapter") else model
+    tied = set(getattr(base, "_tied_weights_keys", None) or [])  # tied to the input embeddings
+    missing = [k for k in missing if k.rsplit("base_model.model.", 1)[-1] not in tied
+               and not k.endswith("lm_head.weight")]
     if missing or unexpected:
         raise ValueError(f"polopt-export: {where}'s weights do not fit its config: missing {missing[:5]}, "
                          f"unexpected {unexpected[:5]}")
-    (model.get_base_model() if meta.get("adapter") else model).tie_weights()
+    base.tie_weights()
     return model
 
 
