@@ -94,19 +94,21 @@ def shared_prompt_completion_logprobs(
     p_ids, p_mask = prompt_ids[first], prompt_mask[first]
     p_pos = positions_from_mask(p_mask)
     out = model(input_ids=p_ids, attention_mask=p_mask, position_ids=p_pos, use_cache=True, logits_to_keep=1)
-    first_logits = out.logits[:, -1].index_select(0, inverse)  # [N, V]: predicts completion token 0
+    first_logits = out.logits[:, -1:].index_select(0, inverse)  # [N, 1, V]: predicts completion token 0
+    first = selective_log_softmax(first_logits, completion_ids[:, :1], temperature, chunk_rows, with_entropy)
     T = completion_ids.shape[1]
     if T == 1:
-        logits = first_logits[:, None]
-    else:
-        cache = output_cache(out)
-        _select_rows(cache, inverse)  # [U, ...] -> [N, ...], gradient flows back to the U prompt rows
-        attention_mask = torch.cat([prompt_mask, completion_mask.to(prompt_mask.dtype)], dim=1)
-        positions = positions_from_mask(attention_mask)[:, prompt_ids.shape[1]:]
-        rest = model(input_ids=completion_ids[:, :-1], attention_mask=attention_mask[:, :-1],
-                     position_ids=positions[:, :-1], use_cache=True, **{cache_argument(model): cache}).logits
-        logits = torch.cat([first_logits[:, None], rest], dim=1)  # [N, T, V]
-    return selective_log_softmax(logits, completion_ids, temperature, chunk_rows, with_entropy)
+        return first
+    cache = output_cache(out)
+    _select_rows(cache, inverse)  # [U, ...] -> [N, ...], gradient flows back to the U prompt rows
+    attention_mask = torch.cat([prompt_mask, completion_mask.to(prompt_mask.dtype)], dim=1)
+    positions = positions_from_mask(attention_mask)[:, prompt_ids.shape[1]:]
+    rest_logits = model(input_ids=completion_ids[:, :-1], attention_mask=attention_mask[:, :-1],
+                        position_ids=positions[:, :-1], use_cache=True, **{cache_argument(model): cache}).logits
+    rest = selective_log_softmax(rest_logits, completion_ids[:, 1:], temperature, chunk_rows, with_entropy)
+    # the [N, T] results are joined, not the [N, T, V] logits: no full-vocabulary copy (nor its gradient)
+    return (torch.cat([first[0], rest[0]], dim=1),
+            torch.cat([first[1], rest[1]], dim=1) if with_entropy else None)
 
 
 def _select_rows(cache, index: Tensor) -> None:
