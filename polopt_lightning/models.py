@@ -448,7 +448,7 @@ def quantized_copy(model: PreTrainedModel, quantization: Quantization, folder: s
         target = Path(folder) if folder is not None else Path(tmp)
         model.save_pretrained(target, safe_serialization=True)
         quantized = AutoModelForCausalLM.from_pretrained(target, quantization_config=quantization.bnb_config(),
-                                                         dtype=_float_dtype(model))
+                                                         dtype=float_dtype(model))
         release_weight_files(quantized)  # before the temporary folder goes
     quantized.generation_config = copy.deepcopy(model.generation_config)
     return prepare_quantized(quantized)
@@ -506,7 +506,8 @@ def apply_adapter(model: nn.Module, adapter: Adapter) -> nn.Module:
     return get_peft_model(model, adapter.peft_config(model))
 
 
-def _float_dtype(model: nn.Module) -> torch.dtype:
+def float_dtype(model: nn.Module) -> torch.dtype:
+    """The dtype of ``model``'s first floating-point parameter (float32 when it has none)."""
     return next((p.dtype for p in model.parameters() if p.dtype.is_floating_point), torch.float32)
 
 

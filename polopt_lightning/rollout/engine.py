@@ -13,7 +13,7 @@ import torch
 from torch import Tensor, nn
 
 from .._hf import cache_argument, output_cache, positions_from_mask, preallocated_cache
-from ..models import frozen_copy, is_quantized, resolve_dtype
+from ..models import float_dtype, frozen_copy, is_quantized, resolve_dtype
 from .fast_decode import PackedProjections, decode_step, llama_like, shared_prompt_decode_step, static_decode_step
 
 log = logging.getLogger(__name__)
@@ -204,7 +204,7 @@ class HFRolloutEngine(RolloutEngine):
         # outside inference mode: a copy made under `trainer.validate` would otherwise hold inference tensors that
         # the refresh during `fit` cannot write
         with torch.inference_mode(False), torch.no_grad():
-            if self._sampler is None or self._sampler[0] is not model or _dtype_of(self._sampler[1]) != dtype:
+            if self._sampler is None or self._sampler[0] is not model or float_dtype(self._sampler[1]) != dtype:
                 self._sampler, self._compiled = (model, frozen_copy(model, dtype, "rollout_dtype")), None
             else:  # refresh every time: an in-place optimizer step leaves no trace to test for (fused AdamW keeps
                 # tensor versions), and the copy costs one read of the weights, small next to sampling
@@ -370,7 +370,3 @@ def _stateless(model: nn.Module) -> bool:
 
 def _device_type(model: nn.Module) -> str:
     return next(model.parameters()).device.type
-
-
-def _dtype_of(model: nn.Module) -> torch.dtype:
-    return next(p.dtype for p in model.parameters() if p.dtype.is_floating_point)
