@@ -40,7 +40,8 @@ def _group_stats(grouped: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     return mean, std, valid, has_signal
 
 
-def group_relative_advantages(rewards: Tensor, group_size: int, scale: str = "group") -> Tensor:
+def group_relative_advantages(rewards: Tensor, group_size: int, scale: str = "group",
+                              batch_std: Tensor | None = None) -> Tensor:
     """GRPO advantages: each reward minus its group's mean, optionally divided by a standard deviation.
 
     Args:
@@ -48,6 +49,8 @@ def group_relative_advantages(rewards: Tensor, group_size: int, scale: str = "gr
         group_size: completions per prompt (``G``).
         scale: ``"group"`` divides by the group's std (DeepSeekMath), ``"batch"`` by the std of all valid
             rewards in the batch (more robust for small groups), ``"none"`` keeps the raw difference (Dr. GRPO).
+        batch_std: with ``scale="batch"``, the standard deviation to divide by instead of these rewards' own: the
+            whole step's over every process when each holds a share of the batch.
 
     Returns:
         ``[N]`` advantages. Groups whose valid rewards are all equal (or that hold fewer than two valid
@@ -61,8 +64,9 @@ def group_relative_advantages(rewards: Tensor, group_size: int, scale: str = "gr
     if scale == "group":
         centered = centered / std.clamp(min=ZERO_STD_TOLERANCE)
     elif scale == "batch":
-        flat = grouped[valid]
-        batch_std = flat.std() if flat.numel() > 1 else flat.new_zeros(())
+        if batch_std is None:
+            flat = grouped[valid]
+            batch_std = flat.std() if flat.numel() > 1 else flat.new_zeros(())
         centered = centered / batch_std.clamp(min=ZERO_STD_TOLERANCE)
     advantages = torch.where(valid & has_signal, centered, torch.zeros_like(centered))
     return advantages.reshape(-1).to(rewards.dtype if rewards.is_floating_point() else torch.float32)

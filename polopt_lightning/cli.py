@@ -133,10 +133,12 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     import torch
     from hydra.utils import instantiate
 
-    from .callbacks import ValidationHistory
+    from .callbacks import AtomicCheckpointIO, ValidationHistory
     from .data import PromptDataModule
+    from .export import consolidated_checkpoint, export_checkpoint
     from .models import as_adapter, as_quantization, check_combination, is_quantized, prepare_policy
     from .module import PolicyOptimizationModule
+    from .strategies import SHARDED, check_strategy, strategy_kind
     from .warmstart import WarmStartConfig, default_cache_dir, supervised_warm_start
 
     start = time.perf_counter()
@@ -150,6 +152,11 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     quantization = as_quantization(_container(cfg, "quantization"))
     adapter = as_adapter(_container(cfg, "adapter"))
     check_combination(quantization, adapter)  # before anything loads
+    strategy_cfg = _container(cfg, "strategy")
+    kind = strategy_kind(strategy_cfg)
+    check_strategy(kind, accelerator=str(cfg.trainer.get("accelerator", "auto")), quantized=quantization.mode,
+                   micro_batch_tokens=cfg.module.get("micro_batch_tokens"),
+                   optimizer=(cfg.get("optimizer") or {}).get("name"))
     model, tokenizer = instantiate(cfg.model)
     task = instantiate(cfg.task) if cfg.get("task") is not None else None
     datamodule = PromptDataModule(task=task, tokenizer=tokenizer, **OmegaConf.to_container(cfg.data, resolve=True))
@@ -183,16 +190,35 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     loggers = _instantiate_all(cfg.get("logger"))
     history = ValidationHistory(monitor="val/accuracy", mode="max")
     callbacks = [*_instantiate_all(cfg.get("callbacks")), history]
+    strategy = instantiate(cfg.strategy)(model=model) if strategy_cfg.get("_target_") else "auto"
+    if kind == "deepspeed" and module.max_grad_norm:  # DeepSpeed clips inside its engine, from its own config
+        strategy.config = {**(strategy.config or {}), "gradient_clipping": float(module.max_grad_norm)}
     trainer: L.Trainer = instantiate(cfg.trainer, logger=loggers or False, callbacks=callbacks,
-                                     default_root_dir=str(run_dir))
+                                     default_root_dir=str(run_dir), strategy=strategy,
+                                     plugins=[AtomicCheckpointIO()] if kind not in SHARDED else None)
 
-    before = _validate(trainer, module, datamodule) if cfg.get("validate_before", True) else {}
+    resuming = cfg.get("ckpt_path") is not None
+    # a resumed run's policy is the checkpoint's, not the starting one: its "before" is the one the run recorded
+    before = _validate(trainer, module, datamodule) if cfg.get("validate_before", True) and not resuming else {}
     rl_start = time.perf_counter()
     trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
     rl_wall = time.perf_counter() - rl_start
+    if resuming:
+        before = next((r for r in history.records if not r["fitting"] and r["step"] == 0), {})
     after = _validate(trainer, module, datamodule)
-    model_dir = module.save_pretrained(run_dir / "model")  # merged into its base when there is an adapter
-    adapter_dir = module.save_pretrained(run_dir / "adapter", merge=False) if adapter.enabled else None
+    if kind in SHARDED:  # each process holds a shard: gather the whole policy into a checkpoint, export that
+        final = run_dir / "checkpoints" / "final.ckpt"
+        trainer.save_checkpoint(final)
+        model_dir, adapter_dir = run_dir / "model", run_dir / "adapter" if adapter.enabled else None
+        if trainer.is_global_zero:
+            export_checkpoint(consolidated_checkpoint(final), model_dir)
+            if adapter_dir:
+                export_checkpoint(consolidated_checkpoint(final), adapter_dir, merge=False)
+    elif trainer.is_global_zero:
+        model_dir = module.save_pretrained(run_dir / "model")  # merged into its base when there is an adapter
+        adapter_dir = module.save_pretrained(run_dir / "adapter", merge=False) if adapter.enabled else None
+    if not trainer.is_global_zero:  # one summary and one results.json per run: the first process's
+        return {"global_rank": trainer.global_rank, "steps": int(trainer.global_step)}
     best = history.best()
     best_ckpt = run_dir / "checkpoints" / "best.ckpt"
 
@@ -221,6 +247,9 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         "val_reward_after": after.get("val/reward"),
         "val_history": [{k: v for k, v in r.items() if k != "fitting"} for r in history.records if r["fitting"]],
         "seed": int(cfg.seed),
+        # processes that trained (trainer.devices x trainer.num_nodes) and their strategy
+        "world_size": int(trainer.world_size),
+        "strategy": kind,
         "run_dir": str(run_dir),
     }
     (run_dir / "results.json").write_text(json.dumps(results, indent=2))

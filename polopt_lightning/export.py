@@ -154,6 +154,20 @@ def rebuild_policy(state: Mapping[str, torch.Tensor], meta: Mapping[str, Any], w
     return model
 
 
+def consolidated_checkpoint(path: str | Path) -> Path:
+    """A checkpoint file for ``path``: itself, or for a DeepSpeed checkpoint folder (one shard per process) the file
+    ``<path>.consolidated`` that Lightning's converter writes beside it (made once)."""
+    path = Path(path)
+    if not path.is_dir():
+        return path
+    out = path.with_name(path.name + ".consolidated")
+    if not out.is_file():
+        from lightning.pytorch.utilities.deepspeed import convert_zero_checkpoint_to_fp32_state_dict
+
+        convert_zero_checkpoint_to_fp32_state_dict(str(path), str(out))
+    return out
+
+
 def export_checkpoint(ckpt_path: str | Path, out_dir: str | Path, merge: bool = True) -> Path:
     """Turn a :class:`PolicyOptimizationModule` Lightning checkpoint into a Hugging Face folder at ``out_dir``.
 
@@ -162,6 +176,8 @@ def export_checkpoint(ckpt_path: str | Path, out_dir: str | Path, merge: bool = 
     adapter is written merged (``merge``) or as the adapter alone.
     """
     path = Path(ckpt_path)
+    if path.is_dir():  # a DeepSpeed checkpoint: one shard per process
+        path = consolidated_checkpoint(path)
     if not path.is_file():
         raise FileNotFoundError(f"polopt-export: no checkpoint file at {path}")
     checkpoint = torch.load(path, map_location="cpu", weights_only=True)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -15,10 +15,12 @@ from typing import Any
 import lightning as L
 import torch
 from lightning.pytorch.plugins.precision import MixedPrecision
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
 from torchmetrics import MeanMetric
 
 from .advantages import group_relative_advantages, zero_std_groups
+from .distributed import all_gather_objects, all_gather_rows, all_reduce, world_size
 from .logprobs import completion_logprobs, shared_prompt_completion_logprobs
 from .models import (
     Quantization,
@@ -255,6 +257,8 @@ class PolicyOptimizationModule(L.LightningModule):
         self._generator: torch.Generator | None = None
         self._prompt_iter: Iterator | None = None
         self._hf_metadata: dict[str, Any] | None = None
+        self._pending_rng: list[dict[str, Any]] | None = None
+        self._extra_draws = 0  # prompt batches drawn by dynamic sampling so far: their position survives a resume
         self.save_hyperparameters(ignore=["model", "tokenizer", "objective", "reward_fns", "ref_model",
                                           "rollout_engine", "optimizer", "ref_quantization"])
         self.hparams["ref_quantization"] = ref_quant.mode
@@ -289,10 +293,37 @@ class PolicyOptimizationModule(L.LightningModule):
 
     # ------------------------------------------------------------------------------------------------------------
     def rollout(self, batch: Mapping[str, Any], sampling: SamplingConfig, num_generations: int) -> RolloutBatch:
-        return self.engine.generate(
-            self.policy, batch["prompt_ids"], batch["prompt_mask"], num_generations, sampling,
-            self.tokenizer.eos_token_id, self.tokenizer.pad_token_id, generator=self._sampling_generator(),
-        )
+        with self._whole_parameters():
+            return self.engine.generate(
+                self.policy, batch["prompt_ids"], batch["prompt_mask"], num_generations, sampling,
+                self.tokenizer.eos_token_id, self.tokenizer.pad_token_id, generator=self._sampling_generator(),
+            )
+
+    @contextmanager
+    def _whole_parameters(self) -> Iterator[None]:
+        """Sampling under a sharded strategy.
+
+        DeepSpeed ZeRO-3 keeps a shard of each weight per process: the whole policy is gathered for the rollout (one
+        gather instead of one per layer per token; TRL's ``ds3_gather_for_generation``). FSDP gathers a unit's weights
+        when its ``forward`` runs, and its whole-model gather cannot run inside the training step (FSDP's own forward):
+        the rollout calls the model's forward, not the lean decoding step, whose calls into a layer's submodules
+        would see the flat shards.
+        """
+        strategy = self.trainer.strategy if self._trainer is not None else None
+        name = type(strategy).__name__ if strategy is not None else ""
+        if name == "DeepSpeedStrategy" and getattr(strategy, "zero_stage_3", False):
+            import deepspeed
+
+            with deepspeed.zero.GatheredParameters(list(self.policy.parameters())):
+                yield
+        elif name == "FSDPStrategy" and getattr(self.engine, "fast_decode", False):
+            self.engine.fast_decode = False
+            try:
+                yield
+            finally:
+                self.engine.fast_decode = True
+        else:
+            yield
 
     def score(self, batch: Mapping[str, Any], rollout: RolloutBatch) -> RewardOutput:
         """Decode completions and run the reward functions; columns are repeated for the G completions."""
@@ -304,16 +335,24 @@ class PolicyOptimizationModule(L.LightningModule):
         return self.rewards(prompts, completions, completion_ids=ids, **columns)
 
     def _next_prompts(self) -> Mapping[str, Any]:
-        """Another batch of prompts for dynamic sampling, from the training data's own loader."""
-        if self._prompt_iter is None:
-            dm = getattr(self.trainer, "datamodule", None)
-            loader = dm.train_dataloader() if dm is not None else self.trainer.train_dataloader
-            self._prompt_iter = iter(loader)
-        try:
-            batch = next(self._prompt_iter)
-        except StopIteration:
-            self._prompt_iter = None
-            return self._next_prompts()
+        """Another batch of prompts for dynamic sampling.
+
+        From :meth:`PromptDataModule.extra_batch` when the data comes from one: the ``n``-th extra batch of this
+        process, the same after a resume (the count is in the checkpoint) and another share on each process.
+        Otherwise from a second pass over the training loader.
+        """
+        dm = getattr(self.trainer, "datamodule", None)
+        if hasattr(dm, "extra_batch"):
+            batch = dm.extra_batch(self._extra_draws)
+            self._extra_draws += 1
+        else:
+            if self._prompt_iter is None:
+                self._prompt_iter = iter(self.trainer.train_dataloader)
+            try:
+                batch = next(self._prompt_iter)
+            except StopIteration:
+                self._prompt_iter = None
+                return self._next_prompts()
         return {k: (v.to(self.device) if isinstance(v, Tensor) else v) for k, v in batch.items()}
 
     def make_experience(self, batch: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Tensor]]:
@@ -326,8 +365,10 @@ class PolicyOptimizationModule(L.LightningModule):
             rollout = self.rollout(batch, self.sampling, G)
             rewards = self.score(batch, rollout)
             if not parts:  # the first draw is what the step's reward metrics describe
-                metrics.update({f"train/{k}": v for k, v in rewards.metrics.items()})
-                metrics["train/frac_zero_std"] = zero_std_groups(rewards.total, G).float().mean()
+                metrics.update({f"train/{k}": v for k, v in self._batch_reward_metrics(rewards).items()})
+                zero = zero_std_groups(rewards.total, G).float()
+                metrics["train/frac_zero_std"] = all_reduce(zero.sum().to(self.device)) / all_reduce(
+                    torch.tensor(float(zero.numel()), device=self.device))
             keep = torch.ones(num_prompts, dtype=torch.bool)
             if self.dynamic_sampling:
                 keep = ~zero_std_groups(rewards.total, G)
@@ -338,16 +379,36 @@ class PolicyOptimizationModule(L.LightningModule):
                 break
             batch = self._next_prompts()
             draws += 1
-        if self.dynamic_sampling:
-            metrics["train/dynamic_sampling/dropped_groups"] = torch.tensor(float(dropped))
-            metrics["train/dynamic_sampling/extra_draws"] = torch.tensor(float(draws))
+        if self.dynamic_sampling:  # totals over the processes
+            metrics["train/dynamic_sampling/dropped_groups"] = all_reduce(torch.tensor(float(dropped), device=self.device))
+            metrics["train/dynamic_sampling/extra_draws"] = all_reduce(torch.tensor(float(draws), device=self.device))
             if kept_groups == 0:  # nothing learnable after every draw: train on the last draw (advantages are 0)
                 parts[-1] = (parts[-1][0], parts[-1][1], torch.ones_like(parts[-1][2]))
         exp = _concat_groups(parts, G, num_prompts if self.dynamic_sampling else None)
-        exp["advantages"] = group_relative_advantages(exp.pop("rewards"), G, self.advantage_scale).to(self.device)
+        rewards = exp.pop("rewards")
+        batch_std = self._batch_std(rewards) if self.advantage_scale == "batch" else None
+        exp["advantages"] = group_relative_advantages(rewards, G, self.advantage_scale, batch_std).to(self.device)
         if self.mask_truncated_completions:
             exp["completion_mask"] = exp["completion_mask"] * exp["finished"][:, None].long()
         return exp, metrics
+
+    def _batch_reward_metrics(self, rewards: RewardOutput) -> dict[str, Tensor]:
+        """The reward metrics of the whole batch: over every process's completions (gathered), not a mean of means."""
+        if world_size() == 1:
+            return rewards.metrics
+        per_function = all_gather_rows(rewards.per_function.to(self.device)).cpu()
+        errors = torch.stack([rewards.metrics[f"reward_errors/{name}"] for name in self.rewards.names])
+        return self.rewards.summarize(per_function, all_reduce(errors.to(self.device)).cpu())
+
+    def _batch_std(self, rewards: Tensor) -> Tensor:
+        """The standard deviation of every valid reward of the step, over all processes (``advantage_scale="batch"``)."""
+        valid = rewards[torch.isfinite(rewards)].double()
+        moments = all_reduce(torch.stack([valid.new_tensor(float(valid.numel())), valid.sum(), (valid ** 2).sum()])
+                             .to(self.device)).cpu()
+        count, total, squares = moments.unbind()
+        if count < 2:
+            return torch.zeros(())
+        return ((squares - total ** 2 / count) / (count - 1)).clamp(min=0).sqrt().float()
 
     def sequence_logprobs(self, model: nn.Module, exp: Mapping[str, Any], rows: Tensor | slice, width: int | None = None,
                           with_entropy: bool = False) -> tuple[Tensor, Tensor | None]:
@@ -382,9 +443,10 @@ class PolicyOptimizationModule(L.LightningModule):
                              f"(prompts per batch x num_generations={self.num_generations})")
         mask = exp["completion_mask"]
         lengths = mask.sum(-1).float()
-        metrics["train/completion_len"] = lengths.mean()
-        metrics["train/completion_len_max"] = lengths.max()
-        metrics["train/truncated_frac"] = (~exp["finished"]).float().mean()
+        # every process holds as many completions (whole groups of equal batches): means of means are exact
+        metrics["train/completion_len"] = all_reduce(lengths.mean()) / world_size()
+        metrics["train/completion_len_max"] = all_reduce(lengths.max(), "max")
+        metrics["train/truncated_frac"] = all_reduce((~exp["finished"]).float().mean()) / world_size()
         size = math.ceil(n / self.mini_batches)
         # the mini-batch orders of every pass, drawn up front: the first mini-batch needs no old-log-prob pass
         orders = [self._mini_batch_order(exp["group_index"].cpu(), i * self.mini_batches)
@@ -481,32 +543,52 @@ class PolicyOptimizationModule(L.LightningModule):
         ones; they are used as such and stored in ``exp["old_logprobs"]`` for later passes.
         """
         full_mask = exp["completion_mask"][rows]
-        total_weight = self.objective.normaliser(full_mask)
+        # Under data parallelism each process holds its share of the mini-batch and the strategy averages the
+        # gradients over the W processes: dividing by the normaliser of the whole mini-batch (summed over processes)
+        # and multiplying by W gives exactly the gradient of one process holding every row. Token-level objectives
+        # thereby divide by the global token count, not by a mean of per-process means.
+        world = world_size()
+        total_weight = all_reduce(self.objective.normaliser(full_mask))
         sums: dict[str, Tensor] = {}
         entropy_sum = torch.zeros((), device=self.device)
-        for micro in self._micro_batches(exp, rows):
+        pieces = self._micro_batches(exp, rows)
+        for k, micro in enumerate(pieces):
             # trim padding past the longest completion of this piece (the objectives do not depend on the width)
             width = max(int(exp["completion_mask"][micro].sum(-1).max()), 1)
             mask = exp["completion_mask"][micro, :width]
-            logprobs, entropy = self.sequence_logprobs(self.policy, exp, micro, width, with_entropy=True)
-            if record_old:
-                exp["old_logprobs"][micro, :width] = logprobs.detach()
-            old = logprobs.detach() if record_old or "old_logprobs" not in exp else exp["old_logprobs"][micro, :width]
-            ref = exp["ref_logprobs"][micro, :width] if "ref_logprobs" in exp else None
-            out = self.objective(logprobs=logprobs, old_logprobs=old, advantages=exp["advantages"][micro], mask=mask,
-                                 ref_logprobs=ref)
-            # The loss is a sum over the mini-batch divided by the objective's normaliser: weighting each piece by
-            # its share of that normaliser makes the accumulated gradient exactly the full mini-batch's.
-            share = self.objective.normaliser(mask) / total_weight.clamp(min=1e-12)
-            self.manual_backward(out.loss * share)
+            with self._gradient_sync(last=k == len(pieces) - 1):
+                logprobs, entropy = self.sequence_logprobs(self.policy, exp, micro, width, with_entropy=True)
+                if record_old:
+                    exp["old_logprobs"][micro, :width] = logprobs.detach()
+                old = (logprobs.detach() if record_old or "old_logprobs" not in exp
+                       else exp["old_logprobs"][micro, :width])
+                ref = exp["ref_logprobs"][micro, :width] if "ref_logprobs" in exp else None
+                out = self.objective(logprobs=logprobs, old_logprobs=old, advantages=exp["advantages"][micro],
+                                     mask=mask, ref_logprobs=ref)
+                # The loss is a sum over the mini-batch divided by the objective's normaliser: weighting each piece
+                # by its share of that normaliser makes the accumulated gradient exactly the full mini-batch's.
+                share = self.objective.normaliser(mask) / total_weight.clamp(min=1e-12)
+                self.manual_backward(out.loss * (share * world))
             for key, value in {"loss": out.loss.detach(), **out.metrics}.items():
                 if key.endswith("_max"):
                     sums[key] = torch.maximum(sums[key], value) if key in sums else value
                 else:
                     sums[key] = sums.get(key, 0.0) + value * share
             entropy_sum = entropy_sum + (entropy * mask).sum()
-        sums["entropy"] = entropy_sum / full_mask.sum().clamp(min=1)
-        return sums
+        # every metric over the whole mini-batch: normaliser-weighted sums added up, maxima of maxima, and the
+        # entropy per token over every process's tokens
+        metrics = {key: all_reduce(value, "max" if key.endswith("_max") else "sum") for key, value in sums.items()}
+        tokens = all_reduce(full_mask.sum().to(entropy_sum))
+        metrics["entropy"] = all_reduce(entropy_sum.detach()) / tokens.clamp(min=1)
+        return metrics
+
+    def _gradient_sync(self, last: bool):
+        """Under DDP, no gradient all-reduce in the backward passes of a mini-batch's pieces but the last (they
+        accumulate locally; the last one reduces the sum), as DDP's ``no_sync`` is meant for."""
+        model = self.trainer.strategy.model if self._trainer is not None else None
+        if last or not isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            return nullcontext()
+        return model.no_sync()
 
     # ------------------------------------------------------------------------------------------------------------
     def on_validation_epoch_start(self) -> None:
@@ -546,11 +628,40 @@ class PolicyOptimizationModule(L.LightningModule):
             self._hf_metadata = hf_metadata(self.policy, self.tokenizer)
         checkpoint[CHECKPOINT_KEY] = {
             "reward_weights": self.rewards.weights.tolist(),
-            "sampling_generator": self._sampling_generator().get_state(),
-            "torch_rng": torch.get_rng_state(),
+            # every process's random states, in rank order: each process samples with its own generator
+            "rng": all_gather_objects(self._rng_state()),
+            "extra_draws": self._extra_draws,
             # what `polopt-export CKPT OUT` needs to rebuild a Hugging Face folder from this file alone
             "hf": self._hf_metadata,
         }
+
+    def _rng_state(self) -> dict[str, Any]:
+        """Every random state a step draws from: the sampler's generator, torch's (CPU and CUDA), Python's, NumPy's."""
+        import random
+
+        import numpy as np
+
+        kind, keys, pos, has_gauss, gauss = np.random.get_state()
+        # tensors and plain numbers only: checkpoints load with torch.load(weights_only=True)
+        state = {"sampling_generator": self._sampling_generator().get_state(), "torch": torch.get_rng_state(),
+                 "python": random.getstate(),
+                 "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(gauss)]}
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            state["cuda"] = torch.cuda.get_rng_state_all()
+        return state
+
+    def _set_rng_state(self, state: Mapping[str, Any]) -> None:
+        import random
+
+        import numpy as np
+
+        torch.set_rng_state(state["torch"])
+        random.setstate(state["python"])
+        kind, keys, pos, has_gauss, gauss = state["numpy"]
+        np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
+        if "cuda" in state and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(state["cuda"])
+        self._sampling_generator().set_state(state["sampling_generator"])
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False):
         """``nn.Module.load_state_dict``, except that the frozen part of a quantized base is checked against the base
@@ -570,15 +681,28 @@ class PolicyOptimizationModule(L.LightningModule):
         state = checkpoint.get("polopt")
         if state:
             self.rewards.set_weights(state["reward_weights"])
-            self._pending_generator_state = state["sampling_generator"]
-            torch.set_rng_state(state["torch_rng"])
+            self._extra_draws = int(state.get("extra_draws", 0))
+            if "rng" in state:
+                self._pending_rng = state["rng"]
+            else:  # checkpoints of version 0.1.0: the sampler's generator and torch's state of rank 0
+                self._pending_rng = [{"sampling_generator": state["sampling_generator"], "torch": state["torch_rng"]}]
 
     def on_train_start(self) -> None:
-        pending = getattr(self, "_pending_generator_state", None)
-        if pending is not None:
-            self._sampling_generator().set_state(pending)
-            self._pending_generator_state = None
-
+        # restored here, not at loading: the generator lives on the training device, known only once fit has started
+        pending, self._pending_rng = self._pending_rng, None
+        if pending is None:
+            return
+        if len(pending) != world_size():
+            rank_zero_warn(f"the checkpoint holds the random states of {len(pending)} process(es) and this run has "
+                           f"{world_size()}: each process continues from the states of process (its rank modulo "
+                           f"{len(pending)}); the data order continues, the samples will differ from the "
+                           "uninterrupted run's")
+        state = pending[self.global_rank % len(pending)]
+        if "python" in state:
+            self._set_rng_state(state)
+        else:
+            torch.set_rng_state(state["torch"])
+            self._sampling_generator().set_state(state["sampling_generator"])
 
 
 def _lr_factor(step: int, schedule: str, warmup: int, total: int, floor: float) -> float:

@@ -18,8 +18,8 @@ from omegaconf import OmegaConf
 from polopt_lightning.cli import config_dir, train
 
 CONF = Path(config_dir())
-GROUPS = ["model", "quantization", "adapter", "objective", "task", "reward", "optimizer", "trainer", "logger", "callbacks",
-          "experiment"]
+GROUPS = ["model", "quantization", "adapter", "objective", "task", "reward", "optimizer", "trainer", "strategy", "logger",
+          "callbacks", "experiment"]
 # the tiniest settings that still run every stage
 FAST = ["model.hidden_size=16", "model.num_layers=1", "model.num_heads=2", "model.intermediate_size=32",
         "task.digits=1", "task.train_size=40", "task.val_size=8", "data.batch_size=2", "module.num_generations=2",
@@ -71,6 +71,15 @@ def test_every_group_value_composes_and_builds(group, value, tmp_path):
 
         built = (as_quantization if group == "quantization" else as_adapter)(OmegaConf.to_container(node))
         assert built.enabled is (value != "none")
+        return
+    if group == "strategy":
+        from polopt_lightning.strategies import strategy_kind
+
+        kind = strategy_kind(OmegaConf.to_container(node))
+        assert kind == ("auto" if value == "auto" else value.split("_")[0])
+        if kind in ("ddp", "fsdp"):  # Lightning's strategy objects (deepspeed needs its package: tests/test_gpu.py)
+            model, _ = instantiate(OmegaConf.merge(cfg.model, {"hidden_size": 16, "num_layers": 1}))
+            assert instantiate(node)(model=model) is not None
         return
     if group == "optimizer":
         factory = instantiate(node)

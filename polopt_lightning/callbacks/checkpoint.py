@@ -6,6 +6,10 @@ own optimizer steps; these keep their behaviour and drop the assumptions:
 - :class:`RolloutCheckpoint` is ``ModelCheckpoint`` saving after a training step. Under manual optimisation
   Lightning's class warns at every periodic save (with a sample ``training_step``) that the file holds the state
   *after* the optimizer step; for this module that is the state wanted: the rollout's updates are done.
+- :class:`AtomicCheckpointIO` writes each checkpoint file under a temporary name in its own folder, flushes it to
+  disk and renames it over the old one, so a crash (or SIGKILL) while saving leaves the previous ``last.ckpt`` whole.
+  Lightning's own writer goes through a temporary file in the system's temporary folder and moves it; where that
+  folder is on another file system the move is a copy into the destination, which a crash can cut short.
 - :class:`ExceptionCheckpoint` saves a checkpoint when training raises, like ``OnExceptionCheckpoint``, without being
   one: Lightning turns ``fit(ckpt_path=None)`` into ``ckpt_path="last"`` whenever an ``OnExceptionCheckpoint`` is
   present, resuming silently from whatever last checkpoint it finds (and warning twice on a fresh run). Resuming
@@ -15,11 +19,15 @@ own optimizer steps; these keep their behaviour and drop the assumptions:
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
 import lightning as L
+import torch
+from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.plugins.io import TorchCheckpointIO
 
 log = logging.getLogger(__name__)
 
@@ -60,5 +68,37 @@ class ExceptionCheckpoint(L.Callback):
         self.ckpt_path = str(Path(dirpath) / f"{filename}.ckpt")
 
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        if trainer.world_size > 1:
+            # saving is collective (every process contributes its state) and the others may not have raised: a save
+            # here could wait forever. last.ckpt, written by all processes together, is the point to resume from.
+            log.info("training raised %s in a run of %d processes: no exception checkpoint (last.ckpt is the resume "
+                     "point)", type(exception).__name__, trainer.world_size)
+            return
         trainer.save_checkpoint(self.ckpt_path)
         log.info("training raised %s: state saved to %s", type(exception).__name__, self.ckpt_path)
+
+
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """``TorchCheckpointIO`` whose local files appear whole or not at all: written to ``.<name>.tmp-<pid>`` beside
+    the target, flushed with ``fsync``, then renamed over it (``os.replace``, atomic on POSIX). Remote paths
+    (``s3://`` and the like) are saved by Lightning's writer."""
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
+        if storage_options is not None or get_filesystem(path).protocol not in ("file", ("file", "local")):
+            return super().save_checkpoint(checkpoint, path, storage_options)
+        target = Path(path)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+        try:
+            with open(tmp, "wb") as fh:
+                torch.save(checkpoint, fh)
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.replace(tmp, target)
+        finally:
+            tmp.unlink(missing_ok=True)
+        fd = os.open(target.parent, os.O_RDONLY)
+        try:  # the rename itself reaches the disk
+            os.fsync(fd)
+        finally:
+            os.close(fd)

@@ -5,12 +5,15 @@ from __future__ import annotations
 import json
 import warnings
 from collections.abc import Iterable, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import lightning as L
 import torch
 from torch.utils.data import DataLoader, Dataset
+
+from .sampling import PromptSampler, ResumableLoader, ShardSampler, process_rank
 
 TRUNCATION = ("left", "error")
 
@@ -162,13 +165,48 @@ class PromptDataModule(L.LightningDataModule):
         return {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "prompts": texts, "columns": columns}
 
     def train_dataloader(self) -> DataLoader:
-        generator = torch.Generator().manual_seed(self.seed)
-        return DataLoader(_Rows(self.train_rows), batch_size=self.batch_size, shuffle=self.shuffle, drop_last=True
-                          if len(self.train_rows) >= self.batch_size else False, collate_fn=self.collate,
-                          num_workers=self.num_workers, generator=generator)
+        """Batches of ``batch_size`` prompts per process: each process its own share of every epoch's order.
+
+        The loader is resumable: a checkpoint records the epoch and how many of its batches were trained on, and a
+        run resumed from it continues with the next batch (same order, same split across processes).
+        """
+        world, rank = self._world()
+        sampler = PromptSampler(_Rows(self.train_rows), num_replicas=world, rank=rank, shuffle=self.shuffle,
+                                seed=self.seed, drop_last=len(self.train_rows) >= self.batch_size * world)
+        return ResumableLoader(sampler.dataset, batch_size=self.batch_size, sampler=sampler,
+                               drop_last=len(sampler) >= self.batch_size, collate_fn=self.collate,
+                               num_workers=self.num_workers, position=partial(self._position, sampler))
+
+    def extra_batch(self, index: int) -> dict[str, Any]:
+        """The ``index``-th extra batch of this process, for dynamic sampling: another order of the training prompts
+        (seeded ``seed + 1``), split across processes as the training batches are, and a function of ``index`` alone
+        (a resumed run draws the batches the uninterrupted one would)."""
+        world, rank = self._world()
+        sampler = PromptSampler(_Rows(self.train_rows), num_replicas=world, rank=rank, shuffle=self.shuffle,
+                                seed=self.seed + 1, drop_last=len(self.train_rows) >= self.batch_size * world)
+        per_epoch = max(len(sampler) // self.batch_size, 1)
+        sampler.set_epoch(index // per_epoch)
+        start = (index % per_epoch) * self.batch_size
+        indices = list(sampler)[start:start + self.batch_size]
+        return self.collate([self.train_rows[i] for i in indices])
+
+    def _world(self) -> tuple[int, int]:
+        trainer = getattr(self, "trainer", None)
+        if trainer is not None and trainer.world_size > 1:
+            return trainer.world_size, trainer.global_rank
+        return process_rank()
+
+    def _position(self, sampler: PromptSampler) -> tuple[int, int]:
+        """The sampler's epoch and the batches of it trained on so far (Lightning's count, not the loader's)."""
+        trainer = getattr(self, "trainer", None)
+        if trainer is None:
+            return sampler.epoch, 0
+        return sampler.epoch, int(trainer.fit_loop.epoch_loop.batch_progress.current.processed)
 
     def val_dataloader(self) -> DataLoader | list:
         if not self.val_rows:
             return []
-        return DataLoader(_Rows(self.val_rows), batch_size=self.val_batch_size, shuffle=False,
+        world, rank = self._world()
+        rows = _Rows(self.val_rows)
+        return DataLoader(rows, batch_size=self.val_batch_size, sampler=ShardSampler(rows, world, rank),
                           collate_fn=self.collate, num_workers=self.num_workers)

@@ -179,7 +179,7 @@ class RewardComposer:
             errors[j] = n_err
 
         total = self.combine(per_function)
-        return RewardOutput(per_function=per_function, total=total, metrics=self._metrics(per_function, total, errors))
+        return RewardOutput(per_function=per_function, total=total, metrics=self.summarize(per_function, errors))
 
     def combine(self, per_function: Tensor) -> Tensor:
         """Weighted sum over the functions that gave a value (TRL's nansum); NaN where none did."""
@@ -187,7 +187,10 @@ class RewardComposer:
         weighted = torch.where(valid, per_function * self.weights.to(per_function), torch.zeros_like(per_function))
         return torch.where(valid.any(-1), weighted.sum(-1), torch.full_like(weighted[:, 0], float("nan")))
 
-    def _metrics(self, per_function: Tensor, total: Tensor, errors: Tensor) -> dict[str, Tensor]:
+    def summarize(self, per_function: Tensor, errors: Tensor) -> dict[str, Tensor]:
+        """The metrics of :class:`RewardOutput` for rewards ``[N, F]`` and error counts ``[F]`` (e.g. gathered from every
+        process, so the standard deviations are those of the whole batch)."""
+        total = self.combine(per_function)
         metrics = {"reward": _nan_mean(total), "reward_std": _nan_std(total)}
         for j, name in enumerate(self.names):
             col = per_function[:, j]

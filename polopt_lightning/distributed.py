@@ -1,0 +1,48 @@
+"""Collectives over the default process group that are no-ops in a single process.
+
+The module calls these itself (not through Lightning's ``sync_dist``) because its metrics need exact reductions:
+sums of count-weighted terms, maxima, and whole-batch statistics from gathered rows, not means of per-process means.
+Every process must call each function in the same order (they are collectives).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .data.sampling import process_rank
+
+
+def world_size() -> int:
+    return process_rank()[0]
+
+
+def all_reduce(tensor: Tensor, op: str = "sum") -> Tensor:
+    """``tensor`` reduced over every process (``"sum"``, ``"max"``, ``"min"``), as a new tensor."""
+    if world_size() == 1:
+        return tensor
+    ops = {"sum": torch.distributed.ReduceOp.SUM, "max": torch.distributed.ReduceOp.MAX,
+           "min": torch.distributed.ReduceOp.MIN}
+    out = tensor.detach().clone()
+    torch.distributed.all_reduce(out, op=ops[op])
+    return out
+
+
+def all_gather_rows(tensor: Tensor) -> Tensor:
+    """Every process's ``tensor`` (same shape on each) joined along the first dimension, in rank order."""
+    if world_size() == 1:
+        return tensor
+    parts = [torch.empty_like(tensor) for _ in range(world_size())]
+    torch.distributed.all_gather(parts, tensor.contiguous())
+    return torch.cat(parts)
+
+
+def all_gather_objects(obj: Any) -> list[Any]:
+    """Every process's picklable ``obj``, in rank order (``[obj]`` in a single process)."""
+    if world_size() == 1:
+        return [obj]
+    out: list[Any] = [None] * world_size()
+    torch.distributed.all_gather_object(out, obj)
+    return out

@@ -1,0 +1,95 @@
+"""One training step of the module under Lightning, in 1 process or under DDP on CPU processes (gloo).
+
+``python tests/helpers/ddp_update.py OUT WORLD OBJECTIVE [key=value ...]``: rank 0 writes ``OUT`` (torch.save) with
+the policy's weights after the step, the step's logged metrics, and every prompt's advantages. The prompts' completions
+do not depend on the number of processes (each prompt samples with a generator seeded by its own tokens), so a run
+with 1 process and ``4 * B`` prompts and one with 2 processes and ``2 * B`` prompts each train on the same rollouts.
+Lightning relaunches this script for rank 1 (its ``popen`` launcher), as it does the CLI.
+"""
+
+import sys
+import zlib
+from functools import partial
+
+import lightning as L
+import torch
+
+from polopt_lightning import PolicyOptimizationModule, PromptDataModule
+from polopt_lightning.data import ArithmeticTask
+from polopt_lightning.distributed import all_gather_objects
+from polopt_lightning.models import build_tiny_model
+from polopt_lightning.module import _pad_cat
+from polopt_lightning.rewards.builtin import ExactMatchReward
+from polopt_lightning.rollout import HFRolloutEngine, RolloutBatch
+
+PROMPTS = 4  # in all, over the processes
+
+
+class PerPromptEngine(HFRolloutEngine):
+    """Samples each prompt's group with a generator seeded by that prompt's tokens."""
+
+    def generate(self, model, prompt_ids, prompt_mask, num_generations, sampling, eos, pad, generator=None):
+        parts = []
+        for ids, mask in zip(prompt_ids, prompt_mask):
+            key = zlib.crc32(bytes(ids[mask.bool()].tolist()))
+            part = super().generate(model, ids[None], mask[None], num_generations, sampling, eos, pad,
+                                    generator=torch.Generator().manual_seed(key))
+            # lengths that differ between prompts and processes: a token-level mean is then not a mean of means
+            keep = 1 + (key + torch.arange(num_generations)) % sampling.max_new_tokens
+            cut = torch.arange(part.completion_mask.shape[1])[None] >= keep[:, None]
+            part.completion_mask[cut] = 0
+            part.completion_ids[cut] = pad
+            parts.append(part)
+        fields = {}
+        for name, side in (("prompt_ids", "left"), ("prompt_mask", "left"), ("completion_ids", "right"),
+                           ("completion_mask", "right"), ("sampling_logprobs", "right")):
+            fields[name] = _pad_cat([getattr(p, name) for p in parts], 0, left=side == "left")
+        fields["finished"] = torch.cat([p.finished for p in parts])
+        return RolloutBatch(group_size=num_generations, **fields)
+
+
+def digit_share(prompts, completions, **kwargs):
+    """Share of a completion's characters that are digits: a reward that varies inside every group."""
+    return [sum(c.isdigit() for c in text) / max(len(text), 1) for text in completions]
+
+
+class Recording(PolicyOptimizationModule):
+    def make_experience(self, batch):
+        exp, metrics = super().make_experience(batch)
+        G = self.num_generations
+        local = {p: exp["advantages"][i * G:(i + 1) * G].tolist() for i, p in enumerate(batch["prompts"])}
+        self.advantages = {k: v for part in all_gather_objects(local) for k, v in part.items()}
+        return exp, metrics
+
+
+def main() -> None:
+    out, world, objective, *extra = sys.argv[1:]
+    world = int(world)
+    options = dict(kv.split("=", 1) for kv in extra)
+    torch.manual_seed(0)
+    model, tok = build_tiny_model(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64, seed=0)
+    data = PromptDataModule(task=ArithmeticTask(digits=1, train_size=16, val_size=4, seed=0), tokenizer=tok,
+                            batch_size=PROMPTS // world, shuffle=False)
+    spec = {"name": objective, "beta": float(options.get("beta", 0.0))}
+    if objective == "dr_grpo":  # a constant normaliser: the completion length cap
+        spec["max_completion_length"] = 4
+    module = Recording(
+        model, tok, objective=spec, reward_fns=[digit_share, ExactMatchReward()], num_generations=4,
+        generation={"max_new_tokens": 4}, mini_batches=1, max_grad_norm=None,
+        # plain SGD: the update is the gradient itself (Adam's first step would hide a wrong gradient scale)
+        optimizer=partial(torch.optim.SGD, lr=0.5), rollout_engine=PerPromptEngine(),
+        advantage_scale=options.get("advantage_scale"),
+        micro_batch_tokens=int(options["micro_batch_tokens"]) if "micro_batch_tokens" in options else None)
+    strategy = L.pytorch.strategies.DDPStrategy(process_group_backend="gloo") if world > 1 else "auto"
+    trainer = L.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_steps=1, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        num_sanity_val_steps=0, limit_val_batches=0)
+    trainer.fit(module, datamodule=data)
+    if trainer.is_global_zero:
+        metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("train/")}
+        torch.save({"weights": {k: v.detach().clone() for k, v in module.policy.state_dict().items()},
+                    "metrics": metrics, "advantages": module.advantages, "world": trainer.world_size}, out)
+
+
+if __name__ == "__main__":
+    main()

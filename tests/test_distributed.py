@@ -1,0 +1,219 @@
+"""Several processes through Lightning's strategies: DDP on CPU processes (gloo), the strategy group, the data split.
+
+The update under DDP is the single-process update over the same rollouts (gradients of every process's rows against
+the whole mini-batch's normaliser); the advantages are the same whatever the number of processes; metrics are reduced
+over the processes exactly; the strategy group composes and refuses what cannot run.
+"""
+
+import csv
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from polopt_lightning.data import PromptDataModule
+from polopt_lightning.data.sampling import PromptSampler, ResumableLoader, ShardSampler
+
+from .test_cli import FAST, _cli, compose_with
+
+HELPER = Path(__file__).parent / "helpers" / "ddp_update.py"
+
+
+def _update(tmp_path, world, *args):
+    out = tmp_path / f"update_{world}.pt"
+    proc = subprocess.run([sys.executable, str(HELPER), str(out), str(world), *args], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return torch.load(out, weights_only=True)
+
+
+@pytest.mark.parametrize("args", [("grpo", "micro_batch_tokens=40"), ("gspo", "advantage_scale=batch"),
+                                  ("dr_grpo", "beta=0.5")],
+                         ids=["grpo-token-mean-micro-batches", "gspo-batch-scale", "dr_grpo-kl"])
+def test_one_ddp_update_equals_the_single_process_update(args, tmp_path):
+    one, two = _update(tmp_path, 1, *args), _update(tmp_path, 2, *args)
+    assert (one["world"], two["world"]) == (1, 2)
+    # the same advantages, prompt by prompt (each group normalised whole on the process that sampled it; the batch
+    # scale from every process's rewards), and some learning signal in them
+    assert one["advantages"].keys() == two["advantages"].keys() and len(one["advantages"]) == 4
+    for prompt, values in one["advantages"].items():
+        assert torch.allclose(torch.tensor(values), torch.tensor(two["advantages"][prompt]), atol=1e-6), prompt
+    assert any(any(v != 0 for v in values) for values in one["advantages"].values())
+    # the same weights after the step (plain SGD: any error in the gradient's scale would show)
+    moved = max((one["weights"][k] - w).abs().max().item() for k, w in _initial_weights().items())
+    assert moved > 1e-2
+    for name, weight in one["weights"].items():
+        assert torch.allclose(weight, two["weights"][name], atol=1e-6, rtol=1e-5), name
+    # the same logged metrics: token-weighted, maxima, whole-batch reward statistics
+    assert one["metrics"].keys() == two["metrics"].keys()
+    for name, value in one["metrics"].items():
+        assert math.isclose(value, two["metrics"][name], rel_tol=1e-5, abs_tol=1e-6), (name, value, two["metrics"][name])
+
+
+def _initial_weights():
+    from polopt_lightning.models import build_tiny_model
+
+    return build_tiny_model(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64, seed=0)[0].state_dict()
+
+
+@pytest.mark.parametrize("objective", ["grpo", "gspo"])
+def test_ddp_cpu_from_the_command_line(objective, tmp_path):
+    run = tmp_path / "run"
+    proc = _cli(FAST + ["strategy=ddp_cpu", f"objective={objective}", "trainer.max_steps=4", "num_threads=1",
+                        "trainer.val_check_interval=1", f"hydra.run.dir={run}"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("polopt-train summary") == 1  # one summary, from the first process
+    results = json.loads((run / "results.json").read_text())
+    assert results["world_size"] == 2 and results["strategy"] == "ddp" and results["steps"] == 4
+    assert (run / "model" / "config.json").is_file() and (run / "checkpoints" / "last.ckpt").is_file()
+    rows = [r for r in csv.DictReader(open(run / "csv" / "version_0" / "metrics.csv")) if r.get("train/reward")]
+    assert len(rows) == 2  # one row per rollout of the 2 processes together
+    assert any(r.get("val/accuracy") for r in csv.DictReader(open(run / "csv" / "version_0" / "metrics.csv")))
+
+
+def test_ddp_cpu_resume_continues_every_process(tmp_path):
+    """Every process's random states come back: a 2-process run resumed from its checkpoint logs what the
+    uninterrupted one does."""
+    args = FAST + ["strategy=ddp_cpu", "num_threads=1", "data.batch_size=3", "module.num_generations=3",
+                   "callbacks.checkpoint.every_n_train_steps=2", "module.lr=1e-3"]
+    whole = _cli(args + ["trainer.max_steps=6", f"hydra.run.dir={tmp_path}/whole"], tmp_path)
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    first = _cli(args + ["trainer.max_steps=2", f"hydra.run.dir={tmp_path}/part"], tmp_path)
+    assert first.returncode == 0, first.stderr[-3000:]
+    resumed = _cli(args + ["trainer.max_steps=6", f"ckpt_path={tmp_path}/part/checkpoints/last.ckpt",
+                           f"hydra.run.dir={tmp_path}/part"], tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    ckpt = torch.load(tmp_path / "part" / "checkpoints" / "last.ckpt", weights_only=True)
+    assert len(ckpt["polopt"]["rng"]) == 2  # one set of random states per process
+
+    def train_rows(path):
+        return {r["step"]: r for r in csv.DictReader(open(path)) if r.get("train/reward")}
+
+    expected = train_rows(tmp_path / "whole" / "csv" / "version_0" / "metrics.csv")
+    got = train_rows(tmp_path / "part" / "csv" / "version_1" / "metrics.csv")
+    assert sorted(got) == ["1", "2"]
+    for step, row in got.items():
+        for key in ("train/reward", "train/entropy", "train/loss", "train/grad_norm", "train/completion_len"):
+            assert math.isclose(float(row[key]), float(expected[step][key]), rel_tol=1e-6, abs_tol=1e-7), (step, key)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+def test_strategy_group_builds_lightning_strategies(tmp_path):
+    from hydra.utils import instantiate
+
+    from polopt_lightning.models import build_tiny_model
+
+    model, _ = build_tiny_model(hidden_size=16, num_layers=1, num_heads=2, intermediate_size=32)
+    cfg = compose_with(["strategy=ddp_cpu"], tmp_path)
+    assert cfg.trainer.devices == 2 and cfg.trainer.accelerator == "cpu"
+    strategy = instantiate(cfg.strategy)(model=model)
+    assert isinstance(strategy, L.pytorch.strategies.DDPStrategy) and strategy._process_group_backend == "gloo"
+    cfg = compose_with(["strategy=ddp_cpu", "trainer.devices=4", "trainer.num_nodes=2"], tmp_path)
+    assert cfg.trainer.devices == 4 and cfg.trainer.num_nodes == 2  # command-line overrides win
+    fsdp = instantiate(compose_with(["strategy=fsdp"], tmp_path).strategy)(model=model)
+    assert isinstance(fsdp, L.pytorch.strategies.FSDPStrategy)
+    assert {c.__name__ for c in fsdp.kwargs["auto_wrap_policy"]._module_classes} == {"Qwen2DecoderLayer"}
+    assert fsdp.kwargs["use_orig_params"] is True
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["strategy=fsdp"], "strategy=fsdp needs CUDA devices"),
+    (["strategy=deepspeed_zero3"], "needs CUDA devices"),
+    (["strategy=fsdp", "trainer=gpu", "quantization=nf4", "adapter=lora"], "quantization=nf4 with strategy=fsdp"),
+    (["strategy=deepspeed_zero2", "trainer=gpu", "module.micro_batch_tokens=512"], "module.micro_batch_tokens"),
+    (["strategy=deepspeed_zero2", "trainer=gpu", "optimizer=adamw_8bit"], "optimizer=adamw_8bit"),
+])
+def test_impossible_strategies_are_refused_naming_their_keys(overrides, message, tmp_path):
+    proc = _cli(FAST + overrides + [f"hydra.run.dir={tmp_path}/run"], tmp_path)
+    assert proc.returncode != 0 and message in proc.stderr, proc.stderr[-2000:]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+def test_one_process_order_is_the_shuffled_dataloaders():
+    """The resumable sampler keeps the order runs had before it (DataLoader(shuffle=True) with a seeded generator)."""
+    rows = list(range(37))
+    old = DataLoader(rows, batch_size=4, shuffle=True, drop_last=True, generator=torch.Generator().manual_seed(5))
+    sampler = PromptSampler(rows, seed=5)
+    new = DataLoader(rows, batch_size=4, sampler=sampler, drop_last=True)
+    for epoch in range(3):
+        sampler.set_epoch(epoch)
+        assert [b.tolist() for b in new] == [b.tolist() for b in old], epoch
+
+
+def test_processes_split_each_epoch_and_validation_counts_each_sample_once():
+    rows = list(range(23))
+    shards = [list(PromptSampler(rows, num_replicas=3, rank=r, seed=1)) for r in range(3)]
+    assert all(len(s) == 7 for s in shards) and not set(shards[0]) & set(shards[1])
+    whole = PromptSampler(rows, seed=1).permutation(0)
+    assert [i for group in zip(*shards) for i in group] == whole[:21]
+    val = [list(ShardSampler(rows, 3, r)) for r in range(3)]
+    assert sorted(i for s in val for i in s) == rows
+
+
+def test_loader_position_round_trips_and_refuses_another_split(tok_rows):
+    tok, rows = tok_rows
+    dm = PromptDataModule(train=rows, tokenizer=tok, batch_size=2, seed=3)
+    batches = [b["prompts"] for b in dm.train_dataloader()]
+    loader = dm.train_dataloader()
+    loader.load_state_dict({"epoch": 0, "consumed": 3, "batch_size": 2, "num_replicas": 1, "seed": 3})
+    assert [b["prompts"] for b in loader] == batches[3:]
+    assert [b["prompts"] for b in loader] == batches  # the skip applies to the saved epoch only
+    with pytest.raises(ValueError, match="data.batch_size"):
+        loader.load_state_dict({"epoch": 0, "consumed": 3, "batch_size": 4, "num_replicas": 1, "seed": 3})
+    assert isinstance(loader, ResumableLoader)
+
+
+def test_dynamic_sampling_extra_batches_are_a_function_of_their_index(tok_rows):
+    tok, rows = tok_rows
+    dm = PromptDataModule(train=rows, tokenizer=tok, batch_size=2, seed=3)
+    assert dm.extra_batch(7)["prompts"] == dm.extra_batch(7)["prompts"]
+    assert dm.extra_batch(0)["prompts"] != next(iter(dm.train_dataloader()))["prompts"]
+
+
+def test_epoch_boundary_resume_continues_with_the_next_epoch(tok_rows, tmp_path):
+    """A checkpoint saved on an epoch's last batch resumes with the next epoch's first batch."""
+    tok, rows = tok_rows
+
+    class Recorder(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.zeros(()))
+            self.seen = []
+
+        def training_step(self, batch, i):
+            self.seen.append(tuple(batch["prompts"]))
+            return self.w * 0.0
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def fit(steps, ckpt=None):
+        module = Recorder()
+        trainer = L.Trainer(max_steps=steps, max_epochs=-1, logger=False, enable_progress_bar=False,
+                            enable_model_summary=False, limit_val_batches=0, default_root_dir=tmp_path,
+                            enable_checkpointing=False)
+        trainer.fit(module, datamodule=PromptDataModule(train=rows, tokenizer=tok, batch_size=2, seed=3),
+                    ckpt_path=ckpt)
+        return trainer, module
+
+    _, whole = fit(9)
+    per_epoch = len(rows) // 2
+    for stop in (per_epoch - 1, per_epoch):  # mid-epoch, and on the epoch's last batch
+        trainer, part = fit(stop)
+        trainer.save_checkpoint(tmp_path / f"stop{stop}.ckpt")
+        _, rest = fit(9, tmp_path / f"stop{stop}.ckpt")
+        assert part.seen + rest.seen == whole.seen, stop
+
+
+@pytest.fixture
+def tok_rows():
+    from polopt_lightning.models import build_tiny_model
+
+    _, tok = build_tiny_model(hidden_size=16, num_layers=1, num_heads=2, intermediate_size=32)
+    return tok, [{"prompt": f"{i}+1="} for i in range(8)]
