@@ -275,7 +275,37 @@ def _hydra_main(cfg: DictConfig) -> float | None:
     return results.get("val_accuracy_after")
 
 
+def _external_rank() -> tuple[int, int] | None:
+    """``(rank, world size)`` when torchrun or SLURM started this process as one of several, else ``None``."""
+    import os
+
+    for rank_var, world_var in (("RANK", "WORLD_SIZE"), ("SLURM_PROCID", "SLURM_NTASKS")):
+        if os.environ.get(rank_var) is not None and int(os.environ.get(world_var, "1")) > 1:
+            return int(os.environ[rank_var]), int(os.environ[world_var])
+    return None
+
+
+def launcher_overrides(argv: list[str]) -> list[str]:
+    """The command line of a process that torchrun or SLURM started: every process of a run writes into the one run
+    directory (which must then be named: each process would otherwise stamp its own with its start time), and the
+    processes after the first keep their Hydra files and log apart, as Lightning's own launcher does for its
+    processes (``train_ddp_process_<rank>.log``)."""
+    external = _external_rank()
+    if external is None or any(a.startswith("hydra.job.name=") for a in argv):  # Lightning's children name theirs
+        return argv
+    rank, world = external
+    if not any(a.startswith("hydra.run.dir=") for a in argv) and not any(a in ("-m", "--multirun") for a in argv):
+        raise SystemExit(f"polopt-train: process {rank} of {world} (started by torchrun or SLURM): give "
+                         "hydra.run.dir=<a folder every process can reach> so they all write into one run directory")
+    if rank == 0:
+        return argv
+    return [*argv, f"hydra.job.name=train_ddp_process_{rank}", "hydra.output_subdir=null"]
+
+
 def main() -> None:
+    import sys
+
+    sys.argv = [sys.argv[0], *launcher_overrides(sys.argv[1:])]
     _hydra_main()
 
 

@@ -103,6 +103,55 @@ def test_ddp_cpu_resume_continues_every_process(tmp_path):
             assert math.isclose(float(row[key]), float(expected[step][key]), rel_tol=1e-6, abs_tol=1e-7), (step, key)
 
 
+def _free_port():
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.mark.parametrize("launcher", ["torchrun", "slurm"])
+def test_two_nodes_launched_by_torchrun_or_slurm(launcher, tmp_path):
+    """The multi-node launch of docs/distributed.md, with two "nodes" of one process each on this machine: every
+    process writes into the one run directory, the first one the results."""
+    import os
+
+    run, port = tmp_path / "run", _free_port()
+    args = [*FAST, "strategy=ddp_cpu", "trainer.devices=1", "trainer.num_nodes=2", "num_threads=1",
+            f"hydra.run.dir={run}"]
+    procs = []
+    for node in (0, 1):
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        if launcher == "torchrun":
+            command = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node_rank={node}",
+                       "--nproc_per_node=1", "--master_addr=127.0.0.1", f"--master_port={port}", "-m",
+                       "polopt_lightning", *args]
+        else:  # what srun sets for each task of `sbatch --nodes=2 --ntasks-per-node=1`
+            env.update(SLURM_NTASKS="2", SLURM_NTASKS_PER_NODE="1", SLURM_JOB_NAME="polopt", SLURM_JOB_ID="4242",
+                       SLURM_NODELIST="127.0.0.1", SLURM_PROCID=str(node), SLURM_LOCALID="0", SLURM_NODEID=str(node),
+                       MASTER_PORT=str(port))
+            command = [sys.executable, "-m", "polopt_lightning", *args]
+        procs.append(subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      text=True))
+    outputs = [p.communicate(timeout=300) for p in procs]
+    for proc, (_, err) in zip(procs, outputs):
+        assert proc.returncode == 0, err[-3000:]
+    results = json.loads((run / "results.json").read_text())
+    assert results["world_size"] == 2 and results["steps"] == 2
+    assert (run / "train_ddp_process_1.log").is_file() and (run / "model" / "config.json").is_file()
+    assert "polopt-train summary" in outputs[0][0] and "polopt-train summary" not in outputs[1][0]
+
+
+def test_an_externally_launched_process_needs_a_named_run_directory(tmp_path):
+    import os
+
+    env = {**os.environ, "RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1"}
+    proc = subprocess.run([sys.executable, "-m", "polopt_lightning", *FAST], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and "give hydra.run.dir=" in proc.stderr
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 def test_strategy_group_builds_lightning_strategies(tmp_path):
     from hydra.utils import instantiate
