@@ -156,7 +156,8 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     kind = strategy_kind(strategy_cfg)
     check_strategy(kind, accelerator=str(cfg.trainer.get("accelerator", "auto")), quantized=quantization.mode,
                    micro_batch_tokens=cfg.module.get("micro_batch_tokens"),
-                   optimizer=(cfg.get("optimizer") or {}).get("name"))
+                   optimizer=(cfg.get("optimizer") or {}).get("name"),
+                   backend=strategy_cfg.get("process_group_backend"))
     model, tokenizer = instantiate(cfg.model)
     task = instantiate(cfg.task) if cfg.get("task") is not None else None
     datamodule = PromptDataModule(task=task, tokenizer=tokenizer, **OmegaConf.to_container(cfg.data, resolve=True))
@@ -195,9 +196,13 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         strategy.config = {**(strategy.config or {}), "gradient_clipping": float(module.max_grad_norm)}
     trainer: L.Trainer = instantiate(cfg.trainer, logger=loggers or False, callbacks=callbacks,
                                      default_root_dir=str(run_dir), strategy=strategy,
-                                     plugins=[AtomicCheckpointIO()] if kind not in SHARDED else None)
+                                     plugins=[AtomicCheckpointIO()] if kind != "deepspeed" else None)
 
     resuming = cfg.get("ckpt_path") is not None
+    if resuming:  # a run resumed in its own directory finds its checkpoints there: that is expected
+        import warnings
+
+        warnings.filterwarnings("ignore", message=r"Checkpoint directory .* exists and is not empty")
     # a resumed run's policy is the checkpoint's, not the starting one: its "before" is the one the run recorded
     before = _validate(trainer, module, datamodule) if cfg.get("validate_before", True) and not resuming else {}
     rl_start = time.perf_counter()

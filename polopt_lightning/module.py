@@ -258,6 +258,7 @@ class PolicyOptimizationModule(L.LightningModule):
         self._prompt_iter: Iterator | None = None
         self._hf_metadata: dict[str, Any] | None = None
         self._pending_rng: list[dict[str, Any]] | None = None
+        self._gathered = False  # the sharded policy is gathered whole (see _whole_parameters)
         self._extra_draws = 0  # prompt batches drawn by dynamic sampling so far: their position survives a resume
         self.save_hyperparameters(ignore=["model", "tokenizer", "objective", "reward_fns", "ref_model",
                                           "rollout_engine", "optimizer", "ref_quantization"])
@@ -299,29 +300,57 @@ class PolicyOptimizationModule(L.LightningModule):
                 self.tokenizer.eos_token_id, self.tokenizer.pad_token_id, generator=self._sampling_generator(),
             )
 
+    def configure_model(self) -> None:
+        """Under ``strategy=fsdp`` (FSDP2), shard the policy and the reference copy over the processes: each decoder
+        layer, then the rest of the model (Lightning calls this hook once the processes exist). Other strategies:
+        nothing to do."""
+        mesh = getattr(self, "_device_mesh", None)
+        if mesh is None:
+            return
+        from .strategies import shard_fully
+
+        reshard = getattr(self.trainer.strategy, "reshard_after_forward", True)
+        shard_fully(self.policy, mesh["data_parallel"], reshard)
+        if self.ref_model is not None:
+            shard_fully(self.ref_model, mesh["data_parallel"], reshard)
+
     @contextmanager
     def _whole_parameters(self) -> Iterator[None]:
-        """Sampling under a sharded strategy.
+        """Sampling under a sharded strategy: the whole policy gathered once for the rollout, not once per layer per
+        token (TRL's ``ds3_gather_for_generation``).
 
-        DeepSpeed ZeRO-3 keeps a shard of each weight per process: the whole policy is gathered for the rollout (one
-        gather instead of one per layer per token; TRL's ``ds3_gather_for_generation``). FSDP gathers a unit's weights
-        when its ``forward`` runs, and its whole-model gather cannot run inside the training step (FSDP's own forward):
-        the rollout calls the model's forward, not the lean decoding step, whose calls into a layer's submodules
-        would see the flat shards.
+        FSDP2: every sharded module unsharded and kept so through the rollout's forwards (the lean decoding step
+        calls into a layer's submodules, which would otherwise meet the shards), then resharded. DeepSpeed ZeRO-3:
+        its ``GatheredParameters``.
         """
-        strategy = self.trainer.strategy if self._trainer is not None else None
-        name = type(strategy).__name__ if strategy is not None else ""
-        if name == "DeepSpeedStrategy" and getattr(strategy, "zero_stage_3", False):
-            import deepspeed
+        from torch.distributed.fsdp import FSDPModule
 
-            with deepspeed.zero.GatheredParameters(list(self.policy.parameters())):
-                yield
-        elif name == "FSDPStrategy" and getattr(self.engine, "fast_decode", False):
-            self.engine.fast_decode = False
+        sharded = [m for m in self.policy.modules() if isinstance(m, FSDPModule)]
+        strategy = self.trainer.strategy if self._trainer is not None else None
+        if self._gathered:  # already gathered for the whole step (make_experience): gathering is collective
+            yield
+        elif sharded:
+            for module in sharded:
+                module.unshard()
+                module.set_reshard_after_forward(False)
+            self._gathered = True
             try:
                 yield
             finally:
-                self.engine.fast_decode = True
+                self._gathered = False
+                reshard = getattr(strategy, "reshard_after_forward", True)
+                for module in sharded:
+                    module.set_reshard_after_forward(reshard)
+                    module.reshard()
+        elif type(strategy).__name__ == "DeepSpeedStrategy" and getattr(strategy, "zero_stage_3", False):
+            import deepspeed
+
+            with deepspeed.zero.GatheredParameters(list(self.policy.parameters())):
+                self._gathered = True
+                try:
+                    yield
+                finally:
+                    self._gathered = False
         else:
             yield
 
@@ -356,7 +385,15 @@ class PolicyOptimizationModule(L.LightningModule):
         return {k: (v.to(self.device) if isinstance(v, Tensor) else v) for k, v in batch.items()}
 
     def make_experience(self, batch: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Tensor]]:
-        """Rollout, rewards and advantages for one training batch (with DAPO dynamic sampling if enabled)."""
+        """Rollout, rewards and advantages for one training batch (with DAPO dynamic sampling if enabled).
+
+        Under a sharded strategy the policy is gathered once for all the step's draws: gathering is collective, and
+        dynamic sampling may draw more often on one process than on another.
+        """
+        with self._whole_parameters():
+            return self._make_experience(batch)
+
+    def _make_experience(self, batch: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Tensor]]:
         G = self.num_generations
         num_prompts = batch["prompt_ids"].shape[0]
         parts, kept_groups, dropped, draws = [], 0, 0, 0
@@ -500,7 +537,7 @@ class PolicyOptimizationModule(L.LightningModule):
         accumulated gradient is the same whatever the split.
         """
         if not self.micro_batch_tokens:
-            return [rows]
+            return self._even_pieces([rows])
         lengths = exp["completion_mask"][rows].sum(-1).clamp(min=1)
         key = lengths
         if self.share_prompt:  # sort groups (not rows) by their longest completion; ties keep groups contiguous
@@ -519,6 +556,24 @@ class PolicyOptimizationModule(L.LightningModule):
             current.append(i)
             width = max(width, length)
         pieces.append(rows[current])
+        return self._even_pieces(pieces)
+
+    def _even_pieces(self, pieces: list[Tensor]) -> list[Tensor]:
+        """As many pieces on every process: under FSDP2 each forward and backward gathers weights collectively, so
+        a process with fewer pieces would leave the others waiting. The largest pieces are halved until the counts
+        match (the accumulated gradient does not depend on the split)."""
+        from torch.distributed.fsdp import FSDPModule
+
+        if world_size() == 1 or not isinstance(self.policy, FSDPModule):
+            return pieces
+        target = int(all_reduce(torch.tensor(len(pieces), device=self.device), "max"))
+        while len(pieces) < target:
+            largest = max(range(len(pieces)), key=lambda i: pieces[i].numel())
+            piece = pieces.pop(largest)
+            if piece.numel() < 2:
+                raise RuntimeError(f"cannot split the mini-batch into {target} pieces to match the other processes")
+            half = piece.numel() // 2
+            pieces[largest:largest] = [piece[:half], piece[half:]]
         return pieces
 
     def _update(self, exp: Mapping[str, Any], rows: Tensor, optimizer, scheduler,
@@ -582,13 +637,26 @@ class PolicyOptimizationModule(L.LightningModule):
         metrics["entropy"] = all_reduce(entropy_sum.detach()) / tokens.clamp(min=1)
         return metrics
 
-    def _gradient_sync(self, last: bool):
-        """Under DDP, no gradient all-reduce in the backward passes of a mini-batch's pieces but the last (they
-        accumulate locally; the last one reduces the sum), as DDP's ``no_sync`` is meant for."""
+    @contextmanager
+    def _gradient_sync(self, last: bool) -> Iterator[None]:
+        """No gradient reduction in the backward passes of a mini-batch's pieces but the last: they accumulate
+        locally and the last one reduces the sum (DDP's ``no_sync``, FSDP2's ``set_requires_gradient_sync``)."""
+        from torch.distributed.fsdp import FSDPModule
+
         model = self.trainer.strategy.model if self._trainer is not None else None
-        if last or not isinstance(model, torch.nn.parallel.DistributedDataParallel):
-            return nullcontext()
-        return model.no_sync()
+        if last:
+            yield
+        elif isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            with model.no_sync():
+                yield
+        elif isinstance(self.policy, FSDPModule):
+            self.policy.set_requires_gradient_sync(False)
+            try:
+                yield
+            finally:
+                self.policy.set_requires_gradient_sync(True)
+        else:
+            yield
 
     # ------------------------------------------------------------------------------------------------------------
     def on_validation_epoch_start(self) -> None:
@@ -605,6 +673,8 @@ class PolicyOptimizationModule(L.LightningModule):
         # and ranks: torchmetrics keeps the sums and counts, Lightning computes and resets them at the epoch's end.
         for key, values in (("accuracy", rewards.per_function[:, self.rewards.names.index(self.accuracy_reward)]),
                             ("reward", rewards.total)):
+            if "padding" in batch:  # rows that even out the processes' shares (see data.sampling.ShardSampler)
+                values = torch.where(batch["padding"].cpu(), torch.full_like(values, float("nan")), values)
             metric = self.val_metrics[key]
             metric.update(values.to(self.device))
             self.log(f"val/{key}", metric, on_step=False, on_epoch=True, prog_bar=key == "accuracy")
@@ -717,8 +787,16 @@ def _lr_factor(step: int, schedule: str, warmup: int, total: int, floor: float) 
 
 
 def _grad_norm(model: nn.Module) -> Tensor:
-    norms = [p.grad.detach().float().norm() for p in model.parameters() if p.grad is not None]
-    return torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros(())
+    """The global L2 norm of the gradients; for sharded (DTensor) gradients, of every process's shards together."""
+    from torch.distributed.tensor import DTensor
+
+    grads = [p.grad.detach() for p in model.parameters() if p.grad is not None]
+    if not grads:
+        return torch.zeros(())
+    if not any(isinstance(g, DTensor) for g in grads):
+        return torch.linalg.vector_norm(torch.stack([g.float().norm() for g in grads]))
+    squares = sum((g.to_local() if isinstance(g, DTensor) else g).float().pow(2).sum() for g in grads)
+    return all_reduce(squares).sqrt()
 
 
 def _pad_cat(tensors: list[Tensor], value: int | float, left: bool = False) -> Tensor:

@@ -1,4 +1,4 @@
-"""Lightning strategies as config groups (``conf/strategy/``): DDP, DDP on CPU processes, FSDP, DeepSpeed ZeRO.
+"""Lightning strategies as config groups (``conf/strategy/``): DDP, DDP on CPU processes, FSDP2, DeepSpeed ZeRO.
 
 Each factory returns Lightning's own strategy object, configured for this module: a policy trained with manual
 optimisation whose training step samples (needs whole parameters) and then makes several optimizer steps. What
@@ -12,6 +12,7 @@ import importlib.util
 from collections.abc import Mapping
 from typing import Any
 
+from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
 
 SHARDED = ("fsdp", "deepspeed")
@@ -24,8 +25,8 @@ def decoder_layer_classes(model: nn.Module) -> set[type[nn.Module]]:
     names = set(getattr(base, "_no_split_modules", None) or [])
     classes = {type(m) for m in base.modules() if type(m).__name__ in names}
     if not classes:
-        raise ValueError(f"strategy.auto_wrap=decoder_layers: {type(base).__name__} names no repeated block "
-                         "(_no_split_modules); set strategy.auto_wrap=null to shard the model as one unit")
+        raise ValueError(f"strategy=fsdp: {type(base).__name__} names no repeated block (_no_split_modules) to "
+                         "shard layer by layer; use strategy=ddp")
     return classes
 
 
@@ -36,17 +37,49 @@ def ddp(model: nn.Module | None = None, **kwargs: Any):
     return DDPStrategy(**kwargs)
 
 
-def fsdp(model: nn.Module | None = None, auto_wrap: str | None = "decoder_layers", **kwargs: Any):
-    """``FSDPStrategy`` with each decoder layer its own unit (``auto_wrap="decoder_layers"``) and the original
-    parameters kept (``use_orig_params``: frozen and trainable weights side by side, as LoRA and a reference copy
-    need)."""
-    from lightning.pytorch.strategies import FSDPStrategy
+class FSDP2Strategy(ModelParallelStrategy):
+    """Lightning's ``ModelParallelStrategy`` as pure data parallelism: one shard per process, no tensor parallelism.
 
-    if auto_wrap not in (None, "decoder_layers"):
-        raise ValueError(f"strategy.auto_wrap must be decoder_layers or null, got {auto_wrap!r}")
-    if auto_wrap and model is not None:
-        kwargs["auto_wrap_policy"] = decoder_layer_classes(model)
-    return FSDPStrategy(**kwargs)
+    Args:
+        reshard_after_forward: free each layer's gathered weights after its forward (less memory, one more gather in
+            the backward pass); read by the module when it shards the model.
+        save_distributed_checkpoint: a folder of shards per checkpoint instead of one file gathered on the first
+            process.
+    """
+
+    def __init__(self, reshard_after_forward: bool = True, save_distributed_checkpoint: bool = False,
+                 **kwargs: Any) -> None:
+        super().__init__(save_distributed_checkpoint=save_distributed_checkpoint, **kwargs)
+        self.reshard_after_forward = reshard_after_forward
+
+    def setup_environment(self) -> None:
+        self._data_parallel_size = self.num_nodes * self.num_processes
+        self._tensor_parallel_size = 1
+        super().setup_environment()
+
+
+def fsdp(model: nn.Module | None = None, **kwargs: Any) -> FSDP2Strategy:
+    """Fully sharded data parallelism with torch's FSDP2 (``fully_shard``) through Lightning's
+    ``ModelParallelStrategy``: every decoder layer, then the rest of the model, sharded over all processes. Runs on
+    CUDA (nccl) and on CPU processes (gloo). The module shards its policy (and reference copy) in ``configure_model``
+    and gathers the whole policy once per rollout (see :meth:`PolicyOptimizationModule.configure_model`)."""
+    if model is not None:
+        decoder_layer_classes(model)  # a model without repeated blocks is refused now, not after the launch
+    return FSDP2Strategy(**kwargs)
+
+
+def shard_fully(model: nn.Module, mesh: Any, reshard_after_forward: bool = True) -> nn.Module:
+    """Apply ``fully_shard`` to each repeated block of ``model`` (its ``_no_split_modules``), then to ``model``."""
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    if isinstance(model, FSDPModule):  # Lightning calls configure_model at every fit and validate
+        return model
+    classes = tuple(decoder_layer_classes(model))
+    for module in list(model.modules()):
+        if isinstance(module, classes):
+            fully_shard(module, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    return model
 
 
 def deepspeed(model: nn.Module | None = None, **kwargs: Any):
@@ -69,11 +102,10 @@ def strategy_kind(cfg: Mapping[str, Any] | None) -> str:
 
 
 def check_strategy(kind: str, *, accelerator: str, quantized: str, micro_batch_tokens: int | None,
-                   optimizer: str | None) -> None:
+                   optimizer: str | None, backend: str | None = None) -> None:
     """Refuse combinations that cannot run, naming the config keys, before any model is loaded."""
-    if kind == "fsdp" and accelerator == "cpu":
-        raise ValueError("strategy=fsdp needs CUDA devices (Lightning and torch's FSDP refuse the CPU): use "
-                         "strategy=ddp_cpu for processes on the CPU, or trainer=gpu")
+    if kind == "fsdp" and accelerator == "cpu" and backend not in (None, "gloo"):
+        raise ValueError(f"strategy=fsdp on the CPU needs strategy.process_group_backend=gloo, got {backend}")
     if kind == "deepspeed" and accelerator == "cpu":
         raise ValueError("strategy=deepspeed_zero2/3 needs CUDA devices: use strategy=ddp_cpu on the CPU, or "
                          "trainer=gpu")

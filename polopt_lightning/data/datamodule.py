@@ -13,7 +13,7 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from .sampling import PromptSampler, ResumableLoader, ShardSampler, process_rank
+from .sampling import PADDING, PromptSampler, ResumableLoader, ShardSampler, process_rank
 
 TRUNCATION = ("left", "error")
 
@@ -54,6 +54,8 @@ class _Rows(Dataset):
         return len(self.rows)
 
     def __getitem__(self, i: int) -> dict[str, Any]:
+        if i < 0:  # ShardSampler's padding: a copy of the first row, marked to be left out of the metrics
+            return {**self.rows[0], PADDING: True}
         return self.rows[i]
 
 
@@ -161,8 +163,11 @@ class PromptDataModule(L.LightningDataModule):
             if ids:
                 prompt_ids[i, width - len(ids):] = torch.tensor(ids)
                 prompt_mask[i, width - len(ids):] = 1
-        columns = {k: [r.get(k) for r in rows] for k in rows[0] if k != self.prompt_column}
-        return {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "prompts": texts, "columns": columns}
+        columns = {k: [r.get(k) for r in rows] for k in rows[0] if k not in (self.prompt_column, PADDING)}
+        batch = {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "prompts": texts, "columns": columns}
+        if any(PADDING in r for r in rows):
+            batch["padding"] = torch.tensor([PADDING in r for r in rows])
+        return batch
 
     def train_dataloader(self) -> DataLoader:
         """Batches of ``batch_size`` prompts per process: each process its own share of every epoch's order.

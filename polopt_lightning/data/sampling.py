@@ -106,18 +106,24 @@ class ResumableLoader(DataLoader):
         sampler.resume(int(state["epoch"]), int(state["consumed"]) * self.batch_size)
 
 
-class ShardSampler(DistributedSampler):
-    """Every index exactly once over the processes, in order: process ``r`` takes ``r, r + W, r + 2W, ...``.
+PADDING = "_padding"  # the key a padded validation row carries (see ShardSampler)
 
-    For validation: ``DistributedSampler`` (Lightning's default under DDP) repeats samples so every process gets as
-    many, which counts them twice in the accuracy. Here the shares may differ by one sample; the validation metrics
-    are sums and counts reduced over the processes, so the result is the mean over each sample once.
+
+class ShardSampler(DistributedSampler):
+    """Every index once over the processes, in order: process ``r`` takes ``r, r + W, r + 2W, ...``, and the shorter
+    shares end with one padding index (``-1``) so every process runs as many validation batches.
+
+    ``DistributedSampler`` (Lightning's default under DDP) evens the shares by repeating samples, which counts them
+    twice in the accuracy. Here a padding row is decoded like the others (a sharded model gathers its weights
+    collectively: every process must run each batch) and left out of the metrics (``PromptDataModule`` marks it
+    ``padding``), so the result is the mean over each sample once.
     """
 
     def __init__(self, dataset: Dataset, num_replicas: int = 1, rank: int = 0) -> None:
         super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=False)
-        self.num_samples = len(range(rank, len(dataset), num_replicas))
-        self.total_size = len(dataset)
+        self.num_samples = -(-len(dataset) // num_replicas)
+        self.total_size = self.num_samples * num_replicas
 
     def __iter__(self) -> Iterator[int]:
-        return iter(range(self.rank, len(self.dataset), self.num_replicas))
+        own = list(range(self.rank, len(self.dataset), self.num_replicas))
+        return iter(own + [-1] * (self.num_samples - len(own)))

@@ -1,6 +1,6 @@
 """One training step of the module under Lightning, in 1 process or under DDP on CPU processes (gloo).
 
-``python tests/helpers/ddp_update.py OUT WORLD OBJECTIVE [key=value ...]``: rank 0 writes ``OUT`` (torch.save) with
+``python tests/helpers/ddp_update.py OUT WORLD OBJECTIVE [key=value ...]`` (``strategy=fsdp``: FSDP2 instead of DDP): rank 0 writes ``OUT`` (torch.save) with
 the policy's weights after the step, the step's logged metrics, and every prompt's advantages. The prompts' completions
 do not depend on the number of processes (each prompt samples with a generator seeded by its own tokens), so a run
 with 1 process and ``4 * B`` prompts and one with 2 processes and ``2 * B`` prompts each train on the same rollouts.
@@ -80,14 +80,22 @@ def main() -> None:
         optimizer=partial(torch.optim.SGD, lr=0.5), rollout_engine=PerPromptEngine(),
         advantage_scale=options.get("advantage_scale"),
         micro_batch_tokens=int(options["micro_batch_tokens"]) if "micro_batch_tokens" in options else None)
-    strategy = L.pytorch.strategies.DDPStrategy(process_group_backend="gloo") if world > 1 else "auto"
+    if options.get("strategy") == "fsdp":
+        from polopt_lightning.strategies import fsdp
+
+        strategy = fsdp(model, process_group_backend="gloo")
+    else:
+        strategy = L.pytorch.strategies.DDPStrategy(process_group_backend="gloo") if world > 1 else "auto"
     trainer = L.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_steps=1, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         num_sanity_val_steps=0, limit_val_batches=0)
     trainer.fit(module, datamodule=data)
+    weights = module.policy.state_dict()
+    if any(hasattr(v, "full_tensor") for v in weights.values()):  # FSDP2 shards: gathered (collective)
+        weights = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in weights.items()}
     if trainer.is_global_zero:
         metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("train/")}
-        torch.save({"weights": {k: v.detach().clone() for k, v in module.policy.state_dict().items()},
+        torch.save({"weights": {k: v.detach().clone() for k, v in weights.items()},
                     "metrics": metrics, "advantages": module.advantages, "world": trainer.world_size}, out)
 
 
