@@ -316,43 +316,19 @@ class PolicyOptimizationModule(L.LightningModule):
 
     @contextmanager
     def _whole_parameters(self) -> Iterator[None]:
-        """Sampling under a sharded strategy: the whole policy gathered once for the rollout, not once per layer per
-        token (TRL's ``ds3_gather_for_generation``).
-
-        FSDP2: every sharded module unsharded and kept so through the rollout's forwards (the lean decoding step
-        calls into a layer's submodules, which would otherwise meet the shards), then resharded. DeepSpeed ZeRO-3:
-        its ``GatheredParameters``.
-        """
-        from torch.distributed.fsdp import FSDPModule
-
-        sharded = [m for m in self.policy.modules() if isinstance(m, FSDPModule)]
-        strategy = self.trainer.strategy if self._trainer is not None else None
-        if self._gathered:  # already gathered for the whole step (make_experience): gathering is collective
+        """The policy gathered whole for sampling under a sharded strategy (:func:`strategies.gathered_for_sampling`),
+        once per step: entered by ``make_experience`` for all its draws, and by ``rollout`` for validation."""
+        if self._gathered:
             yield
-        elif sharded:
-            for module in sharded:
-                module.unshard()
-                module.set_reshard_after_forward(False)
+            return
+        from .strategies import gathered_for_sampling
+
+        with gathered_for_sampling(self.policy, self.trainer.strategy if self._trainer is not None else None):
             self._gathered = True
             try:
                 yield
             finally:
                 self._gathered = False
-                reshard = getattr(strategy, "reshard_after_forward", True)
-                for module in sharded:
-                    module.set_reshard_after_forward(reshard)
-                    module.reshard()
-        elif type(strategy).__name__ == "DeepSpeedStrategy" and getattr(strategy, "zero_stage_3", False):
-            import deepspeed
-
-            with deepspeed.zero.GatheredParameters(list(self.policy.parameters())):
-                self._gathered = True
-                try:
-                    yield
-                finally:
-                    self._gathered = False
-        else:
-            yield
 
     def score(self, batch: Mapping[str, Any], rollout: RolloutBatch) -> RewardOutput:
         """Decode completions and run the reward functions; columns are repeated for the G completions."""

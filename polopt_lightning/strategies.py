@@ -9,7 +9,8 @@ Lightning (``devices`` x ``num_nodes``), by ``torchrun`` or by SLURM; nothing he
 from __future__ import annotations
 
 import importlib.util
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any
 
 from lightning.pytorch.strategies import ModelParallelStrategy
@@ -90,6 +91,40 @@ def deepspeed(model: nn.Module | None = None, **kwargs: Any):
     from lightning.pytorch.strategies import DeepSpeedStrategy
 
     return DeepSpeedStrategy(**kwargs)
+
+
+@contextmanager
+def gathered_for_sampling(policy: nn.Module, strategy: Any | None) -> Iterator[None]:
+    """The whole policy gathered on every process while the block runs (a rollout), then sharded again.
+
+    Sampling calls the model once per token; gathering each layer at each call (what a sharded forward does) would
+    cost a collective per layer per token, so the whole policy is gathered once, as TRL's
+    ``ds3_gather_for_generation`` does. FSDP2: every sharded module unsharded and kept so through the block's
+    forwards (the lean decoding step calls into a layer's submodules, which would otherwise meet the shards).
+    DeepSpeed ZeRO-3: its ``GatheredParameters``. Anything else: nothing to do. Collective: every process must
+    enter it as often.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    sharded = [m for m in policy.modules() if isinstance(m, FSDPModule)]
+    if sharded:
+        for module in sharded:
+            module.unshard()
+            module.set_reshard_after_forward(False)
+        try:
+            yield
+        finally:
+            reshard = getattr(strategy, "reshard_after_forward", True)
+            for module in sharded:
+                module.set_reshard_after_forward(reshard)
+                module.reshard()
+    elif type(strategy).__name__ == "DeepSpeedStrategy" and getattr(strategy, "zero_stage_3", False):
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters(list(policy.parameters())):
+            yield
+    else:
+        yield
 
 
 def strategy_kind(cfg: Mapping[str, Any] | None) -> str:

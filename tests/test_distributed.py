@@ -190,14 +190,19 @@ def test_impossible_strategies_are_refused_naming_their_keys(overrides, message,
 
 # ---------------------------------------------------------------------------------------------------------------------
 def test_one_process_order_is_the_shuffled_dataloaders():
-    """The resumable sampler keeps the order runs had before it (DataLoader(shuffle=True) with a seeded generator)."""
-    rows = list(range(37))
-    old = DataLoader(rows, batch_size=4, shuffle=True, drop_last=True, generator=torch.Generator().manual_seed(5))
-    sampler = PromptSampler(rows, seed=5)
-    new = DataLoader(rows, batch_size=4, sampler=sampler, drop_last=True)
-    for epoch in range(3):
-        sampler.set_epoch(epoch)
-        assert [b.tolist() for b in new] == [b.tolist() for b in old], epoch
+    """The resumable sampler keeps the order runs had before it: DataLoader(shuffle=True) with a seeded generator,
+    iterated as Lightning does (len(loader) batches an epoch, never to the iterator's end)."""
+    from itertools import islice
+
+    for size in (37, 40):  # with a remainder, and a whole number of batches
+        rows = list(range(size))
+        old = DataLoader(rows, batch_size=4, shuffle=True, drop_last=True, generator=torch.Generator().manual_seed(5))
+        sampler = PromptSampler(rows, seed=5)
+        new = DataLoader(rows, batch_size=4, sampler=sampler, drop_last=True)
+        for epoch in range(3):
+            sampler.set_epoch(epoch)
+            expected = [b.tolist() for b in islice(iter(old), len(old))]
+            assert [b.tolist() for b in new] == expected, (size, epoch)
 
 
 def test_processes_split_each_epoch_and_validation_counts_each_sample_once():

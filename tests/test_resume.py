@@ -116,3 +116,19 @@ def test_a_failed_save_leaves_the_previous_checkpoint_whole(tmp_path):
         io.save_checkpoint({"global_step": 8, "w": torch.zeros(3), "bad": _Unpicklable()}, path)
     assert torch.load(path, weights_only=True)["global_step"] == 4
     assert sorted(p.name for p in path.parent.iterdir()) == ["last.ckpt"]  # no temporary file left behind
+
+
+def test_no_exception_checkpoint_under_several_processes(tmp_path, caplog):
+    """Saving is collective: one process that raised cannot save alone (it would wait for the others forever)."""
+    from types import SimpleNamespace
+
+    from polopt_lightning.callbacks import ExceptionCheckpoint
+
+    saved = []
+    trainer = SimpleNamespace(world_size=2, save_checkpoint=saved.append)
+    with caplog.at_level("INFO"):
+        ExceptionCheckpoint(tmp_path).on_exception(trainer, None, RuntimeError("boom"))
+    assert saved == [] and "last.ckpt is the resume point" in caplog.text
+    ExceptionCheckpoint(tmp_path).on_exception(SimpleNamespace(world_size=1, save_checkpoint=saved.append), None,
+                                               RuntimeError("boom"))
+    assert saved == [str(tmp_path / "on_exception.ckpt")]

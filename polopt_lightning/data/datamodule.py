@@ -178,9 +178,12 @@ class PromptDataModule(L.LightningDataModule):
         world, rank = self._world()
         sampler = PromptSampler(_Rows(self.train_rows), num_replicas=world, rank=rank, shuffle=self.shuffle,
                                 seed=self.seed, drop_last=len(self.train_rows) >= self.batch_size * world)
+        # The generator only feeds the loader's per-epoch draw of its workers' base seed (the order is the sampler's):
+        # without one that draw would come from torch's global generator and shift everything else drawn from it.
         return ResumableLoader(sampler.dataset, batch_size=self.batch_size, sampler=sampler,
                                drop_last=len(sampler) >= self.batch_size, collate_fn=self.collate,
-                               num_workers=self.num_workers, position=partial(self._position, sampler))
+                               num_workers=self.num_workers, position=partial(self._position, sampler),
+                               generator=torch.Generator().manual_seed(self.seed))
 
     def extra_batch(self, index: int) -> dict[str, Any]:
         """The ``index``-th extra batch of this process, for dynamic sampling: another order of the training prompts

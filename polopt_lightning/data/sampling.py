@@ -26,7 +26,8 @@ class PromptSampler(DistributedSampler):
     """Indices of one process's share of each epoch, from a permutation fixed by ``(seed, epoch)``.
 
     With one process and ``shuffle`` the permutations are those of ``DataLoader(shuffle=True,
-    generator=torch.Generator().manual_seed(seed))`` epoch after epoch (the order runs had before this sampler), but
+    generator=torch.Generator().manual_seed(seed))`` epoch after epoch as Lightning iterates it (the order runs had
+    before this sampler), but
     any epoch can be produced without iterating the ones before it. With ``W`` processes, process ``r`` takes every
     ``W``-th index of the same permutation from the ``r``-th on (``DistributedSampler``'s split), the tail cut so each
     gets the same number. ``skip`` indices at the start of the current epoch are left out: a resumed run's position.
@@ -59,11 +60,11 @@ class PromptSampler(DistributedSampler):
             return list(range(n))
         generator = torch.Generator().manual_seed(self.seed)
         for _ in range(epoch + 1):
-            # what a DataLoader iterated to its end draws from its generator per epoch: its workers' base seed, the
-            # permutation, then RandomSampler's empty remainder (a second permutation, sliced to nothing)
+            # what a DataLoader draws from its generator per epoch under Lightning: its workers' base seed, then the
+            # permutation (Lightning stops after len(loader) batches, before RandomSampler would draw the empty
+            # remainder of a second permutation)
             torch.empty((), dtype=torch.int64).random_(generator=generator)
             order = torch.randperm(n, generator=generator)
-            torch.randperm(n, generator=generator)
         return order.tolist()
 
     def __iter__(self) -> Iterator[int]:
