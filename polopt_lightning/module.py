@@ -39,6 +39,7 @@ from .models import (
 )
 from .models import disable_dropout as _disable_dropout
 from .objectives import Objective, build_objective
+from .objectives.base import k3_kl, masked_mean
 from .optim import build_optimizer
 from .rewards import RewardComposer, RewardOutput
 from .rollout import HFRolloutEngine, RolloutBatch, RolloutEngine, SamplingConfig
@@ -112,6 +113,9 @@ class PolicyOptimizationModule(L.LightningModule):
             second forward pass (they match the training numerics when dropout is off and the sampler runs in the
             policy's own precision; otherwise the pass runs, for every row but the first mini-batch's, whose old
             log-probs are its own before the first step).
+        track_kl: log ``train/kl`` (k3, per token, against the reference) even when the objective's ``beta`` is 0, for
+            the collapse monitor: the reference is then made as for ``beta > 0`` (with an adapter, the base itself; otherwise
+            a frozen copy of the starting policy and one more forward pass per rollout).
         seed: seeds the sampling generator (offset by the global rank).
     """
 
@@ -152,6 +156,7 @@ class PolicyOptimizationModule(L.LightningModule):
         reuse_sampling_logprobs: bool = True,
         micro_batch_tokens: int | None = None,
         gradient_checkpointing: bool = False,
+        track_kl: bool = False,
         seed: int = 0,
     ) -> None:
         super().__init__()
@@ -236,17 +241,20 @@ class PolicyOptimizationModule(L.LightningModule):
                              "ref_quantization.compute_dtype; leave ref_dtype unset")
         self.ref_model = None
         # with an adapter, the adapter-disabled policy is the reference: the base the adapters started from
-        self.shared_reference = objective.beta > 0 and ref_model is None and reference_context(model) is not None
+        # the reference exists when the KL term needs it, or when the KL is to be watched (track_kl)
+        self.track_kl = track_kl
+        uses_reference = objective.beta > 0 or track_kl
+        self.shared_reference = uses_reference and ref_model is None and reference_context(model) is not None
         if self.shared_reference and (ref_torch_dtype is not None or ref_quant.enabled):
             key, value = ("ref_dtype", ref_dtype) if ref_torch_dtype is not None else ("ref_quantization",
                                                                                      ref_quant.mode)
             raise ValueError(f"{key}={value!r} has nothing to act on: the policy has an adapter, so its reference is "
                              f"its own base with the adapter disabled (no copy to cast or quantize); leave {key} unset")
-        if objective.beta > 0 and ref_model is not None:
+        if uses_reference and ref_model is not None:
             self.ref_model = ref_model
             if ref_torch_dtype is not None:
                 cast_weights(ref_model, ref_torch_dtype, "ref_dtype")
-        elif objective.beta > 0 and not self.shared_reference:
+        elif uses_reference and not self.shared_reference:
             self.ref_model = (quantized_copy(model, ref_quant).requires_grad_(False) if ref_quant.enabled
                               else frozen_copy(model, ref_torch_dtype, "ref_dtype"))
         if self.ref_model is not None:
@@ -475,7 +483,7 @@ class PolicyOptimizationModule(L.LightningModule):
                     if later.numel():  # none when one mini-batch holds the whole rollout (mu > 1)
                         exp["old_logprobs"][later] = self.sequence_logprobs(self.policy, exp, later)[0]
                     own_old = True
-            if self.objective.beta > 0:  # only the KL term needs the reference
+            if self.objective.beta > 0 or self.track_kl:  # only the KL term (or its tracking) needs the reference
                 exp["ref_logprobs"] = self.reference_logprobs(exp)
 
         step_metrics: list[dict[str, Tensor]] = []
@@ -485,7 +493,8 @@ class PolicyOptimizationModule(L.LightningModule):
                 first = own_old and i == 0 and start == 0
                 step_metrics.append(self._update(exp, rows, optimizer, scheduler, record_old=first))
         for key in step_metrics[0]:
-            metrics[f"train/{key}"] = torch.stack([m[key] for m in step_metrics]).mean()
+            values = torch.stack([m[key] for m in step_metrics])
+            metrics[f"train/{key}"] = values.sum() if key == "skipped_updates" else values.mean()
         metrics["train/lr"] = torch.tensor(optimizer.param_groups[0]["lr"])
         self.log_dict({k: v.float() for k, v in metrics.items()}, on_step=True, on_epoch=False,
                       batch_size=batch["prompt_ids"].shape[0])
@@ -558,7 +567,17 @@ class PolicyOptimizationModule(L.LightningModule):
         optimizer.zero_grad(set_to_none=True)
         metrics = self.accumulate_gradients(exp, rows, record_old)
         metrics["grad_norm"] = _grad_norm(self.policy)
-        if self.max_grad_norm:
+        # A non-finite loss or gradient never reaches the weights: the gradients are dropped, so the optimizer's step
+        # leaves every parameter and its state as they are (it skips parameters without a gradient) while the step
+        # still counts. `train/skipped_updates` says so, and the collapse monitor acts on it. The norm is the same on
+        # every process (gradients are reduced first), so all of them skip together.
+        finite = bool(torch.isfinite(metrics["grad_norm"])) and bool(torch.isfinite(metrics["loss"]))
+        metrics["skipped_updates"] = torch.tensor(0.0 if finite else 1.0, device=metrics["grad_norm"].device)
+        if not finite:
+            optimizer.zero_grad(set_to_none=True)
+            rank_zero_warn(f"step {self.global_step}: non-finite loss ({float(metrics['loss']):.4g}) or gradient norm "
+                           f"({float(metrics['grad_norm']):.4g}); the update is skipped")
+        elif self.max_grad_norm:
             self.clip_gradients(optimizer, gradient_clip_val=self.max_grad_norm, gradient_clip_algorithm="norm")
         optimizer.step()
         # gradients are not needed past the step: freeing them leaves their memory to the next rollout (which holds
@@ -596,6 +615,10 @@ class PolicyOptimizationModule(L.LightningModule):
                 ref = exp["ref_logprobs"][micro, :width] if "ref_logprobs" in exp else None
                 out = self.objective(logprobs=logprobs, old_logprobs=old, advantages=exp["advantages"][micro],
                                      mask=mask, ref_logprobs=ref)
+                if ref is not None and "kl" not in out.metrics:  # track_kl: watched, not trained on
+                    valid = mask.bool()  # padding may hold -inf/NaN log-probs: zeros there, as the objectives do
+                    kl = k3_kl(torch.where(valid, logprobs.detach(), 0.0), torch.where(valid, ref, 0.0))
+                    out.metrics["kl"] = masked_mean(kl, valid)
                 # The loss is a sum over the mini-batch divided by the objective's normaliser: weighting each piece
                 # by its share of that normaliser makes the accumulated gradient exactly the full mini-batch's.
                 share = self.objective.normaliser(mask) / total_weight.clamp(min=1e-12)

@@ -67,8 +67,12 @@ class GSPO(Objective):
             per_seq, clipped_low, clipped_high = clipped_surrogate(seq_ratio, advantages, self.clip_low, self.clip_high)
             loss = mean_over_sequences(per_seq, nonempty)
             with torch.no_grad():
-                low = masked_mean(clipped_low.float(), nonempty)
-                high = masked_mean(clipped_high.float(), nonempty)
+                # the clipped share of tokens (a clipped sequence clips all its tokens), comparable with GRPO's and
+                # with the GSPO paper's figures; the share of sequences under its own name
+                tokens = mask.float()
+                low = masked_mean(clipped_low.float().unsqueeze(-1).expand_as(tokens), mask)
+                high = masked_mean(clipped_high.float().unsqueeze(-1).expand_as(tokens), mask)
+                metrics["clip_frac_seq"] = masked_mean((clipped_low | clipped_high).float(), nonempty)
         else:
             token_adv = advantages if advantages.dim() == 2 else advantages.unsqueeze(-1).expand_as(logprobs)
             token_ratio = seq_ratio.detach().unsqueeze(-1) * torch.exp(logprobs - logprobs.detach())  # [B, T]
