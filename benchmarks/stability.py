@@ -77,7 +77,25 @@ def run(runs: Path, objective: str, warm: str, off: str, lr: float, seed: int, m
     results = json.loads(results_file.read_text())
     events_file = run_dir / "events.jsonl"
     events = [json.loads(line) for line in events_file.read_text().splitlines()] if events_file.is_file() else []
+    if mode == "warn":  # the validation rule from the run's validations (see validation_events)
+        events = [e for e in events if e["rule"] != "val_drop"] + validation_events(results)
     return row(results, events, objective, warm, off, lr, seed, mode, rollouts)
+
+
+def validation_events(results: dict) -> list[dict]:
+    """`val_drop` replayed on the run's validations, the one before training first (its best is then the start's).
+
+    The rule depends on the validations alone, so replaying it gives every warn-mode run the same treatment (the
+    first runs of the study were made before the monitor took the validation before training as its first best).
+    """
+    from dataclasses import asdict
+
+    from polopt_lightning.callbacks import CollapseRules
+
+    rules = CollapseRules()
+    points = [(0, results["val_accuracy_before"])] + [(h["rollout"], h["val/accuracy"]) for h in results["val_history"]]
+    return [asdict(e) for rollout, value in points if value is not None
+            for e in rules.observe_validation(0, rollout, {"val/accuracy": value})]
 
 
 def row(results: dict, events: list[dict], objective, warm, off, lr, seed, mode, rollouts) -> dict:
@@ -153,7 +171,7 @@ def write_curves(runs: Path, rows: list[dict], path: Path) -> None:
                 for metric in CURVE_METRICS:
                     if line.get(metric):
                         writer.writerow([r["objective"], r["warm_start"], r["off_policy"], r["lr"], r["seed"],
-                                         r["mode"], line["step"], metric, line[metric]])
+                                         r["mode"], line["step"], metric, f"{float(line[metric]):.4g}"])
 
 
 def curves(path: Path, metric: str, mode: str = "warn") -> dict:

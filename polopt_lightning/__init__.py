@@ -15,6 +15,7 @@ _LAZY = {
     "GRPO": "polopt_lightning.objectives",
     "GSPO": "polopt_lightning.objectives",
     "group_relative_advantages": "polopt_lightning.advantages",
+    "CollapseMonitor": "polopt_lightning.callbacks",
 }
 
 __all__ = ["__version__", *_LAZY]

@@ -232,3 +232,24 @@ def test_protect_rolls_back_then_stops_from_the_command_line(tmp_path):
     rows = list(csv.DictReader(open(run / "csv" / "version_0" / "metrics.csv")))
     assert any(r.get("collapse/val_drop") == "1.0" for r in rows)
     assert max(float(r["collapse/rollbacks"]) for r in rows if r.get("collapse/rollbacks")) == 1.0
+
+
+def test_the_validation_before_training_is_the_first_best():
+    """Accuracy that falls below the starting model's is a collapse even if it never rose."""
+    from lightning.pytorch.trainer.states import TrainerFn
+
+    monitor = CollapseMonitor(val_patience=2)
+
+    def validation(fn, step, accuracy):
+        trainer = SimpleNamespace(sanity_checking=False, state=SimpleNamespace(fn=fn), global_step=step,
+                                  callback_metrics={"val/accuracy": torch.tensor(accuracy)}, loggers=[],
+                                  is_global_zero=True, should_stop=False, optimizers=[], lr_scheduler_configs=[],
+                                  fit_loop=SimpleNamespace(epoch_loop=SimpleNamespace(_batches_that_stepped=step)))
+        monitor.on_validation_end(trainer, torch.nn.Linear(1, 1))
+
+    validation(TrainerFn.VALIDATING, 0, 0.30)  # polopt-train's validation before RL
+    validation(TrainerFn.FITTING, 25, 0.05)
+    validation(TrainerFn.FITTING, 50, 0.04)
+    assert [(e.rule, e.step) for e in monitor.events] == [("val_drop", 50)]
+    validation(TrainerFn.VALIDATING, 60, 0.99)  # a validation after training is not part of the stream
+    assert monitor.rules.best_val == pytest.approx(0.30)

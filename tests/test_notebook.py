@@ -24,3 +24,15 @@ def test_quickstart_notebook_executes(tmp_path, monkeypatch):
     assert "held-out accuracy:" in outputs
     assert (tmp_path / "quickstart_logs").is_dir()
     assert (tmp_path / "quickstart_model" / "config.json").is_file()
+
+
+def test_grpo_vs_gspo_notebook_reads_the_study(tmp_path, monkeypatch):
+    """It reads the committed study (docs/stability) and prints the comparison its conclusion quotes."""
+    study = NOTEBOOK.parents[1] / "docs" / "stability"
+    assert (study / "results.csv").is_file(), "docs/stability/results.csv: run benchmarks/stability.py"
+    monkeypatch.setenv("MPLBACKEND", "Agg")
+    nb = nbformat.read(NOTEBOOK.parent / "grpo_vs_gspo.ipynb", as_version=4)
+    NotebookClient(nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
+    outputs = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []))
+    assert f"runs from {study}" in outputs and "GSPO - GRPO" in outputs and "all settings: median" in outputs
+    assert "CONCLUSION" not in nb.cells[-1].source  # the paragraph is written from the measurements

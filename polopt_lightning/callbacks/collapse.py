@@ -89,7 +89,7 @@ class CollapseRules:
     patience: int = 3
     entropy_floor: float = 0.3
     kl_factor: float = 10.0
-    kl_min: float = 0.01
+    kl_min: float = 0.1
     grad_norm_factor: float = 10.0
     ratio_limit: float = 10.0
     length_low: float = 0.3
@@ -293,7 +293,13 @@ class CollapseMonitor(L.Callback):
         self._handle(trainer, pl_module, self.rules.observe_step(trainer.global_step, self.rollouts, metrics))
 
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if trainer.sanity_checking or trainer.state.fn != TrainerFn.FITTING:  # not trainer.validate's runs
+        if trainer.sanity_checking:
+            return
+        if trainer.state.fn != TrainerFn.FITTING:
+            # a validation before any training (polopt-train's "before") is the first best: accuracy that falls
+            # below the starting model's is a collapse too. Other validate() runs are not part of the stream.
+            if trainer.global_step == 0 and self.rules.best_val is None and "val/accuracy" in trainer.callback_metrics:
+                self.rules.best_val = float(trainer.callback_metrics["val/accuracy"])
             return
         metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val/")}
         events = self.rules.observe_validation(trainer.global_step, self.rollouts, metrics)
