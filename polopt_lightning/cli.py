@@ -135,7 +135,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
 
     from .callbacks import AtomicCheckpointIO, ValidationHistory
     from .data import PromptDataModule
-    from .export import consolidated_checkpoint, export_checkpoint
+    from .export import export_checkpoint
     from .models import as_adapter, as_quantization, check_combination, is_quantized, prepare_policy
     from .module import PolicyOptimizationModule
     from .strategies import SHARDED, check_strategy, strategy_kind
@@ -215,10 +215,10 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         final = run_dir / "checkpoints" / "final.ckpt"
         trainer.save_checkpoint(final)
         model_dir, adapter_dir = run_dir / "model", run_dir / "adapter" if adapter.enabled else None
-        if trainer.is_global_zero:
-            export_checkpoint(consolidated_checkpoint(final), model_dir)
+        if trainer.is_global_zero:  # export_checkpoint consolidates a DeepSpeed folder itself (once: it is kept)
+            export_checkpoint(final, model_dir)
             if adapter_dir:
-                export_checkpoint(consolidated_checkpoint(final), adapter_dir, merge=False)
+                export_checkpoint(final, adapter_dir, merge=False)
     elif trainer.is_global_zero:
         model_dir = module.save_pretrained(run_dir / "model")  # merged into its base when there is an adapter
         adapter_dir = module.save_pretrained(run_dir / "adapter", merge=False) if adapter.enabled else None
