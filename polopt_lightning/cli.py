@@ -117,6 +117,58 @@ def _container(cfg: DictConfig, key: str) -> dict[str, Any]:
     return OmegaConf.to_container(node, resolve=True) if node is not None else {}
 
 
+def _rewards(cfg: DictConfig, task: Any, task_rewards: dict[str, Any]) -> dict[str, Any]:
+    """The module's reward arguments: the ``reward`` group's functions; the task's own rewards with ``reward=task``;
+    for a task mixture each task's own (its built-in pair, or ``task.rewards.<name>``), whatever the reward group."""
+    from hydra.utils import instantiate
+
+    from .data import TaskMixture
+    from .rewards import RewardComposer
+
+    def composer(spec: Any, key: str) -> RewardComposer:
+        functions = [instantiate(v) for v in (spec.get("functions") or {}).values() if v is not None]
+        if not functions:
+            raise ValueError(f"{key}.functions is empty: give at least one reward function")
+        return RewardComposer(functions, weights=spec.get("weights"), on_error=spec.get("on_error", "raise"))
+
+    if isinstance(task, TaskMixture):
+        unknown = sorted(set(task_rewards) - set(task.names))
+        if unknown:
+            raise ValueError(f"task.rewards names unknown tasks {unknown}; the tasks: {task.names}")
+        if cfg.reward.get("functions") and not cfg.reward.get("from_task"):
+            log.info("task mixture: each task is scored by its own rewards (task.rewards.<task> or its built-in "
+                     "ones); the reward group is not used")
+        overrides = {name: composer(spec, f"task.rewards.{name}") for name, spec in task_rewards.items()}
+        accuracy = {name: spec["accuracy"] for name, spec in task_rewards.items() if spec.get("accuracy")}
+        return {"reward_fns": task.rewards(overrides, accuracy)}
+    if task_rewards:
+        raise ValueError("task.rewards is set, but the task is not a mixture: set the reward group instead")
+    if cfg.reward.get("from_task"):
+        if not hasattr(task, "rewards"):
+            raise ValueError(f"reward=task: the task ({type(task).__name__}) has no built-in rewards; choose a "
+                             "reward group (e.g. reward=exact_match)")
+        return {"reward_fns": task.rewards()}
+    return {"reward_fns": _instantiate_all(cfg.reward.functions),
+            "reward_weights": OmegaConf.to_container(cfg.reward.weights) if cfg.reward.get("weights") else None,
+            "reward_on_error": cfg.reward.get("on_error", "raise"), "accuracy_reward": cfg.reward.get("accuracy")}
+
+
+def _weight_schedulers(cfg: DictConfig, task: Any) -> list[Any]:
+    """The ``weights`` group's callbacks: the task-weight schedule (a mixture only) and the reward-weight fades."""
+    from hydra.utils import instantiate
+
+    from .data import TaskMixture
+
+    weights = cfg.get("weights") or {}
+    out = []
+    if isinstance(task, TaskMixture) and weights.get("tasks") is not None:
+        out.append(instantiate(weights.tasks))
+    rewards = weights.get("rewards")
+    if rewards is not None and rewards.get("fade"):
+        out.append(instantiate(rewards))
+    return out
+
+
 def _validate(trainer, module, datamodule) -> dict[str, float]:
     if not datamodule.val_rows:
         return {}
@@ -159,7 +211,9 @@ def train(cfg: DictConfig) -> dict[str, Any]:
                    optimizer=(cfg.get("optimizer") or {}).get("name"),
                    backend=strategy_cfg.get("process_group_backend"))
     model, tokenizer = instantiate(cfg.model)
-    task = instantiate(cfg.task) if cfg.get("task") is not None else None
+    task_cfg = _container(cfg, "task")
+    task_rewards = task_cfg.pop("rewards", None) or {}  # a mixture's per-task reward overrides
+    task = instantiate(task_cfg, _convert_="all") if task_cfg else None  # a mixture gets its tasks built
     datamodule = PromptDataModule(task=task, tokenizer=tokenizer, **OmegaConf.to_container(cfg.data, resolve=True))
 
     warm = {"cached": False, "wall_s": 0.0}
@@ -178,19 +232,18 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         tokenizer.save_pretrained(base_dir)
 
     objective = instantiate(cfg.objective)
-    reward_fns = _instantiate_all(cfg.reward.functions)
+    anchor_cfg = _container(cfg, "anchor")
     module = PolicyOptimizationModule(
-        model, tokenizer, objective=objective, reward_fns=reward_fns,
-        reward_weights=OmegaConf.to_container(cfg.reward.weights) if cfg.reward.get("weights") else None,
-        reward_on_error=cfg.reward.get("on_error", "raise"), accuracy_reward=cfg.reward.get("accuracy"),
+        model, tokenizer, objective=objective, **_rewards(cfg, task, task_rewards),
         generation=OmegaConf.to_container(cfg.generation, resolve=True), seed=cfg.seed,
         optimizer=instantiate(cfg.optimizer) if cfg.get("optimizer") else None,
         ref_quantization=_container(cfg, "reference").get("quantization"),
+        anchor=instantiate(anchor_cfg) if anchor_cfg.get("_target_") else None,
         **OmegaConf.to_container(cfg.module, resolve=True),
     )
     loggers = _instantiate_all(cfg.get("logger"))
     history = ValidationHistory(monitor="val/accuracy", mode="max")
-    callbacks = [*_instantiate_all(cfg.get("callbacks")), history]
+    callbacks = [*_instantiate_all(cfg.get("callbacks")), *_weight_schedulers(cfg, task), history]
     strategy = instantiate(cfg.strategy)(model=model) if strategy_cfg.get("_target_") else "auto"
     if kind == "deepspeed" and module.max_grad_norm:  # DeepSpeed clips inside its engine, from its own config
         strategy.config = {**(strategy.config or {}), "gradient_clipping": float(module.max_grad_norm)}
@@ -250,6 +303,10 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         "base_model": module.policy.peft_config["default"].base_model_name_or_path if adapter_dir else None,
         "val_reward_before": before.get("val/reward"),
         "val_reward_after": after.get("val/reward"),
+        # a task mixture: each task's accuracy before and after, and the task weights the run ended with
+        "val_task_accuracy_before": {t: before.get(f"val/{t}/accuracy") for t in module.tasks} or None,
+        "val_task_accuracy_after": {t: after.get(f"val/{t}/accuracy") for t in module.tasks} or None,
+        "task_weights_final": datamodule.task_weights if module.tasks else None,
         "val_history": [{k: v for k, v in r.items() if k != "fitting"} for r in history.records if r["fitting"]],
         "seed": int(cfg.seed),
         # processes that trained (trainer.devices x trainer.num_nodes) and their strategy

@@ -38,10 +38,10 @@ from .models import (
     resolve_dtype,
 )
 from .models import disable_dropout as _disable_dropout
-from .objectives import Objective, build_objective
+from .objectives import Objective, SupervisedAnchor, build_objective
 from .objectives.base import k3_kl, masked_mean
 from .optim import build_optimizer
-from .rewards import RewardComposer, RewardOutput
+from .rewards import MixtureRewards, RewardComposer, RewardOutput
 from .rollout import HFRolloutEngine, RolloutBatch, RolloutEngine, SamplingConfig
 
 LR_SCHEDULES = ("constant", "linear", "cosine")
@@ -65,7 +65,9 @@ class PolicyOptimizationModule(L.LightningModule):
         tokenizer: its tokenizer (EOS is used as pad when it has none, and said so in the log).
         objective: an :class:`~polopt_lightning.objectives.Objective`, a registry key (``"grpo"``, ``"gspo"``, ...)
             or a dict with ``name`` and arguments.
-        reward_fns: TRL-style reward functions, or a ready :class:`RewardComposer`.
+        reward_fns: TRL-style reward functions, a ready :class:`RewardComposer`, or for a task mixture a
+            :class:`~polopt_lightning.rewards.MixtureRewards` (each row scored by its own task's functions; the module
+            then logs ``train/<task>/reward``, ``train/<task>/frac_zero_std`` and ``val/<task>/accuracy``).
         reward_weights: one weight per function (or by name).
         reward_on_error: ``"raise"`` or ``"none"`` (see :class:`RewardComposer`).
         num_generations: completions per prompt (``G >= 2``: a group of one has no relative signal).
@@ -116,6 +118,10 @@ class PolicyOptimizationModule(L.LightningModule):
         track_kl: log ``train/kl`` (k3, per token, against the reference) even when the objective's ``beta`` is 0, for
             the collapse monitor: the reference is then made as for ``beta > 0`` (with an adapter, the base itself; otherwise
             a frozen copy of the starting policy and one more forward pass per rollout).
+        anchor: a :class:`~polopt_lightning.objectives.SupervisedAnchor` (or its fields as a dict): ``lambda`` x the
+            negative log-likelihood of each prompt's reference answer (a dataset column) added to the objective's
+            loss at every optimizer step, over the prompts of that step's mini-batch. Its schedule is run by an
+            :class:`~polopt_lightning.callbacks.AnchorScheduler` that this module adds to the trainer.
         seed: seeds the sampling generator (offset by the global rank).
     """
 
@@ -157,6 +163,7 @@ class PolicyOptimizationModule(L.LightningModule):
         micro_batch_tokens: int | None = None,
         gradient_checkpointing: bool = False,
         track_kl: bool = False,
+        anchor: SupervisedAnchor | Mapping[str, Any] | None = None,
         seed: int = 0,
     ) -> None:
         super().__init__()
@@ -194,11 +201,25 @@ class PolicyOptimizationModule(L.LightningModule):
         if not isinstance(objective, Objective):
             raise TypeError(f"objective must be an Objective, a registry key or a dict, got {type(objective).__name__}")
         self.objective = objective
-        self.rewards = reward_fns if isinstance(reward_fns, RewardComposer) else RewardComposer(
+        self.rewards = reward_fns if isinstance(reward_fns, (RewardComposer, MixtureRewards)) else RewardComposer(
             reward_fns, weights=reward_weights, on_error=reward_on_error)
-        if accuracy_reward is not None and accuracy_reward not in self.rewards.names:
+        # a mixture's tasks: each has its own accuracy function, reward and signal metrics
+        self.tasks = list(self.rewards.tasks) if isinstance(self.rewards, MixtureRewards) else []
+        if self.tasks:
+            if accuracy_reward is not None:
+                raise ValueError("accuracy_reward is set for a task mixture, whose accuracy is each task's own "
+                                 "(MixtureRewards(accuracy={task: function}))")
+            if reward_weights is not None:
+                raise ValueError("reward_weights is set beside a MixtureRewards: give each task's weights to its "
+                                 "RewardComposer (or set them with MixtureRewards.set_weights)")
+        elif accuracy_reward is not None and accuracy_reward not in self.rewards.names:
             raise ValueError(f"accuracy_reward={accuracy_reward!r} is not a reward function; known: {self.rewards.names}")
-        self.accuracy_reward = accuracy_reward or self.rewards.names[0]
+        self.accuracy_reward = None if self.tasks else accuracy_reward or self.rewards.names[0]
+        if isinstance(anchor, Mapping):
+            anchor = SupervisedAnchor(**anchor)
+        if anchor is not None and not isinstance(anchor, SupervisedAnchor):
+            raise TypeError(f"anchor must be a SupervisedAnchor, a dict of its fields or None, got {type(anchor).__name__}")
+        self.anchor = anchor
         self.num_generations, self.num_iterations, self.mini_batches = num_generations, num_iterations, mini_batches
         self.sampling = _sampling(generation)
         self.val_sampling = _sampling(val_generation, max_new_tokens=self.sampling.max_new_tokens, temperature=0.0)
@@ -261,7 +282,8 @@ class PolicyOptimizationModule(L.LightningModule):
             # Lightning asks every submodule to be in training mode when fit starts (and warns about each one that is
             # not); the reference only ever runs inside `evaluating`, which puts it in eval mode for its pass.
             self.ref_model.train()
-        self.val_metrics = nn.ModuleDict({k: MeanMetric(nan_strategy="ignore") for k in ("accuracy", "reward")})
+        self.val_metrics = nn.ModuleDict({k: MeanMetric(nan_strategy="ignore")
+                                          for k in ("accuracy", "reward", *(f"{t}/accuracy" for t in self.tasks))})
         self._generator: torch.Generator | None = None
         self._prompt_iter: Iterator | None = None
         self._hf_metadata: dict[str, Any] | None = None
@@ -269,8 +291,9 @@ class PolicyOptimizationModule(L.LightningModule):
         self._gathered = False  # the sharded policy is gathered whole (see _whole_parameters)
         self._extra_draws = 0  # prompt batches drawn by dynamic sampling so far: their position survives a resume
         self.save_hyperparameters(ignore=["model", "tokenizer", "objective", "reward_fns", "ref_model",
-                                          "rollout_engine", "optimizer", "ref_quantization"])
+                                          "rollout_engine", "optimizer", "ref_quantization", "anchor"])
         self.hparams["ref_quantization"] = ref_quant.mode
+        self.hparams["anchor"] = None if anchor is None else {k: v for k, v in vars(anchor).items() if k != "value"}
 
     # ------------------------------------------------------------------------------------------------------------
     @property
@@ -390,11 +413,13 @@ class PolicyOptimizationModule(L.LightningModule):
                 zero = zero_std_groups(rewards.total, G).float()
                 metrics["train/frac_zero_std"] = all_reduce(zero.sum().to(self.device)) / all_reduce(
                     torch.tensor(float(zero.numel()), device=self.device))
+                if self.tasks:
+                    metrics.update(self._task_signal(batch, zero.bool()))
             keep = torch.ones(num_prompts, dtype=torch.bool)
             if self.dynamic_sampling:
                 keep = ~zero_std_groups(rewards.total, G)
                 dropped += int((~keep).sum())
-            parts.append((rollout, rewards.total, keep))
+            parts.append((rollout, rewards.total, keep, self._anchor_targets(batch)))
             kept_groups += int(keep.sum())
             if not self.dynamic_sampling or kept_groups >= num_prompts or draws >= self.max_extra_draws:
                 break
@@ -404,7 +429,7 @@ class PolicyOptimizationModule(L.LightningModule):
             metrics["train/dynamic_sampling/dropped_groups"] = all_reduce(torch.tensor(float(dropped), device=self.device))
             metrics["train/dynamic_sampling/extra_draws"] = all_reduce(torch.tensor(float(draws), device=self.device))
             if kept_groups == 0:  # nothing learnable after every draw: train on the last draw (advantages are 0)
-                parts[-1] = (parts[-1][0], parts[-1][1], torch.ones_like(parts[-1][2]))
+                parts[-1] = (parts[-1][0], parts[-1][1], torch.ones_like(parts[-1][2]), parts[-1][3])
         exp = _concat_groups(parts, G, num_prompts if self.dynamic_sampling else None)
         rewards = exp.pop("rewards")
         batch_std = self._batch_std(rewards) if self.advantage_scale == "batch" else None
@@ -412,6 +437,41 @@ class PolicyOptimizationModule(L.LightningModule):
         if self.mask_truncated_completions:
             exp["completion_mask"] = exp["completion_mask"] * exp["finished"][:, None].long()
         return exp, metrics
+
+    def _task_signal(self, batch: Mapping[str, Any], zero: Tensor) -> dict[str, Tensor]:
+        """A mixture's per-task prompts in the step and share of their groups with equal rewards (no gradient), over
+        every process: ``train/<task>/prompts`` and ``train/<task>/frac_zero_std`` (NaN for a task with no prompt)."""
+        ids = self.rewards.task_ids(batch["columns"], zero.numel())
+        counts = torch.stack([torch.stack([(ids == t).sum(), ((ids == t) & zero.cpu()).sum()])
+                              for t in range(len(self.tasks))]).float().to(self.device)
+        counts = all_reduce(counts)
+        metrics = {}
+        for t, task in enumerate(self.tasks):
+            prompts, zero_groups = counts[t]
+            metrics[f"train/{task}/prompts"] = prompts
+            metrics[f"train/{task}/frac_zero_std"] = (zero_groups / prompts if prompts > 0
+                                                      else torch.tensor(float("nan"), device=self.device))
+        return metrics
+
+    def _anchor_targets(self, batch: Mapping[str, Any]) -> dict[str, Tensor]:
+        """Each prompt's reference answer as ``answer + EOS`` token ids ``[P, Ta]`` with their mask (zero where the
+        answer is None), for the supervised anchor; empty without one."""
+        if self.anchor is None:
+            return {}
+        column = self.anchor.column
+        columns = batch.get("columns", {})
+        if column not in columns:
+            raise KeyError(f"anchor.column={column!r}: the batch has no such column (its columns: {sorted(columns)})")
+        eos = self.tokenizer.eos_token_id
+        encoded = [[] if a is None else self.tokenizer(str(a), add_special_tokens=False)["input_ids"] + [eos]
+                   for a in columns[column]]
+        width = max(max(len(ids) for ids in encoded), 1)
+        ids = torch.full((len(encoded), width), self.tokenizer.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((len(encoded), width), dtype=torch.long)
+        for i, row in enumerate(encoded):
+            ids[i, :len(row)] = torch.tensor(row, dtype=torch.long)
+            mask[i, :len(row)] = 1
+        return {"anchor_ids": ids.to(self.device), "anchor_mask": mask.to(self.device)}
 
     def _batch_reward_metrics(self, rewards: RewardOutput) -> dict[str, Tensor]:
         """The reward metrics of the whole batch: over every process's completions (gathered), not a mean of means."""
@@ -602,6 +662,8 @@ class PolicyOptimizationModule(L.LightningModule):
         sums: dict[str, Tensor] = {}
         entropy_sum = torch.zeros((), device=self.device)
         pieces = self._micro_batches(exp, rows)
+        if self.anchor is not None:
+            sums.update(self._anchor_backward(exp, rows))
         for k, micro in enumerate(pieces):
             # trim padding past the longest completion of this piece (the objectives do not depend on the width)
             width = max(int(exp["completion_mask"][micro].sum(-1).max()), 1)
@@ -636,6 +698,26 @@ class PolicyOptimizationModule(L.LightningModule):
         metrics["entropy"] = all_reduce(entropy_sum.detach()) / tokens.clamp(min=1)
         return metrics
 
+    def _anchor_backward(self, exp: Mapping[str, Any], rows: Tensor) -> dict[str, Tensor]:
+        """Backward of ``lambda x NLL`` of the reference answers of the prompts that the completions ``rows`` answer
+        (one forward over those prompts; gradients accumulate with the objective's before they are reduced). The NLL is
+        the token mean over every process's prompts: each process divides its sum by the global count, times the
+        processes the strategy averages over. With ``lambda = 0`` the NLL is measured without a backward."""
+        groups = torch.unique(exp["group_index"][rows])
+        first = groups * self.num_generations  # the rows of each group are contiguous, from group x G on
+        mask = exp["anchor_mask"][groups]
+        width = max(int(mask.sum(-1).max()), 1)
+        mask, ids = mask[:, :width], exp["anchor_ids"][groups, :width]
+        tokens = all_reduce(mask.sum().float())
+        with self._gradient_sync(last=False), torch.set_grad_enabled(self.anchor.value > 0):
+            logprobs, _ = completion_logprobs(self.policy, exp["prompt_ids"][first], exp["prompt_mask"][first], ids,
+                                              mask)
+            loss, nll = self.anchor.loss(logprobs, mask, tokens)
+            if self.anchor.value > 0:
+                self.manual_backward(loss * world_size())
+        # summed over the processes by the caller's reduction, like the objective's metrics: the global token mean
+        return {"anchor_nll": nll, "anchor_coef": torch.tensor(self.anchor.value / world_size(), device=self.device)}
+
     @contextmanager
     def _gradient_sync(self, last: bool) -> Iterator[None]:
         """No gradient reduction in the backward passes of a mini-batch's pieces but the last: they accumulate
@@ -668,10 +750,16 @@ class PolicyOptimizationModule(L.LightningModule):
     def validation_step(self, batch: Mapping[str, Any], batch_idx: int) -> None:
         rollout = self.rollout(batch, self.val_sampling, 1)
         rewards = self.score(batch, rollout)
+        columns = batch.get("columns", {})
+        accuracy = self.rewards.accuracy(rewards.per_function, columns, self.accuracy_reward)
+        entries = [("accuracy", accuracy), ("reward", rewards.total)]
+        if self.tasks:  # each task's accuracy over its own rows
+            ids = self.rewards.task_ids(columns, accuracy.numel())
+            entries += [(f"{task}/accuracy", torch.where(ids == t, accuracy, torch.full_like(accuracy, float("nan"))))
+                        for t, task in enumerate(self.tasks)]
         # Means over every validation sample whose reward exists (a None reward is NaN and left out), across batches
         # and ranks: torchmetrics keeps the sums and counts, Lightning computes and resets them at the epoch's end.
-        for key, values in (("accuracy", rewards.per_function[:, self.rewards.names.index(self.accuracy_reward)]),
-                            ("reward", rewards.total)):
+        for key, values in entries:
             if "padding" in batch:  # rows that even out the processes' shares (see data.sampling.ShardSampler)
                 values = torch.where(batch["padding"].cpu(), torch.full_like(values, float("nan")), values)
             metric = self.val_metrics[key]
@@ -700,6 +788,7 @@ class PolicyOptimizationModule(L.LightningModule):
             # every process's random states, in rank order: each process samples with its own generator
             "rng": all_gather_objects(self._rng_state()),
             "extra_draws": self._extra_draws,
+            "anchor": self.anchor.state_dict() if self.anchor is not None else None,
             # what `polopt-export CKPT OUT` needs to rebuild a Hugging Face folder from this file alone
             "hf": self._hf_metadata,
         }
@@ -751,10 +840,20 @@ class PolicyOptimizationModule(L.LightningModule):
         if state:
             self.rewards.set_weights(state["reward_weights"])
             self._extra_draws = int(state.get("extra_draws", 0))
+            if self.anchor is not None and state.get("anchor"):
+                self.anchor.load_state_dict(state["anchor"])
             if "rng" in state:
                 self._pending_rng = state["rng"]
             else:  # checkpoints of version 0.1.0: the sampler's generator and torch's state of rank 0
                 self._pending_rng = [{"sampling_generator": state["sampling_generator"], "torch": state["torch_rng"]}]
+
+    def configure_callbacks(self) -> list[L.Callback]:
+        """The anchor's scheduler, when this module has an anchor and the trainer has none of its own."""
+        from .callbacks import AnchorScheduler
+
+        if self.anchor is None or any(isinstance(c, AnchorScheduler) for c in self.trainer.callbacks):
+            return []
+        return [AnchorScheduler()]
 
     def on_train_start(self) -> None:
         # restored here, not at loading: the generator lives on the training device, known only once fit has started
@@ -814,10 +913,12 @@ _ROLLOUT_FIELDS = {"prompt_ids": "left", "prompt_mask": "left", "completion_ids"
 
 
 def _concat_groups(parts, G: int, limit: int | None) -> dict[str, Any]:
-    """Join the kept groups of one or more rollouts (dynamic sampling), at most ``limit`` groups."""
+    """Join the kept groups of one or more rollouts (dynamic sampling), at most ``limit`` groups. Each part's last
+    element holds per-prompt tensors ``[P, ...]`` (the anchor's targets), joined by group and right-padded."""
     fields: dict[str, list[Tensor]] = {k: [] for k in (*_ROLLOUT_FIELDS, "rewards", "group_index")}
+    per_group: dict[str, list[Tensor]] = {}
     kept = 0
-    for rollout, rewards, keep in parts:
+    for rollout, rewards, keep, group_fields in parts:
         idx = torch.nonzero(keep).flatten()
         if limit is not None:
             idx = idx[: max(0, limit - kept)]
@@ -825,11 +926,14 @@ def _concat_groups(parts, G: int, limit: int | None) -> dict[str, Any]:
         dev_rows = rows.to(rollout.completion_ids.device)
         for name in _ROLLOUT_FIELDS:
             fields[name].append(getattr(rollout, name)[dev_rows])
+        for name, value in group_fields.items():
+            per_group.setdefault(name, []).append(value[idx.to(value.device)])
         fields["rewards"].append(rewards[rows])
         fields["group_index"].append(kept + torch.arange(len(idx)).repeat_interleave(G))
         kept += len(idx)
     out = {name: torch.cat(fields[name]) if side is None else _pad_cat(fields[name], 0, left=side == "left")
            for name, side in _ROLLOUT_FIELDS.items()}
+    out.update({name: _pad_cat(values, 0) for name, values in per_group.items()})
     out["rewards"] = torch.cat(fields["rewards"])
     out["group_index"] = torch.cat(fields["group_index"]).to(out["completion_ids"].device)
     return out

@@ -18,8 +18,8 @@ from omegaconf import OmegaConf
 from polopt_lightning.cli import config_dir, train
 
 CONF = Path(config_dir())
-GROUPS = ["model", "quantization", "adapter", "objective", "task", "reward", "optimizer", "trainer", "strategy", "logger",
-          "callbacks", "experiment"]
+GROUPS = ["model", "quantization", "adapter", "objective", "task", "reward", "anchor", "weights", "optimizer", "trainer",
+          "strategy", "logger", "callbacks", "experiment"]
 # the tiniest settings that still run every stage
 FAST = ["model.hidden_size=16", "model.num_layers=1", "model.num_heads=2", "model.intermediate_size=32",
         "task.digits=1", "task.train_size=40", "task.val_size=8", "data.batch_size=2", "module.num_generations=2",
@@ -84,6 +84,22 @@ def test_every_group_value_composes_and_builds(group, value, tmp_path):
     if group == "optimizer":
         factory = instantiate(node)
         assert factory.keywords["name"] == value and factory.keywords["lr"] == cfg.module.lr
+        return
+    if group == "task":  # as the CLI builds it: a mixture's reward overrides apart, its tasks built
+        task_cfg = OmegaConf.to_container(node, resolve=True)
+        task_cfg.pop("rewards", None)
+        train_rows, _ = instantiate(task_cfg, _convert_="all").splits()
+        assert train_rows and all("prompt" in r for r in train_rows)
+        return
+    if group == "reward" and value == "task":
+        assert node.from_task
+        return
+    if group == "anchor":
+        built = instantiate(node) if node else None
+        assert (built is None) == (value == "none") and (built is None or built.schedule == value.replace("_", "-"))
+        return
+    if group == "weights":
+        assert instantiate(node.tasks).mode == value and instantiate(node.rewards).fade == {}
         return
     if group in ("reward", "logger", "callbacks"):
         items = node.get("functions", node) if group == "reward" else node

@@ -1,8 +1,18 @@
 """Lightning callbacks for policy optimisation: checkpoints that fit manual optimisation, validation history, the
-collapse monitor."""
+collapse monitor, and the schedules of task weights, reward weights and the supervised anchor."""
 
 from .checkpoint import AtomicCheckpointIO, ExceptionCheckpoint, RolloutCheckpoint
 from .collapse import CollapseEvent, CollapseMonitor, CollapseRules
 from .history import ValidationHistory
+from .weights import (
+    TASK_WEIGHT_MODES,
+    AnchorScheduler,
+    RewardWeights,
+    RewardWeightScheduler,
+    TaskWeights,
+    TaskWeightScheduler,
+)
 
-__all__ = ["AtomicCheckpointIO", "CollapseEvent", "CollapseMonitor", "CollapseRules", "ExceptionCheckpoint", "RolloutCheckpoint", "ValidationHistory"]
+__all__ = ["TASK_WEIGHT_MODES", "AnchorScheduler", "AtomicCheckpointIO", "CollapseEvent", "CollapseMonitor",
+           "CollapseRules", "ExceptionCheckpoint", "RewardWeightScheduler", "RewardWeights", "RolloutCheckpoint",
+           "TaskWeightScheduler", "TaskWeights", "ValidationHistory"]

@@ -1,6 +1,16 @@
-"""Prompt data and built-in tasks."""
+"""Prompt data, built-in tasks and task mixtures."""
 
 from .datamodule import PromptDataModule
-from .tasks import ArithmeticTask, FileTask
+from .tasks import (
+    ArithmeticTask,
+    CountTask,
+    ExpressionTask,
+    FileTask,
+    MultiplicationTask,
+    ReverseTask,
+    SortTask,
+    TaskMixture,
+)
 
-__all__ = ["ArithmeticTask", "FileTask", "PromptDataModule"]
+__all__ = ["ArithmeticTask", "CountTask", "ExpressionTask", "FileTask", "MultiplicationTask", "PromptDataModule",
+           "ReverseTask", "SortTask", "TaskMixture"]

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import json
+import math
 import warnings
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -13,7 +14,8 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from .sampling import PADDING, PromptSampler, ResumableLoader, ShardSampler, process_rank
+from .sampling import PADDING, MixtureSampler, PromptSampler, ResumableLoader, ShardSampler, allocate, process_rank
+from .tasks import TaskMixture
 
 TRUNCATION = ("left", "error")
 
@@ -101,6 +103,9 @@ class PromptDataModule(L.LightningDataModule):
             raise ValueError(f"data.truncation must be one of {TRUNCATION}, got {truncation!r}")
         if max_prompt_length is not None and max_prompt_length < 1:
             raise ValueError(f"data.max_prompt_length must be >= 1 or null, got {max_prompt_length}")
+        self.mixture = task if isinstance(task, TaskMixture) else None
+        if self.mixture is not None and train is not None:
+            raise ValueError("data.train and a task mixture both given: the mixture brings its tasks' training rows")
         if train is None and task is not None:
             train, task_val = task.splits()
             val = task_val if val is None else val
@@ -118,6 +123,18 @@ class PromptDataModule(L.LightningDataModule):
         self.shuffle, self.num_workers, self.seed = shuffle, num_workers, seed
         self.tokenizer = None
         self._warned_truncation = False
+        # a mixture's samplers: the training loader's, and the one of dynamic sampling's extra batches
+        self._train_sampler: MixtureSampler | None = None
+        self._extra_sampler: MixtureSampler | None = None
+        if self.mixture is not None:
+            self.task_names = self.mixture.names
+            column = self.mixture.column
+            sizes = [sum(r[column] == name for r in self.train_rows) for name in self.task_names]
+            order = [r[column] for r in self.train_rows]
+            if order != [name for name, n in zip(self.task_names, sizes) for _ in range(n)]:
+                raise ValueError("a task mixture's training rows must come task after task (TaskMixture.splits does)")
+            self.task_sizes = sizes
+            self._task_weights = [self.mixture.weights[name] for name in self.task_names]
         if tokenizer is not None:
             self.set_tokenizer(tokenizer)
 
@@ -169,13 +186,49 @@ class PromptDataModule(L.LightningDataModule):
             batch["padding"] = torch.tensor([PADDING in r for r in rows])
         return batch
 
+    # ------------------------------------------------------------------------------------------------------------
+    @property
+    def task_weights(self) -> dict[str, float]:
+        """A task mixture's current weights (normalised): the shares of prompts its next batches draw."""
+        if self.mixture is None:
+            raise AttributeError("task_weights: this PromptDataModule trains on one task, not a TaskMixture")
+        total = sum(self._task_weights)
+        return {name: w / total for name, w in zip(self.task_names, self._task_weights)}
+
+    def set_task_weights(self, weights: Mapping[str, float]) -> None:
+        """Set a task mixture's weights (task name -> weight, normalised here; tasks not named keep theirs). The batches
+        fetched from then on follow them; Lightning has already fetched the next one."""
+        if self.mixture is None:
+            raise ValueError("set_task_weights: this PromptDataModule trains on one task, not a TaskMixture")
+        unknown = sorted(set(weights) - set(self.task_names))
+        if unknown:
+            raise ValueError(f"task weights name unknown tasks {unknown}; the tasks: {self.task_names}")
+        new = [float(weights.get(name, w)) for name, w in zip(self.task_names, self._task_weights)]
+        if any(not math.isfinite(w) or w < 0 for w in new) or sum(new) <= 0:
+            raise ValueError(f"task weights must be finite, >= 0 and not all 0, got {dict(zip(self.task_names, new))}")
+        self._task_weights = new
+        if self._train_sampler is not None:
+            self._train_sampler.set_weights(new)
+
+    def _mixture_sampler(self, seed: int) -> MixtureSampler:
+        world, rank = self._world()
+        return MixtureSampler(_Rows(self.train_rows), self.task_sizes, self.batch_size, self._task_weights,
+                              num_replicas=world, rank=rank, seed=seed)
+
     def train_dataloader(self) -> DataLoader:
         """Batches of ``batch_size`` prompts per process: each process its own share of every epoch's order.
 
         The loader is resumable: a checkpoint records the epoch and how many of its batches were trained on, and a
-        run resumed from it continues with the next batch (same order, same split across processes).
+        run resumed from it continues with the next batch (same order, same split across processes). A task mixture's
+        batches draw from each task by the current weights (:class:`~.sampling.MixtureSampler`).
         """
         world, rank = self._world()
+        if self.mixture is not None:
+            sampler = self._train_sampler = self._mixture_sampler(self.seed)
+            return ResumableLoader(sampler.dataset, batch_size=self.batch_size, sampler=sampler, drop_last=True,
+                                   collate_fn=self.collate, num_workers=self.num_workers,
+                                   position=partial(self._position, sampler),
+                                   generator=torch.Generator().manual_seed(self.seed))
         sampler = PromptSampler(_Rows(self.train_rows), num_replicas=world, rank=rank, shuffle=self.shuffle,
                                 seed=self.seed, drop_last=len(self.train_rows) >= self.batch_size * world)
         # The generator only feeds the loader's per-epoch draw of its workers' base seed (the order is the sampler's):
@@ -188,8 +241,19 @@ class PromptDataModule(L.LightningDataModule):
     def extra_batch(self, index: int) -> dict[str, Any]:
         """The ``index``-th extra batch of this process, for dynamic sampling: another order of the training prompts
         (seeded ``seed + 1``), split across processes as the training batches are, and a function of ``index`` alone
-        (a resumed run draws the batches the uninterrupted one would)."""
+        (a resumed run draws the batches the uninterrupted one would).
+
+        A task mixture's extra batch splits ``batch_size`` by the current weights and takes task ``t``'s share from
+        position ``index x batch_size`` of its own stream (seeded ``seed + 1``): a function of ``index`` and the
+        weights, which a resumed run restores."""
         world, rank = self._world()
+        if self.mixture is not None:
+            if self._extra_sampler is None:
+                self._extra_sampler = self._mixture_sampler(self.seed + 1)
+            extra = self._extra_sampler
+            counts = allocate(self._task_weights, self.batch_size, [0.0] * len(self.task_names))
+            indices = [extra._row(t, index * self.batch_size + i) for t, c in enumerate(counts) for i in range(c)]
+            return self.collate([self.train_rows[i] for i in indices])
         sampler = PromptSampler(_Rows(self.train_rows), num_replicas=world, rank=rank, shuffle=self.shuffle,
                                 seed=self.seed + 1, drop_last=len(self.train_rows) >= self.batch_size * world)
         per_epoch = max(len(sampler) // self.batch_size, 1)

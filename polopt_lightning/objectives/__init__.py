@@ -5,6 +5,7 @@
 0.0003
 """
 
+from .anchor import ANCHOR_SCHEDULES, SupervisedAnchor
 from .base import (
     Objective,
     ObjectiveOutput,
@@ -18,9 +19,11 @@ from .gspo import GSPO
 
 __all__ = [
     "AGGREGATIONS",
+    "ANCHOR_SCHEDULES",
     "GRPO",
     "GSPO",
     "Objective",
+    "SupervisedAnchor",
     "ObjectiveOutput",
     "available_objectives",
     "build_objective",

@@ -81,10 +81,58 @@ class NumericMatchReward:
         return out
 
 
-class DigitMatchReward:
-    """Partial credit: the share of characters that match the reference answer, aligned from the right (units
-    under units), over the longer of the two. A dense shaping term for small models: a near miss scores above a
-    wild guess, so groups where no sample is exactly right still carry signal.
+class PositionMatchReward:
+    """Partial credit: the share of positions where the completion and the reference answer agree, over the longer
+    of the two. Positions are characters, or items when ``separator`` is set (``"1,3,5"`` has three), aligned from
+    the left or from the right (units under units). A near miss scores above a wild guess, so groups where no sample
+    is exactly right still carry signal.
+
+    Args:
+        answer_column: dataset column with the reference answer.
+        align: ``"left"`` (a reversed string, a sorted list) or ``"right"`` (numbers).
+        separator: split both into items at this string (e.g. ``","``); ``None`` compares characters.
+        name: name the reward is logged under.
+    """
+
+    def __init__(self, answer_column: str = "answer", align: str = "left", separator: str | None = None,
+                 name: str = "position_match") -> None:
+        if align not in ("left", "right"):
+            raise ValueError(f"{name}: align must be 'left' or 'right', got {align!r}")
+        if separator == "":
+            raise ValueError(f"{name}: separator must be a non-empty string or None")
+        self.answer_column, self.align, self.separator = answer_column, align, separator
+        self.__name__ = name
+
+    def _units(self, text: str) -> list[str]:
+        text = text.strip()
+        units = [u.strip() for u in text.split(self.separator)] if self.separator else list(text)
+        return units[::-1] if self.align == "right" else units
+
+    def __call__(self, prompts: list[str], completions: list[Any], **columns: Any) -> list[float]:
+        answers = _column(columns, self.answer_column, self.__name__)
+        out = []
+        for completion, answer in zip(completions, answers):
+            got, want = self._units(_text(completion)), self._units(str(answer))
+            width = max(len(got), len(want), 1)
+            out.append(sum(a == b for a, b in zip(got, want)) / width)
+        return out
+
+
+class DigitMatchReward(PositionMatchReward):
+    """Partial credit for numbers: the share of characters that match the reference answer, aligned from the right
+    (units under units), over the longer of the two (:class:`PositionMatchReward` with ``align="right"``).
+
+    Args:
+        answer_column: dataset column with the reference answer.
+    """
+
+    def __init__(self, answer_column: str = "answer") -> None:
+        super().__init__(answer_column, align="right", name="digit_match")
+
+
+class NumericDistanceReward:
+    """Partial credit for a count or a small number: ``max(0, 1 - |got - want| / max(|want|, 1))``, with ``got`` the
+    last number in the completion (0 when it holds none). An answer one off a count of 4 scores 0.75.
 
     Args:
         answer_column: dataset column with the reference answer.
@@ -92,15 +140,17 @@ class DigitMatchReward:
 
     def __init__(self, answer_column: str = "answer") -> None:
         self.answer_column = answer_column
-        self.__name__ = "digit_match"
+        self.__name__ = "numeric_distance"
 
     def __call__(self, prompts: list[str], completions: list[Any], **columns: Any) -> list[float]:
         answers = _column(columns, self.answer_column, self.__name__)
         out = []
-        for completion, answer in zip(completions, answers):
-            got, want = _text(completion).strip(), str(answer).strip()
-            width = max(len(got), len(want), 1)
-            out.append(sum(a == b for a, b in zip(reversed(got), reversed(want))) / width)
+        for i, (completion, answer) in enumerate(zip(completions, answers)):
+            want = answer if isinstance(answer, (int, float)) else last_number(str(answer))
+            if want is None:
+                raise ValueError(f"{self.__name__}: reference answer {answer!r} of sample {i} holds no number")
+            got = last_number(_text(completion))
+            out.append(0.0 if got is None else max(0.0, 1.0 - abs(got - float(want)) / max(abs(float(want)), 1.0)))
         return out
 
 

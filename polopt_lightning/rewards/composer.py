@@ -149,6 +149,10 @@ class RewardComposer:
         """Replace the weights (dynamic weighting schedules call this between steps)."""
         self.weights = self._check_weights(weights)
 
+    def accuracy(self, per_function: Tensor, columns: Mapping[str, Any] | None = None, name: str | None = None) -> Tensor:
+        """``[N]`` the values of the function ``name`` (default: the first), whose mean is the accuracy."""
+        return per_function[:, self.names.index(name or self.names[0])]
+
     # ------------------------------------------------------------------------------------------------------------
     def __call__(self, prompts: list[str], completions: list[str], **columns: Any) -> RewardOutput:
         n = len(completions)

@@ -1,0 +1,148 @@
+"""Rewards of a task mixture: each row scored by the reward functions of its own task."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .composer import RewardComposer, RewardOutput, _nan_mean, _nan_std
+
+
+class MixtureRewards:
+    """One :class:`RewardComposer` per task; a batch's rows go to the composer their ``column`` names.
+
+    The result has the interface of a single composer: ``per_function`` is ``[N, F]`` over every task's functions
+    (named ``<task>/<function>``, NaN outside a row's own task), ``total`` the row's weighted sum under its task's
+    weights. Reward weights are set per function by that name (:meth:`set_weights`), so a reward-weight schedule
+    works on a mixture as on one task.
+
+    Args:
+        tasks: task name -> its composer (or a list of reward functions, composed with weight 1).
+        accuracy: task name -> the function whose mean is that task's accuracy (default: its first function).
+        column: the dataset column that names each row's task (:class:`~polopt_lightning.data.TaskMixture` adds it).
+    """
+
+    def __init__(self, tasks: Mapping[str, RewardComposer | Sequence[Any]], accuracy: Mapping[str, str] | None = None,
+                 column: str = "task") -> None:
+        if not tasks:
+            raise ValueError("MixtureRewards needs at least one task")
+        self.composers = {name: c if isinstance(c, RewardComposer) else RewardComposer(c) for name, c in tasks.items()}
+        self.tasks = list(self.composers)
+        self.column = column
+        accuracy = dict(accuracy or {})
+        unknown = sorted(set(accuracy) - set(self.tasks))
+        if unknown:
+            raise ValueError(f"reward accuracy names unknown tasks {unknown}; the tasks: {self.tasks}")
+        self.accuracy_names: dict[str, str] = {}
+        for task, composer in self.composers.items():
+            name = accuracy.get(task) or composer.names[0]
+            if name not in composer.names:
+                raise ValueError(f"the accuracy function of task {task!r} is {name!r}, which it does not have; "
+                                 f"its functions: {composer.names}")
+            self.accuracy_names[task] = name
+        self.names = [f"{task}/{fn}" for task, c in self.composers.items() for fn in c.names]
+        self._columns: dict[str, slice] = {}
+        start = 0
+        for task, composer in self.composers.items():
+            self._columns[task] = slice(start, start + len(composer.names))
+            start += len(composer.names)
+        self.on_error = "raise" if all(c.on_error == "raise" for c in self.composers.values()) else "none"
+
+    # ------------------------------------------------------------------------------------------------------------
+    @property
+    def weights(self) -> Tensor:
+        """Every function's weight, in the order of :attr:`names`."""
+        return torch.cat([c.weights for c in self.composers.values()])
+
+    def set_weights(self, weights: Sequence[float] | Mapping[str, float]) -> None:
+        """Replace weights: a list over :attr:`names`, or a mapping from ``<task>/<function>`` (others unchanged)."""
+        if isinstance(weights, Mapping):
+            unknown = sorted(set(weights) - set(self.names))
+            if unknown:
+                raise ValueError(f"reward weights name unknown functions {unknown}; known: {self.names}")
+            for task, composer in self.composers.items():
+                mine = {fn: float(weights[f"{task}/{fn}"]) for fn in composer.names if f"{task}/{fn}" in weights}
+                if mine:
+                    composer.set_weights({**dict(zip(composer.names, composer.weights.tolist())), **mine})
+            return
+        weights = [float(w) for w in weights]
+        if len(weights) != len(self.names):
+            raise ValueError(f"got {len(weights)} reward weights for {len(self.names)} reward functions {self.names}")
+        for task, composer in self.composers.items():
+            composer.set_weights(weights[self._columns[task]])
+
+    def task_ids(self, columns: Mapping[str, Any], n: int | None = None) -> Tensor:
+        """``[N]`` the index in :attr:`tasks` of each row's task, from ``columns[column]``."""
+        if self.column not in columns:
+            raise KeyError(f"a task mixture's rewards need the column {self.column!r} naming each row's task; the batch "
+                           f"has {sorted(columns)}")
+        names = columns[self.column]
+        ids = []
+        for i, name in enumerate(names):
+            if name not in self.composers:
+                raise ValueError(f"sample {i} belongs to task {name!r}, which has no rewards; the tasks: {self.tasks}")
+            ids.append(self.tasks.index(name))
+        if n is not None and len(ids) != n:
+            raise ValueError(f"column {self.column!r} has {len(ids)} values for {n} completions")
+        return torch.tensor(ids, dtype=torch.long)
+
+    # ------------------------------------------------------------------------------------------------------------
+    def __call__(self, prompts: list[str], completions: list[str], **columns: Any) -> RewardOutput:
+        n = len(completions)
+        ids = self.task_ids(columns, n)
+        per_function = torch.full((n, len(self.names)), float("nan"))
+        errors = torch.zeros(len(self.names))
+        for t, (task, composer) in enumerate(self.composers.items()):
+            rows = torch.nonzero(ids == t).flatten().tolist()
+            if not rows:
+                continue
+            sub = {k: ([v[i] for i in rows] if isinstance(v, (list, tuple)) else v) for k, v in columns.items()}
+            out = composer([prompts[i] for i in rows], [completions[i] for i in rows], **sub)
+            per_function[rows, self._columns[task]] = out.per_function
+            errors[self._columns[task]] = torch.stack([out.metrics[f"reward_errors/{fn}"] for fn in composer.names])
+        return RewardOutput(per_function=per_function, total=self.combine(per_function),
+                            metrics=self.summarize(per_function, errors))
+
+    def combine(self, per_function: Tensor) -> Tensor:
+        """Each row's total under its own task's weights (NaN where no function of its task gave a value)."""
+        total = torch.full((per_function.shape[0],), float("nan"))
+        for task, composer in self.composers.items():
+            part = composer.combine(per_function[:, self._columns[task]])
+            total = torch.where(torch.isfinite(part), part, total)
+        return total
+
+    def row_tasks(self, per_function: Tensor) -> Tensor:
+        """``[N]`` each row's task index as read from where its values are (-1: no value at all)."""
+        ids = torch.full((per_function.shape[0],), -1, dtype=torch.long)
+        for t, task in enumerate(self.tasks):
+            ids[torch.isfinite(per_function[:, self._columns[task]]).any(-1)] = t
+        return ids
+
+    def summarize(self, per_function: Tensor, errors: Tensor) -> dict[str, Tensor]:
+        """The metrics of one composer over the whole batch (names ``<task>/<function>``), plus ``<task>/reward``:
+        the mean total of that task's rows (NaN when the batch holds none)."""
+        total = self.combine(per_function)
+        metrics = {"reward": _nan_mean(total), "reward_std": _nan_std(total)}
+        ids = self.row_tasks(per_function)
+        for t, (task, composer) in enumerate(self.composers.items()):
+            mine = per_function[ids == t][:, self._columns[task]]
+            metrics[f"{task}/reward"] = _nan_mean(total[ids == t])
+            for j, fn in enumerate(composer.names):
+                col = mine[:, j]
+                metrics[f"rewards/{task}/{fn}/mean"] = _nan_mean(col)
+                metrics[f"rewards/{task}/{fn}/std"] = _nan_std(col)
+                metrics[f"rewards/{task}/{fn}/none_frac"] = ((~torch.isfinite(col)).float().mean() if col.numel()
+                                                            else col.new_zeros(()))
+                metrics[f"reward_errors/{task}/{fn}"] = errors[self._columns[task].start + j]
+        return metrics
+
+    def accuracy(self, per_function: Tensor, columns: Mapping[str, Any], name: str | None = None) -> Tensor:
+        """``[N]`` each row's accuracy: its own task's accuracy function (``name`` must be None)."""
+        if name is not None:
+            raise ValueError("a task mixture's accuracy is each task's own (MixtureRewards(accuracy={task: function}))")
+        ids = self.task_ids(columns, per_function.shape[0])
+        index = torch.tensor([self.names.index(f"{task}/{self.accuracy_names[task]}") for task in self.tasks])
+        return per_function.gather(1, index[ids][:, None]).squeeze(1)
