@@ -6,7 +6,7 @@ start per seed. The arms: task weights `static` (uniform), `signal` or `progress
 with the supervised anchor (`anchor=constant`), for GRPO and GSPO (two mini-batches per rollout: off-policy, where
 the two differ), for each seed.
 
-    python benchmarks/multitask.py --out docs/multitask --jobs 2           # the full study (about 40 min, 2 cores)
+    python benchmarks/multitask.py --out docs/multitask --runs /tmp/multitask --jobs 2   # the study (~35 min, 2 cores)
     python benchmarks/multitask.py --out /tmp/m --quick                    # a minute: the pipeline, not a result
     python benchmarks/multitask.py --out docs/multitask --summarize        # tables and plots from what is there
 
@@ -51,13 +51,14 @@ def run_name(objective: str, weights: str, anchor: str, seed: int) -> str:
 
 
 def run(runs: Path, objective: str, weights: str, anchor: str, seed: int, rollouts: int, val_every: int,
-        warm_start: float, quick: bool, cache: Path, threads: int) -> dict:
+        warm_start: float, lr: float, quick: bool, cache: Path, threads: int) -> dict:
     name = run_name(objective, weights, anchor, seed)
     run_dir = runs / name
     results_file = run_dir / "results.json"
     if not results_file.is_file():
         args = [sys.executable, "-m", "polopt_lightning", "experiment=multitask", f"objective={objective}",
                 f"weights={weights}", f"anchor={anchor}", f"seed={seed}", f"warm_start.target_accuracy={warm_start}",
+                f"module.lr={lr}",
                 f"trainer.max_steps={rollouts * 2}", f"trainer.val_check_interval={val_every}",
                 f"data.batch_size={PROMPTS}", f"module.num_generations={GENERATIONS}", "module.mini_batches=2",
                 # no checkpoint files: nothing resumes here
@@ -218,9 +219,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, required=True, help="results.csv, curves.csv, summary.md, plots")
     parser.add_argument("--runs", type=Path, help="the runs' own folders (default <out>/runs; keep them out of git)")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--rollouts", type=int, default=150, help="rollouts per run (64 completions each)")
+    parser.add_argument("--rollouts", type=int, default=300, help="rollouts per run (64 completions each)")
     parser.add_argument("--val-every", type=int, default=25, help="validate every this many rollouts")
-    parser.add_argument("--warm-start", type=float, default=0.4,
+    parser.add_argument("--lr", type=float, default=1e-4, help="module.lr (the default job's 4e-5 barely moves these "
+                                                                  "tasks in 300 rollouts)")
+    parser.add_argument("--warm-start", type=float, default=0.5,
                         help="warm_start.target_accuracy: greedy accuracy on a probe of the mixture's training prompts")
     parser.add_argument("--quick", action="store_true", help="a tiny model and budget: checks the pipeline only")
     parser.add_argument("--summarize", action="store_true", help="tables and plots from the runs already in --runs")
@@ -237,11 +240,12 @@ def main(argv: list[str] | None = None) -> None:
     if args.summarize:
         keys = [k for k in keys if (runs / run_name(*k) / "results.json").is_file()]
     else:  # one run per seed first, alone: it trains the seed's warm start that the others load
-        for seed in args.seeds:
-            run(runs, *arms(args.quick)[0], seed, rollouts, val_every, args.warm_start, args.quick, cache, threads)
+        for seed in args.seeds:  # (the first arm, which the pool then finds done)
+            run(runs, *arms(args.quick)[0], seed, rollouts, val_every, args.warm_start, args.lr, args.quick, cache,
+                threads)
     with ThreadPoolExecutor(args.jobs) as pool:  # each run is its own process; the threads only wait
-        rows = list(pool.map(lambda k: run(runs, *k, rollouts, val_every, args.warm_start, args.quick, cache, threads),
-                             keys))
+        rows = list(pool.map(lambda k: run(runs, *k, rollouts, val_every, args.warm_start, args.lr, args.quick, cache,
+                                           threads), keys))
     write_csv(rows, out / "results.csv")
     write_curves(runs, rows, out / "curves.csv")
     print(summarize(rows, out))

@@ -195,7 +195,7 @@ class MixtureSampler(DistributedSampler):
         self._pending: list[list[int]] = []  # compositions to replay first after a resume
         self._skip = 0
         self.start = 0  # the first batch index of the current iteration (after a resume: the batches done before)
-        self._records: dict[int, tuple[list[int], list[float], list[int]]] = {}
+        self._records: dict[int, tuple[list[int], list[int]]] = {}  # batch -> (cursors before it, its counts)
         self._perms: dict[int, tuple[int, list[int]]] = {}
 
     def set_weights(self, weights: list[float]) -> None:
@@ -221,26 +221,28 @@ class MixtureSampler(DistributedSampler):
         pending, self._pending = self._pending, []
         self._records = {}
         for j in range(start, self.batches):
-            before = (list(self.cursors), list(self.credit))
+            cursors = list(self.cursors)
             counts = pending.pop(0) if pending else allocate(self.weights, self.batch_size, self.credit)
-            self._records[j] = (*before, counts)
+            self._records[j] = (cursors, counts)
             for task, count in enumerate(counts):
-                for _ in range(count):
-                    yield self._row(task, self.cursors[task])
+                for _ in range(count):  # the cursor moves before the yield: a saved state never counts a row twice
+                    row = self._row(task, self.cursors[task])
                     self.cursors[task] += 1
+                    yield row
 
     def counts(self, index: int) -> list[int] | None:
         """The composition (prompts per task) of batch ``index`` of this epoch, once it has been drawn."""
         record = self._records.get(index)
-        return None if record is None else record[2]
+        return None if record is None else record[1]
 
     def mixture_state(self, consumed: int) -> dict[str, Any]:
         """Where the streams stand after ``consumed`` batches of this epoch were trained on."""
+        # the remainders are those after the last batch fetched: replaying the fetched ones leaves them there
         if consumed not in self._records:  # no batch fetched ahead: the streams stand where they are
             return {"cursors": list(self.cursors), "credit": list(self.credit), "pending": []}
-        cursors, credit, _ = self._records[consumed]
-        pending = [self._records[j][2] for j in sorted(self._records) if j >= consumed]
-        return {"cursors": list(cursors), "credit": list(credit), "pending": pending}
+        cursors, _ = self._records[consumed]
+        pending = [self._records[j][1] for j in sorted(self._records) if j >= consumed]
+        return {"cursors": list(cursors), "credit": list(self.credit), "pending": pending}
 
     def load_mixture_state(self, state: Mapping[str, Any], consumed: int) -> None:
         if len(state["cursors"]) != len(self.sizes):
