@@ -30,6 +30,9 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from stability import band_figure, median_range  # noqa: E402  (the same tables and plots)
+
 TASKS = ("sort", "reverse", "count")
 OBJECTIVES = ("grpo", "gspo")
 WEIGHTINGS = ("static", "signal", "progress")
@@ -100,13 +103,6 @@ def write_csv(rows: list[dict], path: Path) -> None:
         writer.writerows(rows)
 
 
-def _med(values: list[float]) -> str:
-    values = [v for v in values if v is not None]
-    if not values:
-        return "-"
-    return f"{100 * statistics.median(values):.1f} ({100 * min(values):.1f}-{100 * max(values):.1f})"
-
-
 def summarize(rows: list[dict], out: Path) -> str:
     """Per arm: median (range) over seeds of each task's best and final accuracy and of the overall accuracy; then
     each arm minus static-without-anchor of the same objective and seed (median and range of the paired
@@ -118,10 +114,10 @@ def summarize(rows: list[dict], out: Path) -> str:
     lines = [f"| objective | weights | anchor | seeds | before | {head} | all best | all final |",
              "|---|---|---|---|---|" + "---|---|" * len(TASKS) + "---|---|"]
     for (objective, weights, anchor), rs in sorted(groups.items()):
-        cells = " | ".join(f"{_med([r[f'{t}_best'] for r in rs])} | {_med([r[f'{t}_final'] for r in rs])}"
+        cells = " | ".join(f"{median_range([r[f'{t}_best'] for r in rs])} | {median_range([r[f'{t}_final'] for r in rs])}"
                            for t in TASKS)
-        lines.append(f"| {objective} | {weights} | {anchor} | {len(rs)} | {_med([r['accuracy_before'] for r in rs])} | "
-                     f"{cells} | {_med([r['accuracy_best'] for r in rs])} | {_med([r['accuracy_final'] for r in rs])} |")
+        lines.append(f"| {objective} | {weights} | {anchor} | {len(rs)} | {median_range([r['accuracy_before'] for r in rs])} | "
+                     f"{cells} | {median_range([r['accuracy_best'] for r in rs])} | {median_range([r['accuracy_final'] for r in rs])} |")
     lines += ["", "Paired against static weights without the anchor (same objective and seed), points: median "
               "(range) of the differences.", "",
               "| objective | weights | anchor | " + " | ".join(f"{t} final" for t in TASKS) + " | all best | all final |",
@@ -176,41 +172,15 @@ def curves(path: Path, prefix: str) -> dict:
 
 
 def plot(out: Path) -> list[Path]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     paths = []
     for prefix, title, name in (("weights/", "task weight", "weights"), ("val/", "held-out accuracy", "accuracy")):
         data = curves(out / "curves.csv", prefix)
         panels = sorted({k[:3] for k in data}, key=lambda p: (p[0], WEIGHTINGS.index(p[1]), p[2]))
-        if not panels:
-            continue
-        cols = len(WEIGHTINGS)
-        fig, axes = plt.subplots(-(-len(panels) // cols), cols, figsize=(4 * cols, 2.8 * -(-len(panels) // cols)),
-                                 squeeze=False, sharey=True)
-        for ax, panel in zip(axes.flat, panels):
-            for task in TASKS:
-                series = data.get((*panel, task))
-                if not series:
-                    continue
-                xs = sorted(series)
-                med = [statistics.median(series[x]) for x in xs]
-                line, = ax.plot(xs, med, label=task)
-                ax.fill_between(xs, [min(series[x]) for x in xs], [max(series[x]) for x in xs],
-                                color=line.get_color(), alpha=0.2)
-            ax.set_title(f"{panel[0]}, {panel[1]} weights, anchor {panel[2]}", fontsize=9)
-            ax.set_xlabel("rollout (64 completions each)")
-        for ax in axes.flat[len(panels):]:
-            ax.axis("off")
-        axes.flat[0].set_ylabel(title)
-        axes.flat[0].legend(fontsize=8)
-        fig.tight_layout()
-        path = out / f"{name}.png"
-        fig.savefig(path, dpi=70)
-        plt.close(fig)
-        paths.append(path)
+        if panels:
+            paths.append(band_figure(out / f"{name}.png", panels, list(TASKS),
+                                     lambda panel, task, data=data: data.get((*panel, task)),
+                                     lambda p: f"{p[0]}, {p[1]} weights, anchor {p[2]}", title, len(WEIGHTINGS),
+                                     height=2.8, dpi=70))
     return paths
 
 

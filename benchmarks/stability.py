@@ -137,19 +137,13 @@ def summarize(rows: list[dict], out: Path) -> str:
     for r in rows:
         groups.setdefault((r["mode"], r["warm_start"], r["off_policy"], r["lr"], r["objective"]), []).append(r)
 
-    def med(values):
-        values = [v for v in values if v is not None]
-        if not values:
-            return "-"
-        return f"{100 * statistics.median(values):.1f} ({100 * min(values):.1f}-{100 * max(values):.1f})"
-
     lines = ["| mode | warm start | policy | lr | objective | seeds | before | best | final | collapsed | events |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for (mode, warm, off, lr, objective), rs in sorted(groups.items(), key=lambda kv: (kv[0][0] != "warn", kv[0])):
         events = sorted({rule for r in rs for rule in r["event_rules"].split()})
         lines.append(f"| {mode} | {warm} | {off} | {lr:g} | {objective} | {len(rs)} | "
-                     f"{med([r['accuracy_before'] for r in rs])} | {med([r['accuracy_best'] for r in rs])} | "
-                     f"{med([r['accuracy_final'] for r in rs])} | {sum(bool(r['collapsed']) for r in rs)}/{len(rs)} | "
+                     f"{median_range([r['accuracy_before'] for r in rs])} | {median_range([r['accuracy_best'] for r in rs])} | "
+                     f"{median_range([r['accuracy_final'] for r in rs])} | {sum(bool(r['collapsed']) for r in rs)}/{len(rs)} | "
                      f"{', '.join(events) or '-'} |")
     text = "\n".join(lines) + "\n"
     (out / "summary.md").write_text(text)
@@ -184,46 +178,63 @@ def curves(path: Path, metric: str, mode: str = "warn") -> dict:
     return data
 
 
-def plot(out: Path) -> list[Path]:
+def median_range(values: list[float | None]) -> str:
+    """``median (min-max)`` in percent of the values that exist, ``-`` when none does."""
+    values = [v for v in values if v is not None]
+    if not values:
+        return "-"
+    return f"{100 * statistics.median(values):.1f} ({100 * min(values):.1f}-{100 * max(values):.1f})"
+
+
+def band_figure(path: Path, panels: list, lines: list, series_of, title_of, ylabel: str, cols: int, smooth: int = 0,
+                height: float = 3.0, dpi: int = 80) -> Path:
+    """One panel per entry of ``panels`` and in each one line per entry of ``lines``: ``series_of(panel, line)`` gives
+    ``{x: [one value per seed]}`` (or nothing), drawn as the median with a band from min to max (each smoothed over
+    ``smooth`` points when set)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    rows = -(-len(panels) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4 * cols, height * rows), squeeze=False, sharey=True)
+    for ax, panel in zip(axes.flat, panels):
+        for name in lines:
+            series = series_of(panel, name)
+            if not series:
+                continue
+            xs = sorted(series)
+            med = [statistics.median(series[x]) for x in xs]
+            lo = [min(series[x]) for x in xs]
+            hi = [max(series[x]) for x in xs]
+            if smooth:
+                med, lo, hi = (_smooth(v, smooth) for v in (med, lo, hi))
+            line, = ax.plot(xs, med, label=name)
+            ax.fill_between(xs, lo, hi, color=line.get_color(), alpha=0.2)
+        ax.set_title(title_of(panel), fontsize=9)
+        ax.set_xlabel("rollout (64 completions each)")
+    for ax in axes.flat[len(panels):]:
+        ax.axis("off")
+    axes.flat[0].set_ylabel(ylabel)
+    axes.flat[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=dpi)
+    plt.close(fig)
+    return path
+
+
+def plot(out: Path) -> list[Path]:
     paths = []
     for metric, title in (("val/accuracy", "held-out accuracy"), ("train/entropy", "entropy (nats/token)")):
         data = curves(out / "curves.csv", metric)
         panels = sorted({k[:3] for k in data})
         if not panels:
             continue
-        cols = min(4, len(panels))
-        fig, axes = plt.subplots(-(-len(panels) // cols), cols, figsize=(4 * cols, 3 * -(-len(panels) // cols)),
-                                 squeeze=False, sharey=True)
-        for ax, panel in zip(axes.flat, panels):
-            for objective in OBJECTIVES:
-                series = data.get((*panel, objective))
-                if not series:
-                    continue
-                xs = sorted(series)
-                # the metric is logged at the rollout index; a training curve is smoothed over 10 rollouts
-                med = [statistics.median(series[x]) for x in xs]
-                lo = [min(series[x]) for x in xs]
-                hi = [max(series[x]) for x in xs]
-                if metric.startswith("train/"):
-                    med, lo, hi = (_smooth(v, 10) for v in (med, lo, hi))
-                line, = ax.plot(xs, med, label=objective)
-                ax.fill_between(xs, lo, hi, color=line.get_color(), alpha=0.2)
-            ax.set_title(f"{panel[0]} start, {panel[1]}-policy, lr {panel[2]:g}", fontsize=9)
-            ax.set_xlabel("rollout (64 completions each)")
-        for ax in axes.flat[len(panels):]:
-            ax.axis("off")
-        axes.flat[0].set_ylabel(title)
-        axes.flat[0].legend(fontsize=8)
-        fig.tight_layout()
-        path = out / f"{metric.split('/')[1]}.png"
-        fig.savefig(path, dpi=80)
-        plt.close(fig)
-        paths.append(path)
+        # the metric is logged at the rollout index; a training curve is smoothed over 10 rollouts
+        paths.append(band_figure(out / f"{metric.split('/')[1]}.png", panels, list(OBJECTIVES),
+                                 lambda panel, objective, data=data: data.get((*panel, objective)),
+                                 lambda p: f"{p[0]} start, {p[1]}-policy, lr {p[2]:g}", title, min(4, len(panels)),
+                                 smooth=10 if metric.startswith("train/") else 0))
     return paths
 
 

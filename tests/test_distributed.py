@@ -34,9 +34,11 @@ def _update(tmp_path, world, *args):
     return torch.load(out, weights_only=True)
 
 
-@pytest.mark.parametrize("args", [("grpo", "micro_batch_tokens=40"), ("gspo", "advantage_scale=batch"),
-                                  ("dr_grpo", "beta=0.5"), ("grpo", "micro_batch_tokens=40", "strategy=fsdp", "beta=0.5")],
-                         ids=["grpo-token-mean-micro-batches", "gspo-batch-scale", "dr_grpo-kl", "fsdp-grpo-kl"])
+@pytest.mark.parametrize("args", [("grpo", "micro_batch_tokens=40"), ("gspo", "advantage_scale=batch", "anchor=0.5"),
+                                  ("dr_grpo", "beta=0.5"),
+                                  ("grpo", "micro_batch_tokens=40", "strategy=fsdp", "beta=0.5", "anchor=0.5")],
+                         ids=["grpo-token-mean-micro-batches", "gspo-batch-scale-anchor", "dr_grpo-kl",
+                              "fsdp-grpo-kl-anchor"])
 def test_one_ddp_update_equals_the_single_process_update(args, tmp_path):
     one = _update(tmp_path, 1, *[a for a in args if not a.startswith("strategy=")])
     two = _update(tmp_path, 2, *args)  # DDP, or FSDP2 (the weights sharded over the 2 processes)

@@ -62,3 +62,11 @@ def test_recipes_python_blocks_run(tmp_path, monkeypatch, capsys):
     assert "<user>2+3=\n<assistant>" in capsys.readouterr().out
     assert namespace["format_reward"]([""], [" 12"]) == [1.0]
     assert namespace["correctness"]([""], ["5"], answer=["5"]) == [1.0]
+
+
+def test_multitask_python_block_runs(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    blocks = list(_python_blocks(ROOT / "docs" / "multitask.md"))
+    assert len(blocks) == 1
+    exec(compile(blocks[0][0], "docs/multitask.md", "exec"), {})
+    assert "'sort':" in capsys.readouterr().out

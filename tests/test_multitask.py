@@ -462,3 +462,39 @@ def test_cli_mixture_names_bad_task_rewards(tmp_path):
     _set_hydra(cfg)
     with pytest.raises(ValueError, match=r"task.rewards names unknown tasks \['mul'\]"):
         train(cfg)
+
+
+def test_two_process_mixture_run_splits_every_task_and_reduces_its_metrics(tmp_path):
+    import csv
+    import json
+
+    from .test_cli import _cli
+
+    run = tmp_path / "run"
+    proc = _cli(MIXTURE_FAST + ["strategy=ddp_cpu", "weights=signal", "anchor=adaptive", "num_threads=1",
+                                f"hydra.run.dir={run}"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads((run / "results.json").read_text())
+    assert results["world_size"] == 2 and set(results["task_weights_final"]) == {"sort", "reverse", "count"}
+    rows = [r for r in csv.DictReader(open(run / "csv" / "version_0" / "metrics.csv")) if r.get("train/reward")]
+    assert len(rows) == 4
+    for r in rows:  # the prompts of both processes (3 each) in the per-task counts
+        assert sum(float(r[f"train/{t}/prompts"]) for t in ("sort", "reverse", "count")) == 6
+        assert float(r["train/anchor_coef"]) >= 0.05
+
+
+def test_adaptive_anchor_lambda_travels_in_the_checkpoint(tiny):
+    model, tok = tiny
+
+    def make():
+        return PolicyOptimizationModule(copy.deepcopy(model), tok, reward_fns=[ExactMatchReward()], num_generations=2,
+                                        anchor={"coef": 0.1, "schedule": "adaptive"})
+
+    first = make()
+    first.anchor.observe(1)
+    first.anchor.observe(1)
+    checkpoint = {}
+    first.on_save_checkpoint(checkpoint)
+    second = make()
+    second.on_load_checkpoint(checkpoint)
+    assert second.anchor.value == pytest.approx(0.4) and second.hparams["anchor"]["schedule"] == "adaptive"

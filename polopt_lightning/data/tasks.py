@@ -136,6 +136,11 @@ def _check_sizes(what: str, train_size: int, val_size: int, **lengths: tuple[int
             raise ValueError(f"{what}.{key}: need 1 <= min_{key} <= {key}, got {low} and {high}")
 
 
+def _check_alphabet(what: str, alphabet: str) -> None:
+    if not alphabet or any(c.isspace() or c in "=" for c in alphabet):
+        raise ValueError(f"{what}.alphabet must be non-empty, without spaces or '=', got {alphabet!r}")
+
+
 class _GeneratedTask(_TaskRewards):
     """Shared by the generated tasks: ``problem(rng) -> (prompt, answer)`` drawn until enough distinct prompts."""
 
@@ -264,8 +269,7 @@ class ReverseTask(_GeneratedTask):
 
     def __post_init__(self) -> None:
         _check_sizes("ReverseTask", self.train_size, self.val_size, length=(self.min_length, self.length))
-        if not self.alphabet or any(c.isspace() or c in "=" for c in self.alphabet):
-            raise ValueError(f"ReverseTask.alphabet must be non-empty, without spaces or '=', got {self.alphabet!r}")
+        _check_alphabet("ReverseTask", self.alphabet)
 
     def problem(self, rng: random.Random) -> tuple[str, str]:
         text = "".join(rng.choice(self.alphabet) for _ in range(rng.randint(self.min_length, self.length)))
@@ -298,8 +302,7 @@ class CountTask(_GeneratedTask):
 
     def __post_init__(self) -> None:
         _check_sizes("CountTask", self.train_size, self.val_size, length=(self.min_length, self.length))
-        if not self.alphabet or any(c.isspace() or c in "=" for c in self.alphabet):
-            raise ValueError(f"CountTask.alphabet must be non-empty, without spaces or '=', got {self.alphabet!r}")
+        _check_alphabet("CountTask", self.alphabet)
 
     def problem(self, rng: random.Random) -> tuple[str, str]:
         word = "".join(rng.choice(self.alphabet) for _ in range(rng.randint(self.min_length, self.length)))

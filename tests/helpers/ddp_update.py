@@ -1,6 +1,7 @@
 """One training step of the module under Lightning, in 1 process or under DDP on CPU processes (gloo).
 
-``python tests/helpers/ddp_update.py OUT WORLD OBJECTIVE [key=value ...]`` (``strategy=fsdp``: FSDP2 instead of DDP): rank 0 writes ``OUT`` (torch.save) with
+``python tests/helpers/ddp_update.py OUT WORLD OBJECTIVE [key=value ...]`` (``strategy=fsdp``: FSDP2 instead of DDP;
+``anchor=COEF``: with the supervised anchor): rank 0 writes ``OUT`` (torch.save) with
 the policy's weights after the step, the step's logged metrics, and every prompt's advantages. The prompts' completions
 do not depend on the number of processes (each prompt samples with a generator seeded by its own tokens), so a run
 with 1 process and ``4 * B`` prompts and one with 2 processes and ``2 * B`` prompts each train on the same rollouts.
@@ -79,7 +80,9 @@ def main() -> None:
         # plain SGD: the update is the gradient itself (Adam's first step would hide a wrong gradient scale)
         optimizer=partial(torch.optim.SGD, lr=0.5), rollout_engine=PerPromptEngine(),
         advantage_scale=options.get("advantage_scale"),
-        micro_batch_tokens=int(options["micro_batch_tokens"]) if "micro_batch_tokens" in options else None)
+        micro_batch_tokens=int(options["micro_batch_tokens"]) if "micro_batch_tokens" in options else None,
+        # the supervised anchor on the arithmetic answers: its NLL a token mean over every process's prompts
+        anchor={"coef": float(options["anchor"])} if "anchor" in options else None)
     if options.get("strategy") == "fsdp":
         from polopt_lightning.strategies import fsdp
 
