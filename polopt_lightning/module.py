@@ -638,13 +638,30 @@ class PolicyOptimizationModule(L.LightningModule):
             rank_zero_warn(f"step {self.global_step}: non-finite loss ({float(metrics['loss']):.4g}) or gradient norm "
                            f"({float(metrics['grad_norm']):.4g}); the update is skipped")
         elif self.max_grad_norm:
-            self.clip_gradients(optimizer, gradient_clip_val=self.max_grad_norm, gradient_clip_algorithm="norm")
+            if self._clips_in_place():  # the norm is known: one scaling pass, and none when it is within the limit
+                _scale_gradients(self.policy, self.max_grad_norm, metrics["grad_norm"])
+            else:
+                self.clip_gradients(optimizer, gradient_clip_val=self.max_grad_norm, gradient_clip_algorithm="norm")
         optimizer.step()
         # gradients are not needed past the step: freeing them leaves their memory to the next rollout (which holds
         # no activations but may hold a sampler copy or prepacked decoding weights)
         optimizer.zero_grad(set_to_none=True)
         scheduler.step()
         return metrics
+
+    def _clips_in_place(self) -> bool:
+        """Whether clipping can scale the gradients by the norm :func:`_grad_norm` measured, instead of Lightning's
+        ``clip_gradients`` measuring it again: gradients that no loss scaler holds scaled (``16-mixed`` has one), that
+        no DeepSpeed engine clips itself and that are whole on each process (FSDP2's are sharded DTensors)."""
+        if self._trainer is None:
+            return True
+        if getattr(self.trainer.precision_plugin, "scaler", None) is not None:
+            return False
+        if "deepspeed" in type(self.trainer.strategy).__name__.lower():
+            return False
+        from torch.distributed.tensor import DTensor
+
+        return not any(isinstance(p.grad, DTensor) for p in self.policy.parameters() if p.grad is not None)
 
     def accumulate_gradients(self, exp: Mapping[str, Any], rows: Tensor, record_old: bool = False) -> dict[str, Tensor]:
         """Backward of the objective on the completions ``rows``, in micro-batches; returns the step's metrics.
@@ -892,9 +909,26 @@ def _grad_norm(model: nn.Module) -> Tensor:
     if not grads:
         return torch.zeros(())
     if not any(isinstance(g, DTensor) for g in grads):
-        return torch.linalg.vector_norm(torch.stack([g.float().norm() for g in grads]))
+        # what torch.nn.utils.clip_grad_norm_ computes, the same way (one multi-tensor pass per device and dtype), so
+        # clipping with it (_scale_gradients) gives the same bits
+        groups: dict[tuple, list[Tensor]] = {}
+        for g in grads:
+            groups.setdefault((g.device, g.dtype), []).append(g)
+        norms = [n.to(grads[0].device) for group in groups.values() for n in torch._foreach_norm(group, 2)]
+        return torch.linalg.vector_norm(torch.stack(norms).float())
     squares = sum((g.to_local() if isinstance(g, DTensor) else g).float().pow(2).sum() for g in grads)
     return all_reduce(squares).sqrt()
+
+
+def _scale_gradients(model: nn.Module, max_norm: float, norm: Tensor) -> None:
+    """Clip by global norm with the norm already measured, as ``torch.nn.utils.clip_grad_norm_`` does (the same
+    factor ``max_norm / (norm + 1e-6)``, computed the same way, so the same bits), except that it skips the
+    multiplication when the factor is 1 (a pass over every gradient that changes nothing)."""
+    factor = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    if float(factor) < 1.0:
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        for device in dict.fromkeys(g.device for g in grads):
+            torch._foreach_mul_([g for g in grads if g.device == device], factor.to(device))
 
 
 def _pad_cat(tensors: list[Tensor], value: int | float, left: bool = False) -> Tensor:

@@ -144,6 +144,10 @@ class HFRolloutEngine(RolloutEngine):
             :class:`.fast_decode.PackedProjections`) where the model allows it: plain ``nn.Linear`` projections on
             the CPU in float32 (MKL) or bfloat16 (oneDNN), autocast off, not compiled. The packed copy is rebuilt at
             each rollout and freed after it (float32: MKL pads each packed matrix, up to ~8 MB for small ones).
+            At the Qwen2.5-0.5B shape (2 GB of weights, 8 rows, 16 tokens) generation alone is faster unpacked
+            (3.6-4.2 s against 4.7-6.9 s: packing copies every weight at each rollout), but the training pass after
+            it measured 1-2 s slower in every run, so the step gained nothing and packing stays on
+            (docs/performance.md, "At real scale").
         inference_mode: sample under ``torch.inference_mode`` instead of ``no_grad`` (less bookkeeping per
             operation; generation, medians of alternating repeats: tiny benchmark model 90 -> 83 ms, long-prompt
             2.64 -> 2.42 s); the returned tensors are ordinary copies. ``None`` decides: on for a plain
@@ -317,7 +321,7 @@ class HFRolloutEngine(RolloutEngine):
                 token = logits.argmax(-1)
             else:
                 filtered = filter_logits(logits / temperature, sampling.top_k, sampling.top_p)
-                token = torch.multinomial(torch.softmax(filtered, dim=-1), 1, generator=generator).squeeze(-1)
+                token = sample_tokens(torch.softmax(filtered, dim=-1), generator)
             token = torch.where(done, torch.full_like(token, pad_token_id), token)
             logps.append(torch.where(done, torch.zeros_like(logprobs_all[:, 0]),
                                      logprobs_all.gather(-1, token[:, None]).squeeze(-1)))
@@ -358,6 +362,26 @@ class HFRolloutEngine(RolloutEngine):
             finished=finished,
             group_size=G,
         )
+
+
+INVERSE_CDF_VOCAB = 32768  # from this vocabulary size on, tokens are drawn by inverse CDF (see sample_tokens)
+
+
+def sample_tokens(probs: Tensor, generator: torch.Generator | None = None) -> Tensor:
+    """One token per row ``[N]`` from the distributions ``probs`` ``[N, V]``.
+
+    ``torch.multinomial`` draws one exponential variate per vocabulary entry and row (a race): at a 152k-token
+    vocabulary that is 20 ms per decoded token on 2 CPU cores, more than the head's product. From
+    :data:`INVERSE_CDF_VOCAB` tokens on, each row instead draws one uniform number and takes the first token whose
+    cumulative probability (float64) exceeds it: the same distribution from N random numbers instead of N x V. Smaller
+    vocabularies keep ``torch.multinomial``, so their runs draw exactly the tokens they always did.
+    """
+    if probs.shape[-1] < INVERSE_CDF_VOCAB:
+        return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    cdf = probs.double().cumsum(-1)  # [N, V]
+    u = torch.rand(probs.shape[0], 1, generator=generator, device=probs.device, dtype=torch.float64) * cdf[:, -1:]
+    # the first index whose cumulative mass exceeds u; a zero-probability token (a flat cdf step) is never chosen
+    return torch.searchsorted(cdf, u, right=True).squeeze(-1).clamp(max=probs.shape[-1] - 1)
 
 
 def _stateless(model: nn.Module) -> bool:
