@@ -374,8 +374,8 @@ class AnchorScheduler(L.Callback):
         if self.rules is not None:
             metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val/")}
             found = self.rules.observe_validation(trainer.global_step, self._rollouts, metrics)
-            if found:
-                anchor.value = min(anchor.max_coef, anchor.value * anchor.raise_factor)
+            if found:  # raised as at a step with events (no relaxing here: a validation is not a step)
+                self._events(trainer, len(found))
 
     def state_dict(self) -> dict[str, Any]:
         return {"rules": self.rules.state_dict() if self.rules is not None else None, "rollouts": self._rollouts}

@@ -49,7 +49,6 @@ class MixtureRewards:
         for task, composer in self.composers.items():
             self._columns[task] = slice(start, start + len(composer.names))
             start += len(composer.names)
-        self.on_error = "raise" if all(c.on_error == "raise" for c in self.composers.values()) else "none"
 
     # ------------------------------------------------------------------------------------------------------------
     @property
