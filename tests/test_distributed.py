@@ -109,11 +109,49 @@ def test_two_process_resume_continues_every_process(strategy, tmp_path):
 
 
 def _free_port():
+    """A free port below the kernel's ephemeral range. A process that retries connecting to a port inside that range
+    before its server listens can be given that very port as its own source port and connect to itself (TCP
+    self-connect); the server then fails to bind it and the client waits for ever: once in CI."""
+    import random
     import socket
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    try:
+        low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    for port in random.sample(range(min(low, 32768) - 8000, min(low, 32768)), 200):
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port found below the ephemeral range")
+
+
+def _wait_all(procs, files, timeout):
+    """Wait for every process; when one fails or the time runs out, stop the others (a survivor would wait for its
+    peer until the process group's timeout) and fail with every process's stderr. Returns (stdout, stderr) each."""
+    import os
+    import signal
+    import time
+
+    deadline = time.monotonic() + timeout
+    while any(p.poll() is None for p in procs):
+        failed = any(p.poll() not in (None, 0) for p in procs)
+        if failed or time.monotonic() > deadline:
+            for p in procs:  # the whole session: torchrun's worker too
+                if p.poll() is None:
+                    os.killpg(p.pid, signal.SIGKILL)
+            break
+        time.sleep(0.2)
+    for p in procs:
+        p.wait()
+    outputs = [(out.read_text(), err.read_text()) for out, err in files]
+    report = "\n".join(f"--- process {i}: exit {p.returncode}\n{err[-3000:]}"
+                        for i, (p, (_, err)) in enumerate(zip(procs, outputs)))
+    assert all(p.returncode == 0 for p in procs), report
+    return outputs
 
 
 @pytest.mark.parametrize("launcher", ["torchrun", "slurm"])
@@ -137,11 +175,10 @@ def test_two_nodes_launched_by_torchrun_or_slurm(launcher, tmp_path):
                        SLURM_NODELIST="127.0.0.1", SLURM_PROCID=str(node), SLURM_LOCALID="0", SLURM_NODEID=str(node),
                        MASTER_PORT=str(port))
             command = [sys.executable, "-m", "polopt_lightning", *args]
-        procs.append(subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                      text=True))
-    outputs = [p.communicate(timeout=300) for p in procs]
-    for proc, (_, err) in zip(procs, outputs):
-        assert proc.returncode == 0, err[-3000:]
+        out, err = (open(tmp_path / f"node{node}.{kind}", "w+") for kind in ("out", "err"))
+        procs.append(subprocess.Popen(command, cwd=tmp_path, env=env, stdout=out, stderr=err, text=True,
+                                      start_new_session=True))
+    outputs = _wait_all(procs, [(tmp_path / f"node{n}.out", tmp_path / f"node{n}.err") for n in (0, 1)], timeout=300)
     results = json.loads((run / "results.json").read_text())
     assert results["world_size"] == 2 and results["steps"] == 2
     assert (run / "train_ddp_process_1.log").is_file() and (run / "model" / "config.json").is_file()
