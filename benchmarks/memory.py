@@ -61,6 +61,16 @@ def make_model(shape: str, folder: str) -> None:
     tok.save_pretrained(folder)
 
 
+def ensure_model(shape: str, folder: str) -> None:
+    """:func:`make_model` in a process of its own unless ``folder`` holds a model already (the caller stays small)."""
+    if (Path(folder) / "config.json").is_file():
+        return
+    code, _, err = run_child([sys.executable, "-c", f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); "
+                              f"from memory import make_model; make_model({shape!r}, {folder!r})"])
+    if code:
+        raise SystemExit(f"building the model failed:\n{err[-3000:]}")
+
+
 def prompts() -> list[str]:
     rng = random.Random(0)
     alphabet = "abcdefghijklmnopqrstuvwxyz0123456789 +-="
@@ -89,12 +99,23 @@ def lora_config():
     return Adapter(kind="lora", target_modules=list(LLAMA_TARGETS), **LORA)
 
 
-def run_polopt(folder: str, setting: str, steps: int) -> tuple[list[float], float]:
+def run_polopt(folder: str, setting: str, steps: int, overrides: dict | None = None, baton=None,
+               phases: Phases | None = None) -> tuple[list[float], float]:
+    """``steps`` RL steps of the job; returns each step's seconds and the peak resident memory of loading.
+
+    ``overrides``: module arguments changed (the key ``precision`` is the Trainer's); ``baton``: wait for a turn
+    before each step (:class:`throughput.Baton`); ``phases``: record each step's phases (:class:`Phases`)."""
     import lightning as L
 
     from polopt_lightning import PolicyOptimizationModule, PromptDataModule
     from polopt_lightning.models import Quantization, load_pretrained, prepare_policy
 
+    overrides = dict(overrides or {})
+    precision = overrides.pop("precision", "32-true")
+    if "engine" in overrides:  # HFRolloutEngine arguments, e.g. engine={"dtype":"bfloat16","release_copy":false}
+        from polopt_lightning.rollout import HFRolloutEngine
+
+        overrides["rollout_engine"] = HFRolloutEngine(**overrides.pop("engine"))
     quant, adapter = SETTINGS[setting]
     model, tok = load_pretrained(folder, dtype="float32", quantization=quant)
     if adapter == "lora":
@@ -104,26 +125,40 @@ def run_polopt(folder: str, setting: str, steps: int) -> tuple[list[float], floa
     n = JOB["new_tokens"]
     module = PolicyOptimizationModule(
         model, tok, objective={"name": "grpo", "beta": JOB["beta"]}, reward_fns=[length_reward],
-        num_generations=JOB["generations"], generation={"max_new_tokens": n, "min_new_tokens": n}, lr=JOB["lr"])
+        num_generations=JOB["generations"], generation={"max_new_tokens": n, "min_new_tokens": n}, lr=JOB["lr"],
+        **overrides)
+    if phases is not None:
+        phases.wrap(module, "rollout", "rollout")
+        phases.wrap(module, "reference_logprobs", "reference")
+        phases.wrap(module, "accumulate_gradients", "training")  # forward and backward of every mini-batch
     times: list[float] = []
 
     class Timer(L.Callback):
         def on_train_batch_start(self, *args):
+            if baton:
+                baton.wait("polopt")
+            if phases is not None:
+                phases.start()
             self.t = time.perf_counter()
 
         def on_train_batch_end(self, *args):
             times.append(time.perf_counter() - self.t)
+            if phases is not None:
+                phases.end(times[-1])
 
     trainer = L.Trainer(max_steps=steps, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                        limit_val_batches=0, callbacks=[Timer()])
+                        limit_val_batches=0, callbacks=[Timer()], precision=precision)
     load_peak = peak_rss_gib()
     reset_peak()
     trainer.fit(module, datamodule=data)
     return times, load_peak
 
 
-def run_trl(folder: str, setting: str, steps: int) -> tuple[list[float], float]:
+def run_trl(folder: str, setting: str, steps: int, overrides: dict | None = None, baton=None,
+            phases: Phases | None = None) -> tuple[list[float], float]:
+    """TRL's GRPOTrainer on the same job (see :func:`run_polopt`; ``overrides``: GRPOConfig arguments)."""
+    import torch
     from datasets import Dataset
     from transformers import AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
@@ -133,31 +168,74 @@ def run_trl(folder: str, setting: str, steps: int) -> tuple[list[float], float]:
     quant, adapter = SETTINGS[setting]
     tok = AutoTokenizer.from_pretrained(folder)
     n = JOB["new_tokens"]
-    config = GRPOConfig(
-        output_dir=tempfile.mkdtemp(prefix="trl_memory_"), use_cpu=True, bf16=False, fp16=False, report_to="none",
-        save_strategy="no", per_device_train_batch_size=JOB["prompts"] * JOB["generations"],
-        gradient_accumulation_steps=1, num_generations=JOB["generations"], max_completion_length=n,
-        generation_kwargs={"min_new_tokens": n}, temperature=1.0, beta=JOB["beta"], num_iterations=1,
-        learning_rate=JOB["lr"], max_steps=steps, logging_steps=1, disable_dropout=True, shuffle_dataset=False,
-        dataloader_num_workers=0, seed=0, gradient_checkpointing=False, model_init_kwargs={"dtype": "float32"})
+    config = GRPOConfig(**{
+        **dict(output_dir=tempfile.mkdtemp(prefix="trl_memory_"), use_cpu=True, bf16=False, fp16=False,
+               report_to="none", save_strategy="no", per_device_train_batch_size=JOB["prompts"] * JOB["generations"],
+               gradient_accumulation_steps=1, num_generations=JOB["generations"], max_completion_length=n,
+               generation_kwargs={"min_new_tokens": n}, temperature=1.0, beta=JOB["beta"], num_iterations=1,
+               learning_rate=JOB["lr"], max_steps=steps, logging_steps=1, disable_dropout=True,
+               shuffle_dataset=False, dataloader_num_workers=0, seed=0, gradient_checkpointing=False,
+               model_init_kwargs={"dtype": "float32"}),
+        **(overrides or {})})
     times: list[float] = []
 
     class Timer(TrainerCallback):
         def on_step_begin(self, args, state, control, **kw):
+            if baton:
+                baton.wait("trl")
+            if phases is not None:
+                phases.start()
             self.t = time.perf_counter()
 
         def on_step_end(self, args, state, control, **kw):
             times.append(time.perf_counter() - self.t)
+            if phases is not None:
+                phases.end(times[-1])
 
     trainer = GRPOTrainer(
         model=folder, reward_funcs=[length_reward], args=config, processing_class=tok,
         train_dataset=Dataset.from_list([{"prompt": p} for p in prompts()]), callbacks=[Timer()],
         quantization_config=Quantization(mode=quant).bnb_config(),
         peft_config=lora_config().peft_config(None) if adapter == "lora" else None)
+    if phases is not None:
+        phases.wrap(trainer, "_generate", "rollout")
+        # the same function scores the reference (no gradient) and runs the training forward (with gradient)
+        phases.wrap(trainer, "_get_per_token_logps_and_entropies",
+                    lambda: "training" if torch.is_grad_enabled() else "reference")
+        phases.wrap(trainer.accelerator, "backward", "training")
     load_peak = peak_rss_gib()
     reset_peak()
     trainer.train()
     return times, load_peak
+
+
+class Phases:
+    """Wall time of named phases inside each step: ``wrap`` times every call of a method under a phase name (or a
+    function of no arguments that names it at call time); ``end`` closes a step, its remainder going to ``rest`` (for
+    both trainers: rewards, advantages, the gradient norm and clipping, the optimizer step, zeroing, bookkeeping)."""
+
+    def __init__(self) -> None:
+        self.steps: list[dict[str, float]] = []
+        self.current: dict[str, float] = {}
+
+    def wrap(self, obj, name: str, phase) -> None:
+        inner = getattr(obj, name)
+
+        def timed(*args, **kwargs):
+            key = phase() if callable(phase) else phase
+            t = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                self.current[key] = self.current.get(key, 0.0) + time.perf_counter() - t
+
+        setattr(obj, name, timed)
+
+    def start(self) -> None:
+        self.current = {}
+
+    def end(self, step_s: float) -> None:
+        self.steps.append({**self.current, "rest": step_s - sum(self.current.values())})
 
 
 def child(impl: str, setting: str, folder: str, steps: int, threads: int) -> None:
@@ -190,11 +268,7 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory(prefix="polopt_memory_") as tmp:
         folder = args.model_dir or tmp
-        if not (Path(folder) / "config.json").is_file():
-            code, out, err = run_child([sys.executable, "-c", f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); "
-                                        f"from memory import make_model; make_model({args.shape!r}, {folder!r})"])
-            if code:
-                raise SystemExit(f"building the model failed:\n{err[-3000:]}")
+        ensure_model(args.shape, folder)
         rows = []
         for setting in args.settings:
             for impl in args.impls:

@@ -7,11 +7,59 @@ from torch import Tensor, nn
 
 from ._hf import cache_argument, output_cache, positions_from_mask
 
-# Rows of [*, V] logits processed at once: memory for the softmax stays at chunk x V whatever the batch.
-DEFAULT_CHUNK_ROWS = 1024
+# Elements of [rows, V] logits processed at once: temporaries stay at ~32 MiB in float32 whatever the batch and the
+# vocabulary (55 rows of a 151,936-token vocabulary; every row of a small one).
+CHUNK_ELEMENTS = 2**23
+DEFAULT_CHUNK_ROWS = None  # rows per chunk: CHUNK_ELEMENTS // V
 
 
-def selective_log_softmax(logits: Tensor, index: Tensor, temperature: float = 1.0, chunk_rows: int = DEFAULT_CHUNK_ROWS,
+class _ChosenLogProbs(torch.autograd.Function):
+    """``log_softmax(x / t)[index]`` and (optionally) the entropy, chunk by chunk over the rows of ``x: [R, V]``.
+
+    Forward keeps only the ``[R]`` log-normalisers besides the logits it was given; backward writes the logits'
+    gradient, ``g / t * (onehot(index) - softmax(x / t))``, into one ``[R, V]`` tensor, chunk by chunk. Autograd
+    through the same operations would allocate a full-size zero tensor per chunk for the gather's gradient and another
+    for the slice's, plus the exponentials: at a 152k vocabulary several full-vocabulary temporaries per row. The
+    operations are those autograd runs, in the same order, so the results are the same bits (tested)."""
+
+    @staticmethod
+    def forward(ctx, logits: Tensor, index: Tensor, temperature: float, rows: int, with_entropy: bool):
+        R = logits.shape[0]
+        lse = logits.new_empty(R, dtype=torch.float32)
+        chosen = torch.empty_like(lse)
+        entropy = torch.empty_like(lse) if with_entropy else lse.new_empty(0)
+        for start in range(0, R, rows):
+            chunk = logits[start : start + rows].float()
+            if temperature != 1.0:
+                chunk = chunk / temperature
+            part = torch.logsumexp(chunk, dim=-1)
+            lse[start : start + rows] = part
+            chosen[start : start + rows] = chunk.gather(-1, index[start : start + rows, None]).squeeze(-1)
+            if with_entropy:
+                entropy[start : start + rows] = part - (torch.softmax(chunk, dim=-1) * chunk).sum(-1)
+        ctx.save_for_backward(logits, index, lse)
+        ctx.temperature, ctx.rows = temperature, rows
+        ctx.mark_non_differentiable(entropy)
+        return chosen - lse, entropy
+
+    @staticmethod
+    def backward(ctx, grad: Tensor, _grad_entropy: Tensor):
+        logits, index, lse = ctx.saved_tensors
+        temperature, rows = ctx.temperature, ctx.rows
+        out = torch.empty_like(logits)
+        for start in range(0, logits.shape[0], rows):
+            chunk = logits[start : start + rows].float()
+            if temperature != 1.0:
+                chunk = chunk / temperature
+            g = grad[start : start + rows, None]
+            part = -g * (chunk - lse[start : start + rows, None]).exp()  # the log-normaliser's share
+            part.scatter_add_(-1, index[start : start + rows, None], g)  # the chosen entry's
+            out[start : start + rows] = part / temperature if temperature != 1.0 else part
+        return out, None, None, None, None
+
+
+def selective_log_softmax(logits: Tensor, index: Tensor, temperature: float = 1.0,
+                          chunk_rows: int | None = DEFAULT_CHUNK_ROWS,
                           with_entropy: bool = False) -> tuple[Tensor, Tensor | None]:
     """``log_softmax(logits / temperature).gather(-1, index)`` chunk by chunk, in float32.
 
@@ -19,6 +67,7 @@ def selective_log_softmax(logits: Tensor, index: Tensor, temperature: float = 1.
         logits: ``[..., V]``.
         index: ``[...]`` chosen token ids.
         temperature: the sampling temperature the log-probs must match.
+        chunk_rows: rows per chunk; ``None``: as many as keep a chunk at ``CHUNK_ELEMENTS``.
         with_entropy: also return the per-position entropy of the tempered distribution (no gradient).
 
     Returns:
@@ -26,21 +75,12 @@ def selective_log_softmax(logits: Tensor, index: Tensor, temperature: float = 1.
     """
     shape = index.shape
     flat_logits = logits.reshape(-1, logits.shape[-1])
-    flat_index = index.reshape(-1)
-    out, ent = [], []
-    for start in range(0, flat_logits.shape[0], chunk_rows):
-        chunk = flat_logits[start : start + chunk_rows].float()
-        if temperature != 1.0:
-            chunk = chunk / temperature
-        lse = torch.logsumexp(chunk, dim=-1)
-        out.append(chunk.gather(-1, flat_index[start : start + chunk_rows, None]).squeeze(-1) - lse)
-        if with_entropy:
-            with torch.no_grad():
-                probs = torch.softmax(chunk, dim=-1)
-                ent.append(lse - (probs * chunk).sum(-1))
-    logp = torch.cat(out).view(shape) if out else flat_logits.new_zeros(shape, dtype=torch.float32)
-    entropy = (torch.cat(ent).view(shape) if ent else logp.detach().new_zeros(shape)) if with_entropy else None
-    return logp, entropy
+    if flat_logits.shape[0] == 0:
+        empty = flat_logits.new_zeros(shape, dtype=torch.float32)
+        return empty, (empty.detach() if with_entropy else None)
+    rows = chunk_rows or max(1, CHUNK_ELEMENTS // max(1, logits.shape[-1]))
+    logp, entropy = _ChosenLogProbs.apply(flat_logits, index.reshape(-1), float(temperature), rows, with_entropy)
+    return logp.view(shape), (entropy.view(shape) if with_entropy else None)
 
 
 def completion_logprobs(

@@ -46,3 +46,68 @@ def test_clipping_with_the_measured_norm_is_torchs_clip_to_the_bit(max_norm):
     expected = torch.nn.utils.clip_grad_norm_(list(twin.parameters()), max_norm)
     assert torch.equal(norm, expected)
     assert all(torch.equal(a.grad, b.grad) for a, b in zip(model.parameters(), twin.parameters()))
+
+
+def _autograd_log_softmax(logits, index, temperature, rows, with_entropy):
+    """The chunked computation through autograd (what selective_log_softmax did before its own backward)."""
+    flat, idx = logits.reshape(-1, logits.shape[-1]), index.reshape(-1)
+    out, ent = [], []
+    for start in range(0, flat.shape[0], rows):
+        chunk = flat[start:start + rows].float()
+        if temperature != 1.0:
+            chunk = chunk / temperature
+        lse = torch.logsumexp(chunk, dim=-1)
+        out.append(chunk.gather(-1, idx[start:start + rows, None]).squeeze(-1) - lse)
+        if with_entropy:
+            with torch.no_grad():
+                ent.append(lse - (torch.softmax(chunk, dim=-1) * chunk).sum(-1))
+    return torch.cat(out).view(index.shape), (torch.cat(ent).view(index.shape) if with_entropy else None)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_chunked_log_probs_have_autograds_bits_values_and_gradients(dtype, temperature):
+    from polopt_lightning.logprobs import selective_log_softmax
+
+    torch.manual_seed(0)
+    logits = (3 * torch.randn(3, 7, 50)).to(dtype)
+    index = torch.randint(0, 50, (3, 7))
+    weights = torch.randn(3, 7)
+    results = []
+    for fn in (selective_log_softmax, _autograd_log_softmax):
+        x = logits.clone().requires_grad_(True)
+        lp, ent = fn(x, index, temperature, 4, True)  # 21 rows in chunks of 4
+        (lp * weights).sum().backward()
+        results.append((lp.detach(), ent, x.grad))
+    for got, expected in zip(*results):
+        assert got.dtype == expected.dtype and torch.equal(got, expected)
+
+
+def test_chunked_log_probs_at_a_152k_vocabulary_stay_within_their_chunk():
+    """At Qwen2.5's vocabulary each chunk is 55 rows (32 MiB in float32), and the values and gradients are those of a
+    full log_softmax."""
+    from polopt_lightning import logprobs
+
+    V = 151936
+    torch.manual_seed(0)
+    logits = torch.randn(2, 64, V, requires_grad=True)
+    index = torch.randint(0, V, (2, 64))
+    sizes, real = [], torch.logsumexp
+
+    def spy(x, *a, **k):
+        sizes.append(x.numel() * x.element_size())
+        return real(x, *a, **k)
+
+    torch.logsumexp = spy
+    try:
+        lp, ent = logprobs.selective_log_softmax(logits, index, with_entropy=True)
+    finally:
+        torch.logsumexp = real
+    assert logprobs.CHUNK_ELEMENTS // V == 55 and max(sizes) == 55 * V * 4 and len(sizes) == 3  # 128 rows: 55+55+18
+    lp.sum().backward()
+    log_p = torch.log_softmax(logits.detach(), -1)
+    torch.testing.assert_close(lp.detach(), log_p.gather(-1, index[..., None]).squeeze(-1))
+    torch.testing.assert_close(ent, -(log_p.exp() * log_p).sum(-1), atol=1e-4, rtol=1e-5)
+    expected = -log_p.exp()
+    expected.scatter_add_(-1, index[..., None], torch.ones(2, 64, 1))
+    torch.testing.assert_close(logits.grad, expected)

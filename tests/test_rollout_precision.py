@@ -44,6 +44,33 @@ def test_bf16_sampler_is_a_copy_that_follows_the_policy(tiny):
     assert synced()
 
 
+def test_a_released_sampling_copy_samples_the_same_and_holds_no_weights_between_rollouts(tiny):
+    """``release_copy``: the copy's weights are freed after each rollout and cast afresh at the next one, tokens and
+    log-probs the same bits as with the copy kept; the 256 MiB rule keeps a small copy."""
+    model, tok = tiny
+    ids, mask = _prompts(tok, ["12+34=", "5+6="])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    engines = {True: HFRolloutEngine(dtype="bfloat16", release_copy=True),
+               False: HFRolloutEngine(dtype="bfloat16", release_copy=False)}
+    for step in range(2):
+        outs = {key: e.generate(model, ids, mask, 3, SamplingConfig(max_new_tokens=5), tok.eos_token_id,
+                                tok.pad_token_id, torch.Generator().manual_seed(step)) for key, e in engines.items()}
+        assert torch.equal(outs[True].completion_ids, outs[False].completion_ids)
+        assert torch.equal(outs[True].sampling_logprobs, outs[False].sampling_logprobs)
+        released = engines[True]._sampler[1]
+        assert all(p.numel() == 0 and p.dtype == torch.bfloat16 for p in released.parameters())
+        assert all(p.numel() > 0 for p in engines[False]._sampler[1].parameters())
+        model(input_ids=torch.tensor([[3, 4, 5]])).logits.sum().backward()  # the policy moves between rollouts
+        optimizer.step()
+        optimizer.zero_grad()
+    assert engines[True].sampling_model(model) is released  # the same modules, weights cast afresh
+    assert all(torch.equal(s, p.detach().to(torch.bfloat16)) for s, p in zip(released.parameters(),
+                                                                              model.parameters()))
+    auto = HFRolloutEngine(dtype="bfloat16")  # None: a copy under 256 MiB is kept
+    auto.generate(model, ids, mask, 2, SamplingConfig(max_new_tokens=2), tok.eos_token_id, tok.pad_token_id)
+    assert all(p.numel() > 0 for p in auto._sampler[1].parameters())
+
+
 def test_bf16_sampling_logprobs_are_close_to_the_fp32_forward(tiny):
     model, tok = tiny
     ids, mask = _prompts(tok, ["12+34=", "5+6="])

@@ -154,12 +154,19 @@ class HFRolloutEngine(RolloutEngine):
             ``transformers`` model whose linear layers are ``nn.Linear`` itself, off for quantized layers
             (bitsandbytes builds state in its forward, which must not become inference tensors) and adapters
             (peft). Set ``False`` for a model whose modules keep tensors made during the forward.
+        release_copy: free the sampling copy's weights (``dtype`` above, or the autocast copy) after each rollout
+            and cast them afresh at the next, instead of keeping them through the training pass, where they would
+            add to the step's peak (1 GB at 0.5B in bf16). ``None`` decides: on when the copy holds at least
+            256 MiB and the step is not compiled (a small copy costs nothing to keep, a compiled step would
+            recompile for new storage).
     """
 
     def __init__(self, fast_decode: bool = True, dtype: torch.dtype | str | None = None, compile: bool = False,
                  shared_prompt_kv: bool | None = None, packed_weights: bool = True,
-                 inference_mode: bool | None = None) -> None:
+                 inference_mode: bool | None = None, release_copy: bool | None = None) -> None:
         self.fast_decode = fast_decode
+        self.release_copy = release_copy
+        self._released = False
         self.inference_mode = inference_mode
         self.packed_weights = packed_weights
         self.shared_prompt_kv = shared_prompt_kv
@@ -209,11 +216,29 @@ class HFRolloutEngine(RolloutEngine):
         # the refresh during `fit` cannot write
         with torch.inference_mode(False), torch.no_grad():
             if self._sampler is None or self._sampler[0] is not model or float_dtype(self._sampler[1]) != dtype:
-                self._sampler, self._compiled = (model, frozen_copy(model, dtype, "rollout_dtype")), None
+                self._sampler, self._compiled, self._released = (model, frozen_copy(model, dtype, "rollout_dtype")), \
+                    None, False
+            elif self._released:  # its weights were freed after the last rollout: cast them afresh
+                for kept, weight in zip(self._sampler[1].parameters(), model.parameters()):
+                    kept.data = weight.detach().to(dtype)
+                self._released = False
             else:  # refresh every time: an in-place optimizer step leaves no trace to test for (fused AdamW keeps
                 # tensor versions), and the copy costs one read of the weights, small next to sampling
                 torch._foreach_copy_(list(self._sampler[1].parameters()), list(model.parameters()))
         return self._sampler[1]
+
+    def _release(self, sampler: nn.Module) -> None:
+        """Free the sampling copy's weights after a rollout (``release_copy``); the modules stay for the next one."""
+        if self._sampler is None or sampler is not self._sampler[1]:
+            return
+        params = list(sampler.parameters())
+        release = self.release_copy
+        if release is None:
+            release = not self.compile and sum(p.numel() * p.element_size() for p in params) >= 2**28
+        if release:
+            for p in params:
+                p.data = p.data.new_empty(0)
+            self._released = True
 
     @torch.no_grad()
     def generate(self, model, prompt_ids, prompt_mask, num_generations, sampling, eos_token_id, pad_token_id,
@@ -232,6 +257,7 @@ class HFRolloutEngine(RolloutEngine):
                                        pad_token_id, generator)
         finally:
             sampler.train(was_training)
+            self._release(sampler)
         if inference:  # inference tensors cannot be saved for backward: the training pass gets ordinary copies
             batch = replace(batch, **{f.name: getattr(batch, f.name).clone() for f in fields(batch)
                                       if isinstance(getattr(batch, f.name), Tensor)})

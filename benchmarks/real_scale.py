@@ -1,0 +1,307 @@
+"""The step at real scale, phase by phase against its floors: polopt against TRL's GRPOTrainer on the job of
+``memory.py`` (a model shaped like Qwen2.5-0.5B: 494M parameters, tied embeddings, vocabulary 151,936; random weights
+from its config numbers, no download), under full fine-tuning in fp32, full fine-tuning under bf16 autocast, LoRA
+and nf4+LoRA, with the same settings on both sides.
+
+    python benchmarks/real_scale.py --settings fp32 --impls polopt 'polopt:rollout_dtype="bfloat16"' trl
+    python benchmarks/real_scale.py --settings bf16-mixed lora nf4+lora --interleave
+    python benchmarks/real_scale.py --shape small --steps 3 --trials 1 --impls polopt     # a smoke run (seconds)
+    python benchmarks/real_scale.py --summarize a.json b.json                             # runs pooled
+
+The harness and statistics are ``throughput.py``'s: each (setting, implementation) trial runs in a fresh process;
+``--interleave`` runs a trial's implementations side by side, taking turns step by step (step i of each ran back to
+back, so the machine's drift hits both), where their memory fits beside each other (the estimate is printed; full
+fine-tuning at 0.5B needs ~12 GiB a process, so on a 24 GiB machine those trials run one after the other, alternating
+the implementations). Speed-ups are the median of per-step ratios (step i of trial k of each), with a 95% bootstrap
+interval and their range; the first step of each trial (optimizer state allocated, warm-up) is left out.
+
+Phases, timed around the trainers' own methods (polopt: ``rollout``, ``reference_logprobs``, ``accumulate_gradients``;
+TRL: ``_generate``, ``_get_per_token_logps_and_entropies`` without gradient (reference) and with it (training
+forward), ``accelerator.backward``): rollout, reference pass, training forward + backward, and the rest of the step
+(rewards, gradient norm and clipping, optimizer step, zeroing, bookkeeping). Each phase's floor, from the measured
+matmul throughput (fp32 and bf16) and memory read bandwidth of this process:
+
+- rollout: the prefill's FLOPs, then per new token the longer of its FLOPs (body and the 151,936-row head, 8 rows) and
+  the bytes it must read (every weight once in the dtype it samples with, nf4 layers at 0.56 byte a weight, the keys
+  and values so far, and the ``[rows, vocabulary]`` logits twice: once for the log-probs, once to draw the token);
+- reference and training passes: FLOPs (2 per weight and scored token forward, 2 more backward for the activations'
+  gradients, 2 more for the weights' under full fine-tuning; each prompt once per group; the head on completion
+  positions only) at the rate of the dtype they compute in;
+- rest: the optimizer's bytes at the bandwidth (AdamW reads gradient, weight and both moments and writes weight and
+  moments, one more read of the gradients for the norm: 32 bytes per trained fp32 weight).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from memory import JOB, SETTINGS, SHAPES, Phases, _cpu_name, ensure_model, run_polopt, run_trl  # noqa: E402
+from throughput import (  # noqa: E402
+    Baton,
+    bootstrap_ci,
+    matmul_gflops,
+    memory_gbps,
+    parse_impl,
+    peak_rss_gib,
+    run_child,
+    run_interleaved,
+)
+
+# setting: (memory.py's setting, polopt overrides, TRL overrides)
+REAL_SETTINGS = {
+    "fp32": ("none", {}, {}),
+    "bf16-mixed": ("none", {"precision": "bf16-mixed"}, {"bf16": True}),
+    "lora": ("lora", {}, {}),
+    "nf4+lora": ("nf4+lora", {}, {}),
+}
+PHASES = ("rollout", "reference", "training", "rest")
+NF4_BYTES = 0.5 + 4 / 64  # 4-bit codes and one fp32 scale per 64-weight block
+
+
+def shape_numbers(shape: str) -> dict:
+    """Parameter counts of the shape (built on the meta device: no memory): total, embedding (the tied head),
+    non-embedding, and the part in the blocks' linear layers (what nf4 quantizes)."""
+    import torch
+    from torch import nn
+
+    from polopt_lightning.models import build_tiny_model, count_parameters
+
+    s = SHAPES[shape]
+    with torch.device("meta"):
+        model, _ = build_tiny_model(hidden_size=s["hidden"], num_layers=s["layers"], num_heads=s["heads"],
+                                    num_kv_heads=s["kv_heads"], intermediate_size=s["intermediate"],
+                                    vocab_size=s["vocab"], max_position_embeddings=1024)
+    total = count_parameters(model)
+    linear = sum(m.weight.numel() for name, m in model.named_modules()
+                 if isinstance(m, nn.Linear) and not name.endswith("lm_head"))
+    head_dim = s["hidden"] // s["heads"]
+    return {"total": total, "embedding": s["vocab"] * s["hidden"], "non_embedding": total - s["vocab"] * s["hidden"],
+            "linear": linear, "vocab": s["vocab"], "hidden": s["hidden"],
+            "kv_width": 2 * s["layers"] * s["kv_heads"] * head_dim, "lora": _lora_parameters(model)}
+
+
+def _lora_parameters(model) -> int:
+    from memory import LORA
+    from torch import nn
+
+    from polopt_lightning.models import LLAMA_TARGETS
+
+    r = LORA["r"]
+    return sum(r * (m.in_features + m.out_features) for name, m in model.named_modules()
+               if isinstance(m, nn.Linear) and name.rsplit(".", 1)[-1] in LLAMA_TARGETS)
+
+
+def phase_dtypes(setting: str, impl: str) -> dict[str, str]:
+    """What each phase computes in and, for decoding, the dtype of the weights it reads."""
+    name, o = parse_impl(impl)
+    mixed = setting == "bf16-mixed"
+    compute = "bfloat16" if mixed else "float32"
+    if name == "polopt":  # under autocast polopt samples and scores with bf16 copies
+        sample = o.get("rollout_dtype") or compute
+        return {"sample": sample, "sample_weights": sample, "ref": o.get("ref_dtype") or compute, "train": compute}
+    # TRL under bf16 autocast computes in bf16 but reads its fp32 weights (cast on every product)
+    return {"sample": compute, "sample_weights": "float32", "ref": compute, "train": compute}
+
+
+def phase_floors(numbers: dict, setting: str, impl: str, gflops: dict[str, float], gbps: float) -> dict[str, float]:
+    """Seconds each phase needs at the least on this machine (see the module's docstring)."""
+    size = {"float32": 4, "bfloat16": 2}
+    dt = phase_dtypes(setting, impl)
+    P, G, Lp, T = JOB["prompts"], JOB["generations"], JOB["prompt_len"], JOB["new_tokens"]
+    N = P * G
+    body, head = numbers["non_embedding"], numbers["embedding"]  # per token: 2 FLOPs a weight
+    quant = SETTINGS[REAL_SETTINGS[setting][0]][0]
+    w = size[dt["sample_weights"]]
+    if quant == "nf4":  # the blocks' linear layers are read as 4-bit codes, the rest (head included) in fp32
+        weight_bytes = numbers["linear"] * NF4_BYTES + (numbers["total"] - numbers["linear"]) * 4
+    else:
+        weight_bytes = numbers["total"] * w
+    if SETTINGS[REAL_SETTINGS[setting][0]][1] == "lora":
+        weight_bytes += numbers["lora"] * 4
+    rate = {k: gflops[v] * 1e9 for k, v in dt.items() if k != "sample_weights"}
+    bw = gbps * 1e9
+    decode = []
+    for t in range(T):
+        flops = 2 * (body + head) * N
+        kv = numbers["kv_width"] * (P * Lp + N * t) * size[dt["sample"]]
+        sampling = 2 * N * numbers["vocab"] * 4  # fp32 logits read for the log-probs and for the draw
+        decode.append(max(flops / rate["sample"], (weight_bytes + kv + sampling) / bw))
+    rollout = 2 * body * P * Lp / rate["sample"] + sum(decode)
+    scored = 2 * body * (P * Lp + N * T) + 2 * head * N * T  # one forward, each prompt once per group
+    full = SETTINGS[REAL_SETTINGS[setting][0]][1] == "none"
+    trained = numbers["total"] if full else numbers["lora"]
+    return {"rollout": rollout, "reference": scored / rate["ref"] if JOB["beta"] > 0 else 0.0,
+            "training": (3 if full else 2) * scored / rate["train"], "rest": 32 * trained / bw}
+
+
+def estimated_peak_gib(numbers: dict, setting: str) -> float:
+    """What one process needs, roughly: under full fine-tuning weights, reference, gradients and AdamW's two moments
+    (20 bytes a weight) and a fifth more; with an adapter the base, its copies during decoding and activations."""
+    full = SETTINGS[REAL_SETTINGS[setting][0]][1] == "none"
+    return numbers["total"] * (24 if full else 8) / 2**30 + 1.0
+
+
+def child(impl: str, setting: str, folder: str, steps: int, threads: int, baton: Baton | None) -> None:
+    import torch
+
+    torch.set_num_threads(threads)
+    name, overrides = parse_impl(impl)
+    base, polopt_extra, trl_extra = REAL_SETTINGS[setting]
+    phases = Phases()
+    run = run_polopt if name == "polopt" else run_trl
+    times, load_peak = run(folder, base, steps, {**(polopt_extra if name == "polopt" else trl_extra), **overrides},
+                           baton, phases)
+    print("RESULT " + json.dumps({"impl": impl, "setting": setting, "step_s": times, "phases": phases.steps,
+                                  "load_peak_gib": load_peak, "train_peak_gib": peak_rss_gib()}))
+
+
+def _mem_total_gib() -> float:
+    try:
+        with open("/proc/meminfo") as fh:
+            return int(next(x for x in fh if x.startswith("MemTotal:")).split()[1]) / 2**20
+    except (OSError, StopIteration):
+        return 0.0
+
+
+def measure(args) -> dict:
+    gflops = {dt: matmul_gflops(args.threads, dtype=dt) for dt in ("float32", "bfloat16")}
+    gbps = memory_gbps(args.threads)
+    numbers = shape_numbers(args.shape)
+    machine = (f"{_cpu_name()}, {os.cpu_count()} CPUs, {args.threads} torch threads, {_mem_total_gib():.0f} GiB; "
+               f"matmul {gflops['float32']:.0f} GFLOP/s fp32, {gflops['bfloat16']:.0f} bf16; memory read "
+               f"{gbps:.1f} GB/s")
+    print(machine, flush=True)
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="polopt_real_scale_") as tmp:
+        folder = args.model_dir or tmp
+        ensure_model(args.shape, folder)
+        for setting in args.settings:
+            need = estimated_peak_gib(numbers, setting) * len(args.impls)
+            interleave = args.interleave and need <= 0.75 * _mem_total_gib()
+            print(f"{setting}: {'interleaved' if interleave else 'alternating trials'} (~{need:.1f} GiB for "
+                  f"{len(args.impls)} processes side by side)", flush=True)
+            trials: dict[str, list[dict]] = {impl: [] for impl in args.impls}
+            for trial in range(args.trials):
+                order = args.impls if trial % 2 == 0 else args.impls[::-1]  # A/B then B/A
+                cmds = [[sys.executable, __file__, "--child", impl, setting, folder, "--steps", str(args.steps),
+                         "--threads", str(args.threads)] for impl in order]
+                outputs = run_interleaved(cmds) if interleave else [run_child(cmd) for cmd in cmds]
+                for impl, (code, out, err) in zip(order, outputs):
+                    line = next((x for x in out.splitlines() if x.startswith("RESULT ")), None)
+                    if code or line is None:
+                        print(err[-4000:], file=sys.stderr)
+                        raise SystemExit(f"{impl} under {setting} failed (trial {trial}, exit {code})")
+                    result = json.loads(line[len("RESULT "):])
+                    trials[impl].append(result)
+                    print(f"  {setting:10s} {impl:34s} trial {trial}: {statistics.median(result['step_s'][1:]):6.2f} "
+                          f"s/step, peak {result['train_peak_gib']:.2f} GiB", flush=True)
+            rows.append({"setting": setting, "interleave": interleave, "trials": trials,
+                         "floors": {impl: phase_floors(numbers, setting, impl, gflops, gbps) for impl in args.impls}})
+    return {"machine": machine, "gflops": gflops, "memory_gbps": gbps, "shape": args.shape, "numbers": numbers,
+            "job": JOB, "steps": args.steps, "rows": rows}
+
+
+def pool(runs: list[dict]) -> list[dict]:
+    """Rows of several runs (same build and settings) as one: each setting's trials together; floors from the
+    first run that has the setting."""
+    pooled: dict[str, dict] = {}
+    for run in runs:
+        for row in run["rows"]:
+            into = pooled.setdefault(row["setting"], {**row, "trials": {impl: [] for impl in row["trials"]}})
+            if set(into["trials"]) != set(row["trials"]):
+                raise ValueError(f"{row['setting']} was measured with {sorted(row['trials'])} in one run and "
+                                 f"{sorted(into['trials'])} in another: pool only runs of the same settings")
+            into["interleave"] = into["interleave"] and row["interleave"]
+            for impl, trials in row["trials"].items():
+                into["trials"][impl] += trials
+    return list(pooled.values())
+
+
+def steps_of(trials: list[dict], key: str | None = None) -> list[list[float]]:
+    """Per trial, the steps after the first: their seconds, or one phase's seconds."""
+    if key is None:
+        return [t["step_s"][1:] for t in trials]
+    return [[p.get(key, 0.0) for p in t["phases"][1:]] for t in trials]
+
+
+def spread(values: list[float]) -> str:
+    return f"{statistics.median(values):.2f} ({min(values):.2f}-{max(values):.2f})"
+
+
+def print_tables(rows: list[dict], machine: str) -> None:
+    print(f"\n{machine}; medians (range) of every step after each trial's first\n")
+    print("| setting | run | s/step | speed-up vs TRL (median of per-step pairs, 95% CI, range) | peak GiB train "
+          "/ load | step / floor |")
+    print("|---|---|---|---|---|---|")
+    for row in rows:
+        trials, peer = row["trials"], next((i for i in row["trials"] if parse_impl(i)[0] == "trl"), None)
+        for impl, ts in trials.items():
+            steps = [s for trial in steps_of(ts) for s in trial]
+            if peer and impl != peer:
+                ratios = [p / r for rt, pt in zip(steps_of(ts), steps_of(trials[peer])) for r, p in zip(rt, pt)]
+                lo, hi = bootstrap_ci(ratios)
+                speed = (f"{statistics.median(ratios):.2f}x ({lo:.2f}-{hi:.2f}, {min(ratios):.2f}-{max(ratios):.2f}, "
+                         f"{len(ratios)} pairs{', interleaved' if row['interleave'] else ''})")
+            else:
+                speed = "-"
+            floor = sum(row["floors"][impl].values())
+            print(f"| {row['setting']} | {impl} | {spread(steps)} | {speed} | "
+                  f"{max(t['train_peak_gib'] for t in ts):.2f} / {max(t['load_peak_gib'] for t in ts):.2f} | "
+                  f"{statistics.median(steps) / floor:.1f}x of {floor:.2f} s |")
+    print("\nPhases: median (range) s, then the floor in s and the median's ratio to it\n")
+    print("| setting | run | " + " | ".join(PHASES) + " |")
+    print("|---|---|" + "---|" * len(PHASES))
+    for row in rows:
+        for impl, ts in row["trials"].items():
+            cells = []
+            for phase in PHASES:
+                values = [s for trial in steps_of(ts, phase) for s in trial]
+                floor = row["floors"][impl][phase]
+                ratio = f"{statistics.median(values) / floor:.1f}x" if floor > 0 else "-"
+                cells.append(f"{spread(values)}, floor {floor:.2f} ({ratio})")
+            print(f"| {row['setting']} | {impl} | " + " | ".join(cells) + " |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", default="qwen2.5-0.5b", choices=list(SHAPES))
+    parser.add_argument("--settings", nargs="+", default=list(REAL_SETTINGS), choices=list(REAL_SETTINGS))
+    parser.add_argument("--impls", nargs="+", default=["polopt", "trl"],
+                        help="polopt, trl, polopt:KEY=JSON,... (module arguments changed, e.g. "
+                             "'polopt:rollout_dtype=\"bfloat16\"') or trl:KEY=JSON,... (GRPOConfig arguments)")
+    parser.add_argument("--trials", type=int, default=2, help="trials per setting and implementation")
+    parser.add_argument("--steps", type=int, default=5, help="RL steps per trial (the first is left out)")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--interleave", action="store_true",
+                        help="run a trial's implementations side by side, step by step, where memory allows")
+    parser.add_argument("--model-dir", help="where the model is saved (default: a temporary folder)")
+    parser.add_argument("--json", help="also write the measurements to this file")
+    parser.add_argument("--summarize", nargs="+", metavar="JSON", help="measure nothing: pool these --json files")
+    parser.add_argument("--child", nargs=3, metavar=("IMPL", "SETTING", "FOLDER"), help=argparse.SUPPRESS)
+    parser.add_argument("--baton", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        return child(*args.child, args.steps, args.threads, Baton(args.baton) if args.baton else None)
+    if args.summarize:
+        runs = [json.loads(Path(p).read_text()) for p in args.summarize]
+        return print_tables(pool(runs), f"{runs[0]['machine']}; {len(runs)} runs pooled")
+    if args.steps < 2:
+        parser.error("--steps must be at least 2 (the first step of each trial is left out)")
+    start = time.perf_counter()
+    run = measure(args)
+    print_tables(run["rows"], run["machine"])
+    print(f"\n({time.perf_counter() - start:.0f} s in all)")
+    if args.json:
+        Path(args.json).write_text(json.dumps(run, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,78 @@
+"""benchmarks/real_scale.py: the phase floors by hand at the 0.5B shape, and a smoke run on a small shape whose
+phases add up to each step (polopt in the default run; TRL, the `bench` extra's, where it is installed)."""
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).parents[1] / "benchmarks" / "real_scale.py"
+sys.path.insert(0, str(SCRIPT.parent))
+spec = importlib.util.spec_from_file_location("real_scale", SCRIPT)
+real_scale = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(real_scale)
+
+
+def test_floors_count_the_head_and_the_vocabulary_at_the_05b_shape():
+    n = real_scale.shape_numbers("qwen2.5-0.5b")
+    assert n["total"] == 494_032_768 and n["embedding"] == 151936 * 896  # Qwen2.5-0.5B, tied embeddings
+    rates, bw = {"float32": 200.0, "bfloat16": 400.0}, 40.0
+    f = real_scale.phase_floors(n, "fp32", "polopt", rates, bw)
+    # each of the 16 tokens reads every weight (the head included) once and the 8 x 151,936 logits twice
+    per_token_bytes = n["total"] * 4 + 2 * 8 * 151936 * 4
+    assert per_token_bytes / 40e9 > 2 * (n["non_embedding"] + n["embedding"]) * 8 / 200e9  # memory-bound
+    prefill = 2 * n["non_embedding"] * 2 * 32 / 200e9
+    assert f["rollout"] == pytest.approx(prefill + 16 * per_token_bytes / 40e9, rel=0.02)  # + the KV cache
+    scored = 2 * n["non_embedding"] * (2 * 32 + 8 * 16) + 2 * n["embedding"] * 8 * 16
+    assert f["reference"] == pytest.approx(scored / 200e9) and f["training"] == pytest.approx(3 * scored / 200e9)
+    assert f["rest"] == pytest.approx(32 * n["total"] / 40e9)
+    # an adapter trains a few million weights and skips the weights' gradients; bf16 halves the sampled bytes
+    lora = real_scale.phase_floors(n, "lora", "polopt", rates, bw)
+    assert lora["training"] == pytest.approx(2 * scored / 200e9) and lora["rest"] < f["rest"] / 50
+    bf16 = real_scale.phase_floors(n, "fp32", 'polopt:rollout_dtype="bfloat16"', rates, bw)
+    assert 0.45 < bf16["rollout"] / f["rollout"] < 0.6
+    nf4, slow = (real_scale.phase_floors(n, s, "polopt", rates, 1.0)["rollout"] for s in ("nf4+lora", "lora"))
+    assert 0.3 < nf4 / slow < 0.4  # memory-bound: 4-bit blocks, the 544 MB head in fp32
+    trl_mixed = real_scale.phase_floors(n, "bf16-mixed", "trl", rates, bw)  # reads its fp32 weights
+    assert trl_mixed["rollout"] == pytest.approx(f["rollout"] - prefill / 2, rel=0.01)  # prefill at the bf16 rate
+    assert trl_mixed["training"] == pytest.approx(f["training"] / 2)
+
+
+def _smoke(tmp_path, impls):
+    out = tmp_path / "run.json"
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--shape", "small", "--steps", "2", "--trials", "1",
+                           "--settings", "fp32", "lora", "--impls", *impls, "--model-dir", str(tmp_path / "model"),
+                           "--json", str(out)], capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout, json.loads(out.read_text())
+
+
+def test_a_small_run_records_every_phase_of_every_step(tmp_path):
+    stdout, run = _smoke(tmp_path, ["polopt", 'polopt:rollout_dtype="bfloat16"'])
+    assert [r["setting"] for r in run["rows"]] == ["fp32", "lora"]
+    for row in run["rows"]:
+        for impl, trials in row["trials"].items():
+            assert len(trials) == 1 and all(v > 0 for v in row["floors"][impl].values())
+            for trial in trials:
+                assert len(trial["step_s"]) == 2 and len(trial["phases"]) == 2
+                for step, phases in zip(trial["step_s"], trial["phases"]):
+                    assert set(phases) == set(real_scale.PHASES)
+                    assert sum(phases.values()) == pytest.approx(step) and phases["rest"] >= 0
+    assert "| fp32 | polopt |" in stdout and "floor" in stdout
+    pooled = subprocess.run([sys.executable, str(SCRIPT), "--summarize", *[str(tmp_path / "run.json")] * 2],
+                            capture_output=True, text=True, timeout=120)
+    assert pooled.returncode == 0 and "2 runs pooled" in pooled.stdout, pooled.stderr[-2000:]
+
+
+def test_trl_phases_and_the_paired_speed_up(tmp_path):
+    if importlib.util.find_spec("trl") is None:
+        pytest.skip("TRL is not installed (the bench extra: pip install -e '.[bench]')")
+    stdout, run = _smoke(tmp_path, ["polopt", "trl"])
+    for row in run["rows"]:
+        for trial in row["trials"]["trl"]:
+            assert all(set(p) == set(real_scale.PHASES) and p["reference"] > 0 and p["training"] > 0
+                       for p in trial["phases"])
+    assert "pairs" in stdout
