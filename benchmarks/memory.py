@@ -210,32 +210,65 @@ def run_trl(folder: str, setting: str, steps: int, overrides: dict | None = None
 
 
 class Phases:
-    """Wall time of named phases inside each step: ``wrap`` times every call of a method under a phase name (or a
-    function of no arguments that names it at call time); ``end`` closes a step, its remainder going to ``rest`` (for
-    both trainers: rewards, advantages, the gradient norm and clipping, the optimizer step, zeroing, bookkeeping)."""
+    """Wall time and peak resident memory of named phases inside each step: ``wrap`` times every call of a method
+    under a phase name (or a function of no arguments that names it at call time); ``end`` closes a step, its
+    remainder going to ``rest`` (for both trainers: rewards, advantages, the gradient norm and clipping, the
+    optimizer step, zeroing, bookkeeping). The peaks come from ``VmHWM``, reset at each phase's start (Linux's
+    ``clear_refs``: a cheap reset of the mark, no trimming), so each phase's is its own; ``rest`` has the peak of
+    everything between phases. Without ``/proc`` the peaks are left out."""
 
     def __init__(self) -> None:
         self.steps: list[dict[str, float]] = []
+        self.peaks: list[dict[str, float]] = []
         self.current: dict[str, float] = {}
+        self.current_peaks: dict[str, float] = {}
+        self.depth = 0
+        self.overall = 0.0  # the highest mark read: the process's peak since it started timing
+
+    def _mark(self, reset: bool) -> float | None:
+        """The high-water mark so far (GiB), then, with ``reset``, a new one from what is resident now."""
+        try:
+            peak = peak_rss_gib()
+            self.overall = max(self.overall, peak)
+            if reset:
+                with open("/proc/self/clear_refs", "w") as fh:
+                    fh.write("5")
+            return peak
+        except OSError:
+            return None
+
+    def _note(self, key: str, peak: float | None) -> None:
+        if peak is not None:
+            self.current_peaks[key] = max(self.current_peaks.get(key, 0.0), peak)
 
     def wrap(self, obj, name: str, phase) -> None:
         inner = getattr(obj, name)
 
         def timed(*args, **kwargs):
             key = phase() if callable(phase) else phase
+            outer = self.depth == 0  # a phase called inside another counts once, in the outer one
+            if outer:
+                self._note("rest", self._mark(reset=True))
+            self.depth += 1
             t = time.perf_counter()
             try:
                 return inner(*args, **kwargs)
             finally:
+                self.depth -= 1
                 self.current[key] = self.current.get(key, 0.0) + time.perf_counter() - t
+                if outer:
+                    self._note(key, self._mark(reset=True))
 
         setattr(obj, name, timed)
 
     def start(self) -> None:
-        self.current = {}
+        self.current, self.current_peaks = {}, {}
+        self._mark(reset=True)
 
     def end(self, step_s: float) -> None:
+        self._note("rest", self._mark(reset=False))
         self.steps.append({**self.current, "rest": step_s - sum(self.current.values())})
+        self.peaks.append(dict(self.current_peaks))
 
 
 def child(impl: str, setting: str, folder: str, steps: int, threads: int) -> None:

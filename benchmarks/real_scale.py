@@ -6,7 +6,7 @@ and nf4+LoRA, with the same settings on both sides.
     python benchmarks/real_scale.py --settings fp32 --impls polopt 'polopt:rollout_dtype="bfloat16"' trl
     python benchmarks/real_scale.py --settings bf16-mixed lora nf4+lora --interleave
     python benchmarks/real_scale.py --shape small --steps 3 --trials 1 --impls polopt     # a smoke run (seconds)
-    python benchmarks/real_scale.py --summarize a.json b.json                             # runs pooled
+    python benchmarks/real_scale.py --summarize a.json b.json@lora,nf4+lora               # runs pooled
 
 The harness and statistics are ``throughput.py``'s: each (setting, implementation) trial runs in a fresh process;
 ``--interleave`` runs a trial's implementations side by side, taking turns step by step (step i of each ran back to
@@ -105,7 +105,7 @@ def phase_dtypes(setting: str, impl: str) -> dict[str, str]:
     mixed = setting == "bf16-mixed"
     compute = "bfloat16" if mixed else "float32"
     if name == "polopt":  # under autocast polopt samples and scores with bf16 copies
-        sample = o.get("rollout_dtype") or compute
+        sample = o.get("rollout_dtype") or (o.get("engine") or {}).get("dtype") or compute
         return {"sample": sample, "sample_weights": sample, "ref": o.get("ref_dtype") or compute, "train": compute}
     # TRL under bf16 autocast computes in bf16 but reads its fp32 weights (cast on every product)
     return {"sample": compute, "sample_weights": "float32", "ref": compute, "train": compute}
@@ -159,8 +159,10 @@ def child(impl: str, setting: str, folder: str, steps: int, threads: int, baton:
     run = run_polopt if name == "polopt" else run_trl
     times, load_peak = run(folder, base, steps, {**(polopt_extra if name == "polopt" else trl_extra), **overrides},
                            baton, phases)
+    # the phases reset the high-water mark at each of them: the training peak is the highest mark they read
     print("RESULT " + json.dumps({"impl": impl, "setting": setting, "step_s": times, "phases": phases.steps,
-                                  "load_peak_gib": load_peak, "train_peak_gib": peak_rss_gib()}))
+                                  "phase_peaks": phases.peaks, "load_peak_gib": load_peak,
+                                  "train_peak_gib": max(phases.overall, peak_rss_gib())}))
 
 
 def _mem_total_gib() -> float:
@@ -211,7 +213,7 @@ def measure(args) -> dict:
 
 def pool(runs: list[dict]) -> list[dict]:
     """Rows of several runs (same build and settings) as one: each setting's trials together; floors from the
-    first run that has the setting."""
+    last run that has the setting (its own matmul and bandwidth measurements)."""
     pooled: dict[str, dict] = {}
     for run in runs:
         for row in run["rows"]:
@@ -220,6 +222,9 @@ def pool(runs: list[dict]) -> list[dict]:
                 raise ValueError(f"{row['setting']} was measured with {sorted(row['trials'])} in one run and "
                                  f"{sorted(into['trials'])} in another: pool only runs of the same settings")
             into["interleave"] = into["interleave"] and row["interleave"]
+            if "numbers" in run:  # floors from the run's measured rates, by the current rules
+                into["floors"] = {impl: phase_floors(run["numbers"], row["setting"], impl, run["gflops"],
+                                                     run["memory_gbps"]) for impl in row["trials"]}
             for impl, trials in row["trials"].items():
                 into["trials"][impl] += trials
     return list(pooled.values())
@@ -268,6 +273,16 @@ def print_tables(rows: list[dict], machine: str) -> None:
                 ratio = f"{statistics.median(values) / floor:.1f}x" if floor > 0 else "-"
                 cells.append(f"{spread(values)}, floor {floor:.2f} ({ratio})")
             print(f"| {row['setting']} | {impl} | " + " | ".join(cells) + " |")
+    peaks = [(row, impl, ts) for row in rows for impl, ts in row["trials"].items()
+             if all(t.get("phase_peaks") for t in ts)]
+    if peaks:
+        print("\nPeak resident memory in each phase (GiB, the highest over every step but each trial's first)\n")
+        print("| setting | run | " + " | ".join(PHASES) + " |")
+        print("|---|---|" + "---|" * len(PHASES))
+        for row, impl, ts in peaks:
+            cells = [f"{max((p.get(phase, 0.0) for t in ts for p in t['phase_peaks'][1:]), default=0.0):.2f}"
+                     for phase in PHASES]
+            print(f"| {row['setting']} | {impl} | " + " | ".join(cells) + " |")
 
 
 def main() -> None:
@@ -284,15 +299,23 @@ def main() -> None:
                         help="run a trial's implementations side by side, step by step, where memory allows")
     parser.add_argument("--model-dir", help="where the model is saved (default: a temporary folder)")
     parser.add_argument("--json", help="also write the measurements to this file")
-    parser.add_argument("--summarize", nargs="+", metavar="JSON", help="measure nothing: pool these --json files")
+    parser.add_argument("--summarize", nargs="+", metavar="JSON",
+                        help="measure nothing: pool these --json files (FILE@SETTING,...: only those settings of it)")
     parser.add_argument("--child", nargs=3, metavar=("IMPL", "SETTING", "FOLDER"), help=argparse.SUPPRESS)
     parser.add_argument("--baton", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         return child(*args.child, args.steps, args.threads, Baton(args.baton) if args.baton else None)
     if args.summarize:
-        runs = [json.loads(Path(p).read_text()) for p in args.summarize]
-        return print_tables(pool(runs), f"{runs[0]['machine']}; {len(runs)} runs pooled")
+        runs = []
+        for item in args.summarize:  # FILE or FILE@SETTING,SETTING: only those settings of that run
+            path, _, only = item.partition("@")
+            run = json.loads(Path(path).read_text())
+            if only:
+                run["rows"] = [r for r in run["rows"] if r["setting"] in only.split(",")]
+            runs.append(run)
+        machines = "\n".join(dict.fromkeys(run["machine"] for run in runs))
+        return print_tables(pool(runs), f"{machines}\n{len(runs)} runs pooled (each row's floors from its run's rates)")
     if args.steps < 2:
         parser.error("--steps must be at least 2 (the first step of each trial is left out)")
     start = time.perf_counter()

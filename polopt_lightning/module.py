@@ -306,9 +306,13 @@ class PolicyOptimizationModule(L.LightningModule):
         factory = self.optimizer_factory or partial(build_optimizer, name="adamw", lr=self.lr,
                                                     weight_decay=self.weight_decay, betas=self.betas)
         # Lightning's mixed-precision plugins refuse to clip the gradients of an optimizer that unscales them itself
-        # (as torch's fused AdamW declares it does): this project's factory then builds the unfused kernel
+        # (as torch's fused AdamW declares it does). Where the step clips through Lightning (a loss scaler, sharded
+        # gradients: see _clips_in_place) this project's factory then builds the unfused kernel; under bf16-mixed
+        # the step clips in place and keeps the fused one (at 0.5B the unfused step took 1.2-1.7 s, the fused 0.2-0.3).
         mixed = self.trainer is not None and isinstance(self.trainer.precision_plugin, MixedPrecision)
-        if mixed and self.max_grad_norm and getattr(factory, "func", None) is build_optimizer:
+        through_lightning = mixed and (getattr(self.trainer.precision_plugin, "scaler", None) is not None
+                                       or getattr(self, "_device_mesh", None) is not None)
+        if through_lightning and self.max_grad_norm and getattr(factory, "func", None) is build_optimizer:
             factory = partial(factory, fused=False)
         optimizer = factory(params)
         total = self.trainer.max_steps if self.trainer is not None and self.trainer.max_steps > 0 else 0
@@ -626,6 +630,12 @@ class PolicyOptimizationModule(L.LightningModule):
         """One optimizer step on the completions ``rows`` of the rollout (see :meth:`accumulate_gradients`)."""
         optimizer.zero_grad(set_to_none=True)
         metrics = self.accumulate_gradients(exp, rows, record_old)
+        # Under autocast (Lightning's *-mixed precisions wrap the whole training_step) the forward cached a low-precision
+        # copy of every trainable weight, kept until the context exits and never refreshed: the next mini-batch's
+        # forward, after this update, would run on the weights from before it (measured: the same output after an
+        # in-place change). Dropping the cache once the backward is done also frees that copy (1 GB at 0.5B in bf16)
+        # before the optimizer step.
+        torch.clear_autocast_cache()
         metrics["grad_norm"] = _grad_norm(self.policy)
         # A non-finite loss or gradient never reaches the weights: the gradients are dropped, so the optimizer's step
         # leaves every parameter and its state as they are (it skips parameters without a gradient) while the step

@@ -167,3 +167,21 @@ def test_gradient_checkpointing_recomputes_the_layers_and_keeps_the_gradient():
     with pytest.raises(ValueError, match="gradient_checkpointing"):
         PolicyOptimizationModule(torch.nn.Linear(2, 2), module.tokenizer, reward_fns=[varied],
                                  gradient_checkpointing=True)
+
+
+def test_a_later_mini_batch_under_autocast_sees_the_updated_weights():
+    """Lightning's bf16-mixed runs the whole training_step under one autocast context, whose cache keeps a bf16 copy
+    of each trainable weight from its first use. After the first mini-batch's update the second one's forward must
+    run on the new weights, not on that cached copy from before the update."""
+    module, exp = experience({"name": "grpo", "beta": 0.04}, mini_batches=2)
+    module.manual_backward = lambda loss: loss.backward()
+    optimizer = torch.optim.AdamW(module.policy.parameters(), lr=0.05)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    first, second = torch.arange(0, 6), torch.arange(6, 12)
+    module.policy.train()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        module._update(exp, first, optimizer, scheduler)
+        inside = module.sequence_logprobs(module.policy, exp, second)[0]
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # a fresh context casts the current weights
+        fresh = module.sequence_logprobs(module.policy, exp, second)[0]
+    assert torch.equal(inside, fresh)

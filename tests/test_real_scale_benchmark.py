@@ -58,10 +58,11 @@ def test_a_small_run_records_every_phase_of_every_step(tmp_path):
             assert len(trials) == 1 and all(v > 0 for v in row["floors"][impl].values())
             for trial in trials:
                 assert len(trial["step_s"]) == 2 and len(trial["phases"]) == 2
-                for step, phases in zip(trial["step_s"], trial["phases"]):
-                    assert set(phases) == set(real_scale.PHASES)
+                for step, phases, peaks in zip(trial["step_s"], trial["phases"], trial["phase_peaks"]):
+                    assert set(phases) == set(real_scale.PHASES) == set(peaks)
                     assert sum(phases.values()) == pytest.approx(step) and phases["rest"] >= 0
-    assert "| fp32 | polopt |" in stdout and "floor" in stdout
+                    assert 0 < max(peaks.values()) <= trial["train_peak_gib"]
+    assert "| fp32 | polopt |" in stdout and "floor" in stdout and "Peak resident memory in each phase" in stdout
     pooled = subprocess.run([sys.executable, str(SCRIPT), "--summarize", *[str(tmp_path / "run.json")] * 2],
                             capture_output=True, text=True, timeout=120)
     assert pooled.returncode == 0 and "2 runs pooled" in pooled.stdout, pooled.stderr[-2000:]

@@ -220,8 +220,9 @@ def test_under_autocast_sampling_uses_a_copy_in_the_autocast_dtype(tiny):
 
 
 def test_bf16_mixed_trainer_fits_off_policy_with_gradient_clipping(tmp_path, tiny, arithmetic_rows):
-    """Lightning's mixed-precision plugin refuses to clip the gradients of a fused optimizer: the module then
-    builds the unfused AdamW, and the rollout samples through the bf16 copy."""
+    """Lightning's mixed-precision plugin refuses to clip the gradients of a fused optimizer; under bf16-mixed (no
+    loss scaler) the module clips in place, so it keeps the fused AdamW, and the rollout samples through the bf16
+    copy."""
     model, tok = tiny
     before = copy.deepcopy(model)
     module = PolicyOptimizationModule(model, tok, objective="gspo", reward_fns=[distinct_chars], num_generations=4,
@@ -233,8 +234,24 @@ def test_bf16_mixed_trainer_fits_off_policy_with_gradient_clipping(tmp_path, tin
                         limit_val_batches=0)
     trainer.fit(module, datamodule=dm)
     assert trainer.global_step == 4
-    assert not trainer.optimizers[0].defaults.get("fused")
+    assert trainer.optimizers[0].defaults.get("fused")
     assert module.engine._sampler is not None and module.engine._sampler[1].dtype == torch.bfloat16
     assert all(p.dtype == torch.float32 for p in module.policy.parameters())
     assert not any(torch.equal(a, b) for a, b in zip(before.parameters(), module.policy.parameters()))
     assert torch.isfinite(trainer.callback_metrics["train/loss"])
+
+
+def test_the_optimizer_is_unfused_where_lightning_clips(tiny):
+    """A loss scaler (16-mixed) or sharded gradients clip through Lightning, which refuses a fused optimizer."""
+    from types import SimpleNamespace
+
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    model, tok = tiny
+    for scaler, mesh, fused in ((None, None, True), (object(), None, False), (None, object(), False)):
+        module = PolicyOptimizationModule(model, tok, reward_fns=[distinct_chars], max_grad_norm=1.0)
+        plugin = MixedPrecision("bf16-mixed", "cpu")
+        plugin.scaler = scaler
+        module._trainer = SimpleNamespace(precision_plugin=plugin, max_steps=4)
+        module._device_mesh = mesh
+        assert bool(module.configure_optimizers()["optimizer"].defaults.get("fused")) is fused
