@@ -148,8 +148,8 @@ def _wait_all(procs, files, timeout):
     for p in procs:
         p.wait()
     outputs = [(out.read_text(), err.read_text()) for out, err in files]
-    report = "\n".join(f"--- process {i}: exit {p.returncode}\n{err[-3000:]}"
-                        for i, (p, (_, err)) in enumerate(zip(procs, outputs)))
+    report = "\n".join(f"--- process {i}: exit {p.returncode}\nstdout: {out[-1500:]}\nstderr: {err[-3000:]}"
+                        for i, (p, (out, err)) in enumerate(zip(procs, outputs)))
     assert all(p.returncode == 0 for p in procs), report
     return outputs
 
