@@ -99,6 +99,11 @@ def _lora_parameters(model) -> int:
                if isinstance(m, nn.Linear) and name.rsplit(".", 1)[-1] in LLAMA_TARGETS)
 
 
+def quantization_and_adapter(setting: str) -> tuple[str, str]:
+    """``(quantization, adapter)`` of a setting, as memory.py names them (e.g. ``("nf4", "lora")``)."""
+    return SETTINGS[REAL_SETTINGS[setting][0]]
+
+
 def phase_dtypes(setting: str, impl: str) -> dict[str, str]:
     """What each phase computes in and, for decoding, the dtype of the weights it reads."""
     name, o = parse_impl(impl)
@@ -118,13 +123,13 @@ def phase_floors(numbers: dict, setting: str, impl: str, gflops: dict[str, float
     P, G, Lp, T = JOB["prompts"], JOB["generations"], JOB["prompt_len"], JOB["new_tokens"]
     N = P * G
     body, head = numbers["non_embedding"], numbers["embedding"]  # per token: 2 FLOPs a weight
-    quant = SETTINGS[REAL_SETTINGS[setting][0]][0]
+    quant, adapter = quantization_and_adapter(setting)
     w = size[dt["sample_weights"]]
     if quant == "nf4":  # the blocks' linear layers are read as 4-bit codes, the rest (head included) in fp32
         weight_bytes = numbers["linear"] * NF4_BYTES + (numbers["total"] - numbers["linear"]) * 4
     else:
         weight_bytes = numbers["total"] * w
-    if SETTINGS[REAL_SETTINGS[setting][0]][1] == "lora":
+    if adapter == "lora":
         weight_bytes += numbers["lora"] * 4
     rate = {k: gflops[v] * 1e9 for k, v in dt.items() if k != "sample_weights"}
     bw = gbps * 1e9
@@ -136,7 +141,7 @@ def phase_floors(numbers: dict, setting: str, impl: str, gflops: dict[str, float
         decode.append(max(flops / rate["sample"], (weight_bytes + kv + sampling) / bw))
     rollout = 2 * body * P * Lp / rate["sample"] + sum(decode)
     scored = 2 * body * (P * Lp + N * T) + 2 * head * N * T  # one forward, each prompt once per group
-    full = SETTINGS[REAL_SETTINGS[setting][0]][1] == "none"
+    full = adapter == "none"
     trained = numbers["total"] if full else numbers["lora"]
     return {"rollout": rollout, "reference": scored / rate["ref"] if JOB["beta"] > 0 else 0.0,
             "training": (3 if full else 2) * scored / rate["train"], "rest": 32 * trained / bw}
@@ -145,7 +150,7 @@ def phase_floors(numbers: dict, setting: str, impl: str, gflops: dict[str, float
 def estimated_peak_gib(numbers: dict, setting: str) -> float:
     """What one process needs, roughly: under full fine-tuning weights, reference, gradients and AdamW's two moments
     (20 bytes a weight) and a fifth more; with an adapter the base, its copies during decoding and activations."""
-    full = SETTINGS[REAL_SETTINGS[setting][0]][1] == "none"
+    full = quantization_and_adapter(setting)[1] == "none"
     return numbers["total"] * (24 if full else 8) / 2**30 + 1.0
 
 
