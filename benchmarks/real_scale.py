@@ -7,6 +7,7 @@ and nf4+LoRA, with the same settings on both sides.
     python benchmarks/real_scale.py --settings bf16-mixed lora nf4+lora --interleave
     python benchmarks/real_scale.py --shape small --steps 3 --trials 1 --impls polopt     # a smoke run (seconds)
     python benchmarks/real_scale.py --summarize a.json b.json@lora,nf4+lora               # runs pooled
+    python benchmarks/real_scale.py --summarize a.json b.json --impls polopt trl          # only these, pooled
 
 The harness and statistics are ``throughput.py``'s: each (setting, implementation) trial runs in a fresh process;
 ``--interleave`` runs a trial's implementations side by side, taking turns step by step (step i of each ran back to
@@ -294,9 +295,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", default="qwen2.5-0.5b", choices=list(SHAPES))
     parser.add_argument("--settings", nargs="+", default=list(REAL_SETTINGS), choices=list(REAL_SETTINGS))
-    parser.add_argument("--impls", nargs="+", default=["polopt", "trl"],
+    parser.add_argument("--impls", nargs="+",
                         help="polopt, trl, polopt:KEY=JSON,... (module arguments changed, e.g. "
-                             "'polopt:rollout_dtype=\"bfloat16\"') or trl:KEY=JSON,... (GRPOConfig arguments)")
+                             "'polopt:rollout_dtype=\"bfloat16\"') or trl:KEY=JSON,... (GRPOConfig arguments); "
+                             "default polopt trl; with --summarize: pool only these")
     parser.add_argument("--trials", type=int, default=2, help="trials per setting and implementation")
     parser.add_argument("--steps", type=int, default=5, help="RL steps per trial (the first is left out)")
     parser.add_argument("--threads", type=int, default=2)
@@ -318,9 +320,12 @@ def main() -> None:
             run = json.loads(Path(path).read_text())
             if only:
                 run["rows"] = [r for r in run["rows"] if r["setting"] in only.split(",")]
+            for row in run["rows"] if args.impls else ():
+                row["trials"] = {impl: trials for impl, trials in row["trials"].items() if impl in args.impls}
             runs.append(run)
         machines = "\n".join(dict.fromkeys(run["machine"] for run in runs))
         return print_tables(pool(runs), f"{machines}\n{len(runs)} runs pooled (each row's floors from its run's rates)")
+    args.impls = args.impls or ["polopt", "trl"]
     if args.steps < 2:
         parser.error("--steps must be at least 2 (the first step of each trial is left out)")
     start = time.perf_counter()

@@ -8,6 +8,8 @@ its logits against the model's own forward.
 
 On the CPU its matrix products can run on prepacked weights (:class:`PackedProjections`): a 16-row product with a
 weight in PyTorch's ``[out, in]`` layout is 2-4x slower than with the weight reordered once for the math library.
+Inside :class:`~polopt_lightning.cpu_linear.OneDNNLinear`, a float32 model's large products go through oneDNN on the
+weights as they are instead (faster than MKL's packed products, no copy).
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
+
+from .. import cpu_linear
 
 SUPPORTED = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
 
@@ -132,6 +136,8 @@ class PackedProjections(Projections):
             return False
         dtype = dtypes.pop()
         if dtype == torch.float32:
+            if cpu_linear.active() and any(cpu_linear.covers(m.weight) for m in linears):
+                return False  # oneDNN's products on the weights as they are: faster than MKL's packed ones, no copy
             return torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")
         if dtype == torch.bfloat16:
             bf16_ok = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)

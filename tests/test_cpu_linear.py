@@ -1,0 +1,158 @@
+"""oneDNN linear layers on the CPU (polopt_lightning.cpu_linear): the same values and gradients as F.linear within
+float32 tolerance, only where they apply, and the module's rule for turning them on."""
+
+import copy
+from contextlib import nullcontext
+from pathlib import Path
+
+import pytest
+import torch
+from hydra.utils import instantiate
+from omegaconf import OmegaConf
+from torch.nn import functional as F
+
+from polopt_lightning import PolicyOptimizationModule, PromptDataModule, cpu_linear
+from polopt_lightning.models import build_tiny_model
+from polopt_lightning.rewards import ExactMatchReward
+from polopt_lightning.rollout import HFRolloutEngine, SamplingConfig, fast_decode
+
+pytestmark = pytest.mark.skipif(not cpu_linear.available(), reason="this PyTorch build has no oneDNN")
+
+
+def _close(a, b, rel=1e-5):
+    a, b = a.detach(), b.detach()
+    return float((a - b).abs().max()) <= rel * float(b.abs().max())
+
+
+def _counting(monkeypatch):
+    calls = []
+    product = cpu_linear._product
+    monkeypatch.setattr(cpu_linear, "_product", lambda *a: calls.append(a[1].shape) or product(*a))
+    return calls
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("frozen", [False, True])
+def test_values_and_gradients_match_f_linear(monkeypatch, bias, frozen):
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(512, 640, bias=bias)  # 327,680 weight elements: above the threshold
+    layer.requires_grad_(not frozen)
+    x = torch.randn(3, 5, 512, requires_grad=True)
+    out = layer(x)
+    (out.square() * torch.linspace(-1, 1, 640)).sum().backward()
+    want = [out.detach(), x.grad.clone()] + ([] if frozen else [p.grad.clone() for p in layer.parameters()])
+    x.grad = None
+    layer.zero_grad(set_to_none=True)
+    calls = _counting(monkeypatch)
+    with cpu_linear.OneDNNLinear():
+        out = layer(x)
+        (out.square() * torch.linspace(-1, 1, 640)).sum().backward()
+    got = [out.detach(), x.grad] + ([] if frozen else [p.grad for p in layer.parameters()])
+    assert len(calls) == (2 if frozen else 3)  # forward, input gradient (and the weight's: none when frozen)
+    assert all(_close(g, w) for g, w in zip(got, want))
+    if frozen:
+        assert layer.weight.grad is None
+
+
+def test_without_gradient_it_is_one_product(monkeypatch):
+    layer = torch.nn.Linear(512, 640)
+    x = torch.randn(4, 512)
+    calls = _counting(monkeypatch)
+    with cpu_linear.OneDNNLinear(), torch.inference_mode():
+        out = layer(x)
+    assert calls == [(640, 512)] and _close(out, F.linear(x, layer.weight, layer.bias))
+
+
+@pytest.mark.parametrize("case", ["small", "bfloat16", "autocast", "vector", "double"])
+def test_everything_else_runs_as_without_the_mode(monkeypatch, case):
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(64, 32) if case == "small" else torch.nn.Linear(512, 640)
+    x = torch.randn(4, layer.in_features)
+    if case == "bfloat16":
+        layer, x = layer.bfloat16(), x.bfloat16()
+    if case == "double":
+        layer, x = layer.double(), x.double()
+    if case == "vector":
+        x = x[0]
+    context = torch.autocast("cpu", dtype=torch.bfloat16) if case == "autocast" else nullcontext()
+    with context:
+        want = layer(x)
+    calls = _counting(monkeypatch)
+    with cpu_linear.OneDNNLinear(), context:
+        got = layer(x)
+    assert calls == [] and torch.equal(got, want)
+
+
+def _model():
+    # hidden 512: the attention and MLP weights are above the threshold, as in any model users train
+    return build_tiny_model(hidden_size=512, num_layers=1, num_heads=4, intermediate_size=640, seed=0)
+
+
+def _rows():
+    return [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a, b in [(1, 2), (3, 4)]]
+
+
+def test_module_turns_it_on_only_for_models_with_large_cpu_weights():
+    def mode(model, tok, **kw):
+        return PolicyOptimizationModule(model, tok, reward_fns=[ExactMatchReward()], **kw)._linear_mode()
+
+    config = OmegaConf.load(Path(__file__).parents[1] / "conf" / "model" / "tiny.yaml")
+    model, tok = instantiate(config, seed=0)  # the default job's model: every weight below 2**18 elements
+    assert isinstance(mode(model, tok), nullcontext)
+    assert isinstance(mode(model, tok, onednn_linear=True), cpu_linear.OneDNNLinear)
+    big, tok = _model()
+    assert isinstance(mode(big, tok), cpu_linear.OneDNNLinear)
+    assert isinstance(mode(big, tok, onednn_linear=False), nullcontext)
+
+
+def test_onednn_linear_true_without_onednn_names_the_key(monkeypatch, tiny):
+    monkeypatch.setattr(cpu_linear, "available", lambda: False)
+    with pytest.raises(ValueError, match="onednn_linear=True"):
+        PolicyOptimizationModule(*tiny, reward_fns=[ExactMatchReward()], onednn_linear=True)
+
+
+def test_a_training_step_gives_the_same_loss_and_gradients(monkeypatch):
+    """The rollout, reference pass and training pass of one step with oneDNN against without: the same tokens are
+    scored (the rollout is given), the loss and every gradient within float32 tolerance."""
+    model, tok = _model()
+    batch = next(iter(PromptDataModule(train=_rows(), tokenizer=tok, batch_size=2).train_dataloader()))
+    results = {}
+    for use in (False, True):
+        module = PolicyOptimizationModule(copy.deepcopy(model), tok, objective={"name": "grpo", "beta": 0.04},
+                                          reward_fns=[ExactMatchReward()], num_generations=2, onednn_linear=use,
+                                          generation={"max_new_tokens": 4, "min_new_tokens": 4}, seed=0)
+        module.manual_backward = lambda loss: loss.backward()  # no Trainer here
+        with module._linear_mode():
+            assert cpu_linear.active() is use
+            if use:
+                exp = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in results[False][0].items()}
+                exp.pop("ref_logprobs", None)
+            else:
+                exp, _ = module.make_experience(batch)
+            exp["ref_logprobs"] = module.reference_logprobs(exp)
+            metrics = module.accumulate_gradients(exp, torch.arange(exp["completion_ids"].shape[0]))
+        results[use] = (exp, metrics, {n: p.grad.clone() for n, p in module.policy.named_parameters()})
+    (exp0, m0, g0), (exp1, m1, g1) = results[False], results[True]
+    assert _close(exp1["ref_logprobs"], exp0["ref_logprobs"])
+    assert float(m1["loss"]) == pytest.approx(float(m0["loss"]), rel=1e-5, abs=1e-7)
+    for name in g0:
+        assert _close(g1[name], g0[name], rel=1e-4), name
+
+
+def test_decoding_under_the_mode_uses_onednn_instead_of_a_packed_copy(monkeypatch):
+    model, tok = _model()
+    ids = torch.tensor([tok("12+34=")["input_ids"]] * 2)
+    mask = torch.ones_like(ids)
+    sampling = SamplingConfig(max_new_tokens=3, min_new_tokens=3, temperature=0.0)
+    want = HFRolloutEngine().generate(model, ids, mask, 2, sampling, tok.eos_token_id, tok.pad_token_id)
+    if fast_decode.PackedProjections.supported(fast_decode.llama_like(model)):
+        packed = []
+        monkeypatch.setattr(fast_decode._Packed, "__init__",
+                            lambda self, *a: packed.append(1) or pytest.fail("packed a copy under the mode"))
+    calls = _counting(monkeypatch)
+    with cpu_linear.OneDNNLinear():
+        assert not fast_decode.PackedProjections.supported(fast_decode.llama_like(model))
+        got = HFRolloutEngine().generate(model, ids, mask, 2, sampling, tok.eos_token_id, tok.pad_token_id)
+    assert calls  # the decoding step's and the prefill's products went through oneDNN
+    assert torch.equal(got.completion_ids, want.completion_ids)
+    assert _close(got.sampling_logprobs, want.sampling_logprobs, rel=1e-4)
