@@ -106,3 +106,9 @@ def active() -> bool:
 def pays_for(model: nn.Module) -> bool:
     """Whether ``model`` has a linear weight :class:`OneDNNLinear` would take (and this build has oneDNN)."""
     return available() and any(covers(m.weight) for m in model.modules() if isinstance(m, nn.Linear))
+
+
+def applies(model: nn.Module) -> bool:
+    """Whether ``model``'s large float32 products go through oneDNN here: a :class:`OneDNNLinear` context is open
+    and the model has a weight it takes."""
+    return active() and pays_for(model)

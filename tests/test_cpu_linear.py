@@ -156,3 +156,25 @@ def test_decoding_under_the_mode_uses_onednn_instead_of_a_packed_copy(monkeypatc
     assert calls  # the decoding step's and the prefill's products went through oneDNN
     assert torch.equal(got.completion_ids, want.completion_ids)
     assert _close(got.sampling_logprobs, want.sampling_logprobs, rel=1e-4)
+
+
+def test_under_autocast_the_fp32_policy_samples_itself_through_onednn(monkeypatch):
+    """A bf16-mixed step on the CPU: inside the mode the policy samples in fp32 with autocast off (as fast as a bf16
+    copy at 0.5B, without its memory); outside the mode, or for the default tiny model, it still gets the bf16
+    copy."""
+    model, tok = _model()
+    ids = torch.tensor([tok("12+34=")["input_ids"]] * 2)
+    mask = torch.ones_like(ids)
+    sampling = SamplingConfig(max_new_tokens=3, min_new_tokens=3, temperature=0.0)
+    plain = HFRolloutEngine().generate(model, ids, mask, 2, sampling, tok.eos_token_id, tok.pad_token_id)
+    engine = HFRolloutEngine()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert engine.sampling_dtype(model) == torch.bfloat16  # no mode: the bf16 copy, as before
+        calls = _counting(monkeypatch)
+        with cpu_linear.OneDNNLinear():
+            assert engine.sampling_dtype(model) == torch.float32 and engine.sampling_model(model) is model
+            assert not engine.logprobs_match(model)  # the training pass computes in bf16
+            got = engine.generate(model, ids, mask, 2, sampling, tok.eos_token_id, tok.pad_token_id)
+    assert calls and engine._sampler is None  # through oneDNN, and no copy was made
+    assert torch.equal(got.completion_ids, plain.completion_ids)
+    assert _close(got.sampling_logprobs, plain.sampling_logprobs, rel=1e-4)

@@ -12,6 +12,7 @@ from functools import partial
 import torch
 from torch import Tensor, nn
 
+from .. import cpu_linear
 from .._hf import cache_argument, output_cache, positions_from_mask, preallocated_cache
 from ..models import float_dtype, frozen_copy, is_quantized, resolve_dtype
 from .fast_decode import PackedProjections, decode_step, llama_like, shared_prompt_decode_step, static_decode_step
@@ -129,7 +130,11 @@ class HFRolloutEngine(RolloutEngine):
             in: with the policy itself, or, for an fp32 policy under autocast (a ``bf16-mixed`` / ``16-mixed``
             trainer), with a copy in the autocast dtype: autocast would cast every weight again at every token
             (long-prompt benchmark under ``bf16-mixed``: 4.3 s of sampling per step instead of 2.3 s), the copy
-            costs 2 bytes per parameter. ``"float32"`` samples the fp32 weights with autocast off. Half-precision
+            costs 2 bytes per parameter; on the CPU inside :class:`~polopt_lightning.cpu_linear.OneDNNLinear` (the
+            module's default for models with weights of 2**18 elements or more) the fp32 policy itself samples with
+            autocast off instead, through oneDNN's fp32 products: at the Qwen2.5-0.5B shape under ``bf16-mixed``
+            the rollout took 1.99 s against 2.38 with the copy, the step's peak 12.45 against 13.69 GiB. ``"float32"`` samples the fp32 weights with autocast
+            off. Half-precision
             sampling halves the bytes each token reads (weights and KV cache) and uses bf16 matrix units (AMX
             CPUs, GPUs); log-probs sampled in another precision than training's are not reused as old log-probs.
         compile: run the decoding step through ``torch.compile`` with static shapes (the whole cache attended
@@ -193,6 +198,8 @@ class HFRolloutEngine(RolloutEngine):
             return self.dtype
         device_type = _device_type(model)
         if torch.is_autocast_enabled(device_type) and all(p.dtype == torch.float32 for p in model.parameters()):
+            if device_type == "cpu" and cpu_linear.applies(model):
+                return torch.float32  # oneDNN's float32 products: faster than a bf16 copy here, without its memory
             return torch.get_autocast_dtype(device_type)
         return None
 

@@ -136,7 +136,7 @@ class PackedProjections(Projections):
             return False
         dtype = dtypes.pop()
         if dtype == torch.float32:
-            if cpu_linear.active() and any(cpu_linear.covers(m.weight) for m in linears):
+            if cpu_linear.applies(base):
                 return False  # oneDNN's products on the weights as they are: faster than MKL's packed ones, no copy
             return torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")
         if dtype == torch.bfloat16:
