@@ -36,13 +36,16 @@ def _update(tmp_path, world, *args):
 
 @pytest.mark.parametrize("args", [("grpo", "micro_batch_tokens=40"), ("gspo", "advantage_scale=batch", "anchor=0.5"),
                                   ("dr_grpo", "beta=0.5"),
-                                  ("grpo", "micro_batch_tokens=40", "strategy=fsdp", "beta=0.5", "anchor=0.5")],
+                                  ("grpo", "micro_batch_tokens=40", "strategy=fsdp", "beta=0.5", "anchor=0.5"),
+                                  ("grpo", "width=512", "beta=0.5")],
                          ids=["grpo-token-mean-micro-batches", "gspo-batch-scale-anchor", "dr_grpo-kl",
-                              "fsdp-grpo-kl-anchor"])
+                              "fsdp-grpo-kl-anchor", "grpo-kl-onednn-linear"])
 def test_one_ddp_update_equals_the_single_process_update(args, tmp_path):
     one = _update(tmp_path, 1, *[a for a in args if not a.startswith("strategy=")])
     two = _update(tmp_path, 2, *args)  # DDP, or FSDP2 (the weights sharded over the 2 processes)
     assert (one["world"], two["world"]) == (1, 2)
+    width = next((a.split("=")[1] for a in args if a.startswith("width=")), None)
+    assert one["onednn"] is two["onednn"] is (width is not None)  # the 512-wide model's products go through oneDNN
     # the same advantages, prompt by prompt (each group normalised whole on the process that sampled it; the batch
     # scale from every process's rewards), and some learning signal in them
     assert one["advantages"].keys() == two["advantages"].keys() and len(one["advantages"]) == 4
@@ -50,7 +53,7 @@ def test_one_ddp_update_equals_the_single_process_update(args, tmp_path):
         assert torch.allclose(torch.tensor(values), torch.tensor(two["advantages"][prompt]), atol=1e-6), prompt
     assert any(any(v != 0 for v in values) for values in one["advantages"].values())
     # the same weights after the step (plain SGD: any error in the gradient's scale would show)
-    moved = max((one["weights"][k] - w).abs().max().item() for k, w in _initial_weights().items())
+    moved = max((one["weights"][k] - w).abs().max().item() for k, w in _initial_weights(width).items())
     assert moved > 1e-2
     for name, weight in one["weights"].items():
         assert torch.allclose(weight, two["weights"][name], atol=1e-6, rtol=1e-5), name
@@ -60,10 +63,12 @@ def test_one_ddp_update_equals_the_single_process_update(args, tmp_path):
         assert math.isclose(value, two["metrics"][name], rel_tol=1e-5, abs_tol=1e-6), (name, value, two["metrics"][name])
 
 
-def _initial_weights():
+def _initial_weights(width=None):
     from polopt_lightning.models import build_tiny_model
 
-    return build_tiny_model(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64, seed=0)[0].state_dict()
+    from .helpers.ddp_update import model_shape
+
+    return build_tiny_model(**model_shape(width), seed=0)[0].state_dict()
 
 
 @pytest.mark.parametrize("objective", ["grpo", "gspo"])

@@ -1,7 +1,8 @@
 """One training step of the module under Lightning, in 1 process or under DDP on CPU processes (gloo).
 
 ``python tests/helpers/ddp_update.py OUT WORLD OBJECTIVE [key=value ...]`` (``strategy=fsdp``: FSDP2 instead of DDP;
-``anchor=COEF``: with the supervised anchor): rank 0 writes ``OUT`` (torch.save) with
+``anchor=COEF``: with the supervised anchor; ``width=W``: a model W wide, whose weights from 512 on are large enough for
+the oneDNN linear layers): rank 0 writes ``OUT`` (torch.save) with
 the policy's weights after the step, the step's logged metrics, and every prompt's advantages. The prompts' completions
 do not depend on the number of processes (each prompt samples with a generator seeded by its own tokens), so a run
 with 1 process and ``4 * B`` prompts and one with 2 processes and ``2 * B`` prompts each train on the same rollouts.
@@ -16,6 +17,7 @@ import lightning as L
 import torch
 
 from polopt_lightning import PolicyOptimizationModule, PromptDataModule
+from polopt_lightning.cpu_linear import OneDNNLinear
 from polopt_lightning.data import ArithmeticTask
 from polopt_lightning.distributed import all_gather_objects
 from polopt_lightning.models import build_tiny_model
@@ -63,12 +65,17 @@ class Recording(PolicyOptimizationModule):
         return exp, metrics
 
 
+def model_shape(width: str | None = None) -> dict:
+    hidden = int(width or 32)
+    return dict(hidden_size=hidden, num_layers=2, num_heads=2, intermediate_size=2 * hidden + (128 if width else 0))
+
+
 def main() -> None:
     out, world, objective, *extra = sys.argv[1:]
     world = int(world)
     options = dict(kv.split("=", 1) for kv in extra)
     torch.manual_seed(0)
-    model, tok = build_tiny_model(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64, seed=0)
+    model, tok = build_tiny_model(**model_shape(options.get("width")), seed=0)
     data = PromptDataModule(task=ArithmeticTask(digits=1, train_size=16, val_size=4, seed=0), tokenizer=tok,
                             batch_size=PROMPTS // world, shuffle=False)
     spec = {"name": objective, "beta": float(options.get("beta", 0.0))}
@@ -99,7 +106,8 @@ def main() -> None:
     if trainer.is_global_zero:
         metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("train/")}
         torch.save({"weights": {k: v.detach().clone() for k, v in weights.items()},
-                    "metrics": metrics, "advantages": module.advantages, "world": trainer.world_size}, out)
+                    "metrics": metrics, "advantages": module.advantages, "world": trainer.world_size,
+                    "onednn": isinstance(module._linear_mode(), OneDNNLinear)}, out)
 
 
 if __name__ == "__main__":
