@@ -103,6 +103,63 @@ def test_killed_and_resumed_run_logs_the_uninterrupted_runs_metrics(tmp_path):
     assert max((wa[k] - wb[k]).abs().max().item() for k in wa) < 1e-6
 
 
+class _WatchedIO(AtomicCheckpointIO):
+    """Records, each time a checkpoint file appears, its step and the training steps the CSV on disk holds then."""
+
+    def __init__(self, csv_path):
+        super().__init__()
+        self.csv_path, self.seen = csv_path, []
+
+    def _appeared(self, target):
+        rows = _rows(self.csv_path) if self.csv_path.is_file() else {}
+        steps = sorted(step for step, kind in rows if kind == "train")
+        self.seen.append((target.name, torch.load(target, weights_only=True)["global_step"], steps))
+
+    def release(self):
+        held = self.held
+        super().release()
+        for target in held:
+            self._appeared(target)
+
+    def save_checkpoint(self, checkpoint, path, storage_options=None):
+        super().save_checkpoint(checkpoint, path, storage_options)
+        if not self.holding:
+            self._appeared(Path(path))
+
+
+def test_a_checkpoint_appears_only_once_the_log_holds_every_step_it_covers(tmp_path, tiny, arithmetic_rows):
+    """Lightning saves at a step's end before it logs the step: the file waits until the step's row is on disk."""
+    import lightning as L
+    from lightning.pytorch.loggers import CSVLogger
+
+    from polopt_lightning import PolicyOptimizationModule, PromptDataModule
+    from polopt_lightning.callbacks import RolloutCheckpoint
+    from polopt_lightning.data import ArithmeticTask
+    from polopt_lightning.rewards import ExactMatchReward
+
+    model, tok = tiny
+    logger = CSVLogger(tmp_path, name="csv", version=0, flush_logs_every_n_steps=100)  # never flushed by itself here
+    io = _WatchedIO(tmp_path / "csv" / "version_0" / "metrics.csv")
+    checkpoint = RolloutCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=2, save_top_k=2, monitor="step",
+                                   mode="max", filename="{step}", save_last=True)
+    module = PolicyOptimizationModule(model, tok, reward_fns=[ExactMatchReward()], num_generations=2,
+                                      generation={"max_new_tokens": 3}, lr=1e-3, seed=0)
+    dm = PromptDataModule(task=ArithmeticTask(digits=1, train_size=40, val_size=4, seed=0), tokenizer=tok,
+                          batch_size=2, seed=0)
+    trainer = L.Trainer(max_steps=7, accelerator="cpu", logger=logger, callbacks=[checkpoint], plugins=[io],
+                        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                        val_check_interval=3, log_every_n_steps=1)
+    trainer.fit(module, datamodule=dm)
+    # one optimizer step per training step: the checkpoints at steps 2, 4, 6 (as top-k files and as last.ckpt)
+    assert sorted({(name, step) for name, step, _ in io.seen}) == [
+        ("last.ckpt", 2), ("last.ckpt", 4), ("last.ckpt", 6), ("step=2.ckpt", 2), ("step=4.ckpt", 4),
+        ("step=6.ckpt", 6)]
+    for name, step, logged in io.seen:  # the CSV's step column counts training steps from 0
+        assert logged == list(range(step)), (name, step, logged)
+    # top-2: the step-2 file went once the step-6 one was in place
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["last.ckpt", "step=4.ckpt", "step=6.ckpt"]
+
+
 class _Unpicklable:
     def __reduce__(self):
         raise RuntimeError("killed while saving")

@@ -5,7 +5,12 @@ own optimizer steps; these keep their behaviour and drop the assumptions:
 
 - :class:`RolloutCheckpoint` is ``ModelCheckpoint`` saving after a training step. Under manual optimisation
   Lightning's class warns at every periodic save (with a sample ``training_step``) that the file holds the state
-  *after* the optimizer step; for this module that is the state wanted: the rollout's updates are done.
+  *after* the optimizer step; for this module that is the state wanted: the rollout's updates are done. It also keeps
+  the metrics log ahead of the checkpoints: Lightning saves in ``on_train_batch_end``, *before* it logs that step's
+  metrics, so a run killed in between had a checkpoint whose last step was in no log, and a resume from it never
+  logged that step again. Here the loggers are flushed before any checkpoint file appears, and a file saved at a
+  step's end (through :class:`AtomicCheckpointIO`) is held under its temporary name until the step's metrics are on
+  disk, then renamed into place: whichever file a resume finds, the log already holds every step it covers.
 - :class:`AtomicCheckpointIO` writes each checkpoint file under a temporary name in its own folder, flushes it to
   disk and renames it over the old one, so a crash (or SIGKILL) while saving leaves the previous ``last.ckpt`` whole.
   Lightning's own writer goes through a temporary file in the system's temporary folder and moves it; where that
@@ -38,7 +43,24 @@ class RolloutCheckpoint(ModelCheckpoint):
     Takes every ``ModelCheckpoint`` argument. ``every_n_train_steps`` counts optimizer steps, as ``global_step`` does.
     """
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._held: AtomicCheckpointIO | None = None  # the writer holding this step's files until its metrics are logged
+        self._held_removals: list[str] = []  # checkpoints the held ones replace, removed once those are in place
+
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any, **kwargs: Any) -> None:
+        io = trainer.strategy.checkpoint_io
+        if not isinstance(io, AtomicCheckpointIO) or io.holding:
+            return self._save_at_batch_end(trainer, pl_module, *args, **kwargs)
+        io.hold()
+        self._held = io  # what this save writes is put in place by the first hook after Lightning logs this step
+        try:
+            self._save_at_batch_end(trainer, pl_module, *args, **kwargs)
+        finally:
+            if not io.held:  # nothing saved at this step
+                self._publish(trainer, flush=False)
+
+    def _save_at_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any, **kwargs: Any) -> None:
         if pl_module.automatic_optimization or self._train_time_interval is not None:
             return super().on_train_batch_end(trainer, pl_module, *args, **kwargs)
         # Lightning's manual-optimisation branch differs from the automatic one only by restoring a pre-step state that
@@ -54,6 +76,51 @@ class RolloutCheckpoint(ModelCheckpoint):
             return
         self._save_topk_checkpoint(trainer, candidates)
         self._save_last_checkpoint(trainer, candidates)
+
+    def _save_checkpoint(self, trainer: L.Trainer, filepath: str) -> None:
+        for logger in trainer.loggers:  # every step logged so far reaches the disk before a checkpoint covering it
+            logger.save()
+        super()._save_checkpoint(trainer, filepath)
+
+    def _remove_checkpoint(self, trainer: L.Trainer, filepath: str) -> None:
+        if self._held is not None:  # the file replacing this one is not in place yet
+            self._held_removals.append(filepath)
+        else:
+            super()._remove_checkpoint(trainer, filepath)
+
+    def _publish(self, trainer: L.Trainer, flush: bool = True) -> None:
+        """Put the files held since the last step's end in place, now that Lightning has logged that step."""
+        io, self._held = self._held, None
+        if io is None:
+            return
+        if flush:
+            for logger in trainer.loggers:
+                logger.save()
+        io.release()
+        removals, self._held_removals = self._held_removals, []
+        for filepath in removals:
+            super()._remove_checkpoint(trainer, filepath)
+
+    # the first hooks after Lightning logs a step's metrics: the next step, a validation, the epoch's or run's end
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any, **kwargs: Any) -> None:
+        self._publish(trainer)
+        super().on_train_batch_start(trainer, pl_module, *args, **kwargs)
+
+    def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._publish(trainer)
+        super().on_validation_start(trainer, pl_module)
+
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._publish(trainer)
+        super().on_train_epoch_end(trainer, pl_module)
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._publish(trainer)
+        super().on_train_end(trainer, pl_module)
+
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        self._publish(trainer)  # the held files are whole states at a step's end: better in place than lost
+        super().on_exception(trainer, pl_module, exception)
 
 
 class ExceptionCheckpoint(L.Callback):
@@ -81,7 +148,36 @@ class ExceptionCheckpoint(L.Callback):
 class AtomicCheckpointIO(TorchCheckpointIO):
     """``TorchCheckpointIO`` whose local files appear whole or not at all: written to ``.<name>.tmp-<pid>`` beside
     the target, flushed with ``fsync``, then renamed over it (``os.replace``, atomic on POSIX). Remote paths
-    (``s3://`` and the like) are saved by Lightning's writer."""
+    (``s3://`` and the like) are saved by Lightning's writer.
+
+    Between :meth:`hold` and :meth:`release` the files are written and flushed, but stay under their temporary names
+    until :meth:`release` renames them (in the order saved): :class:`RolloutCheckpoint` holds a step's checkpoints
+    until that step's metrics are logged."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._held: dict[Path, Path] | None = None  # target -> its written temporary file, while holding
+
+    def hold(self) -> None:
+        """Keep the files saved from now on under their temporary names until :meth:`release`."""
+        if self._held is None:
+            self._held = {}
+
+    @property
+    def holding(self) -> bool:
+        return self._held is not None
+
+    @property
+    def held(self) -> list[Path]:
+        """The files written and not yet in place."""
+        return list(self._held or {})
+
+    def release(self) -> None:
+        """Rename the held files into place and stop holding."""
+        held, self._held = self._held or {}, None
+        for target, tmp in held.items():
+            os.replace(tmp, target)
+            self._sync_folder(target)
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
         if storage_options is not None or get_filesystem(path).protocol not in ("file", ("file", "local")):
@@ -94,9 +190,25 @@ class AtomicCheckpointIO(TorchCheckpointIO):
                 torch.save(checkpoint, fh)
                 fh.flush()
                 os.fsync(fh.fileno())
+            if self._held is not None:
+                self._held[target] = tmp
+                return
             os.replace(tmp, target)
         finally:
-            tmp.unlink(missing_ok=True)
+            if self._held is None or target not in self._held:
+                tmp.unlink(missing_ok=True)
+        self._sync_folder(target)
+
+    def remove_checkpoint(self, path: Any) -> None:
+        if self._held is not None:  # a held file removed before it is in place: it never appears
+            target = Path(path)
+            tmp = self._held.pop(target, None)
+            if tmp is not None:
+                tmp.unlink(missing_ok=True)
+        super().remove_checkpoint(path)
+
+    @staticmethod
+    def _sync_folder(target: Path) -> None:
         fd = os.open(target.parent, os.O_RDONLY)
         try:  # the rename itself reaches the disk
             os.fsync(fd)
