@@ -146,18 +146,20 @@ def test_a_checkpoint_appears_only_once_the_log_holds_every_step_it_covers(tmp_p
                                       generation={"max_new_tokens": 3}, lr=1e-3, seed=0)
     dm = PromptDataModule(task=ArithmeticTask(digits=1, train_size=40, val_size=4, seed=0), tokenizer=tok,
                           batch_size=2, seed=0)
-    trainer = L.Trainer(max_steps=7, accelerator="cpu", logger=logger, callbacks=[checkpoint], plugins=[io],
+    every_step = RolloutCheckpoint(dirpath=tmp_path / "all", every_n_train_steps=1, save_top_k=-1, filename="{step}")
+    trainer = L.Trainer(max_steps=7, accelerator="cpu", logger=logger, callbacks=[every_step, checkpoint], plugins=[io],
                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
                         val_check_interval=3, log_every_n_steps=1)
     trainer.fit(module, datamodule=dm)
     # one optimizer step per training step: the checkpoints at steps 2, 4, 6 (as top-k files and as last.ckpt)
-    assert sorted({(name, step) for name, step, _ in io.seen}) == [
-        ("last.ckpt", 2), ("last.ckpt", 4), ("last.ckpt", 6), ("step=2.ckpt", 2), ("step=4.ckpt", 4),
-        ("step=6.ckpt", 6)]
+    assert sorted({(name, step) for name, step, _ in io.seen}) == sorted(
+        [("last.ckpt", 2), ("last.ckpt", 4), ("last.ckpt", 6), ("step=2.ckpt", 2), ("step=4.ckpt", 4),
+         ("step=6.ckpt", 6)] + [(f"step={k}.ckpt", k) for k in (1, 3, 5, 7)])  # and the other callback's, every step
     for name, step, logged in io.seen:  # the CSV's step column counts training steps from 0
         assert logged == list(range(step)), (name, step, logged)
     # top-2: the step-2 file went once the step-6 one was in place
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["last.ckpt", "step=4.ckpt", "step=6.ckpt"]
+    assert len(list((tmp_path / "all").iterdir())) == 7
 
 
 class _Unpicklable:

@@ -50,14 +50,15 @@ class RolloutCheckpoint(ModelCheckpoint):
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any, **kwargs: Any) -> None:
         io = trainer.strategy.checkpoint_io
-        if not isinstance(io, AtomicCheckpointIO) or io.holding:
+        if not isinstance(io, AtomicCheckpointIO):
             return self._save_at_batch_end(trainer, pl_module, *args, **kwargs)
+        joined = io.holding  # another RolloutCheckpoint saved at this step: its files and these go in place together
         io.hold()
         self._held = io  # what this save writes is put in place by the first hook after Lightning logs this step
         try:
             self._save_at_batch_end(trainer, pl_module, *args, **kwargs)
         finally:
-            if not io.held:  # nothing saved at this step
+            if not joined and not io.held:  # nothing saved at this step
                 self._publish(trainer, flush=False)
 
     def _save_at_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any, **kwargs: Any) -> None:
