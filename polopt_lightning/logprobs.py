@@ -110,34 +110,6 @@ def completion_logprobs(
     return selective_log_softmax(logits, completion_ids, temperature, chunk_rows, with_entropy)
 
 
-# CausalLM classes whose logits are exactly ``lm_head(<base model>(...).last_hidden_state)`` (no scaling, soft-capping
-# or other change after the head), so the shared-prompt pass may run the body and the head apart
-PLAIN_HEAD = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"})
-# a vocabulary table from this many elements up is worth one lookup and one head call per pass: each call's gradient
-# is a fresh table-sized tensor (545 MiB at Qwen2.5-0.5B's 151,936 x 896) that the first write has to page in
-SPLIT_HEAD_ELEMENTS = 2**22
-
-
-def split_head(model: nn.Module, force: bool | None = None) -> tuple[nn.Module, nn.Module, nn.Module] | None:
-    """``(body, input embedding, head)`` of a CausalLM whose logits are the head applied to the body's last hidden
-    state (:data:`PLAIN_HEAD`, also under a peft wrapper), with plain (not sharded) tables; ``None`` otherwise. With
-    ``force=None`` only where the head's table has :data:`SPLIT_HEAD_ELEMENTS` or more; ``False``: never."""
-    if force is False:
-        return None
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    if type(base).__name__ not in PLAIN_HEAD:
-        return None
-    body, embed, head = base.base_model, base.get_input_embeddings(), base.get_output_embeddings()
-    if body is base or embed is None or head is None:
-        return None
-    weight = getattr(head, "weight", None)
-    if not isinstance(weight, Tensor) or type(weight) is not nn.Parameter and type(weight) is not Tensor:
-        return None  # a sharded (DTensor) or quantized table: the wrapper's own forward gathers or dequantizes it
-    if force is None and weight.numel() < SPLIT_HEAD_ELEMENTS:
-        return None
-    return body, embed, head
-
-
 def shared_prompt_completion_logprobs(
     model: nn.Module,
     prompt_ids: Tensor,
@@ -148,17 +120,12 @@ def shared_prompt_completion_logprobs(
     temperature: float = 1.0,
     with_entropy: bool = False,
     chunk_rows: int = DEFAULT_CHUNK_ROWS,
-    split: bool | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Same result as :func:`completion_logprobs`, but each distinct prompt runs once.
 
     Rows with the same ``group_index`` share their prompt (the G completions of one group). The prompt's forward
     pass runs on one row per group with ``use_cache``; its keys/values, which carry gradient, are gathered to the
     completions, which then attend to them. The prompt costs one forward and one backward per group instead of G.
-
-    Where :func:`split_head` gives the body and the head apart (``split``: its ``force``), the token lookups of both
-    parts run as one embedding call and the prompt's last hidden state joins the completions' before one head call:
-    one table-sized gradient each instead of two (the same values up to float rounding).
     """
     groups, inverse = torch.unique(group_index, return_inverse=True)
     rows = torch.arange(group_index.numel(), device=group_index.device)
@@ -166,48 +133,22 @@ def shared_prompt_completion_logprobs(
     first = first.scatter_reduce(0, inverse, rows, reduce="amin")  # one representative row per group
     p_ids, p_mask = prompt_ids[first], prompt_mask[first]
     p_pos = positions_from_mask(p_mask)
-    parts = split_head(model, split)
-    if parts is not None:
-        return _split_head_logprobs(parts, p_ids, p_mask, p_pos, inverse, prompt_mask, completion_ids,
-                                    completion_mask, temperature, with_entropy, chunk_rows)
     out = model(input_ids=p_ids, attention_mask=p_mask, position_ids=p_pos, use_cache=True, logits_to_keep=1)
     first_logits = out.logits[:, -1:].index_select(0, inverse)  # [N, 1, V]: predicts completion token 0
     first = selective_log_softmax(first_logits, completion_ids[:, :1], temperature, chunk_rows, with_entropy)
     T = completion_ids.shape[1]
     if T == 1:
         return first
-    rest_logits = model(input_ids=completion_ids[:, :-1], use_cache=True,
-                        **_continuation(model, out, inverse, prompt_mask, completion_mask)).logits
+    cache = output_cache(out)
+    _select_rows(cache, inverse)  # [U, ...] -> [N, ...], gradient flows back to the U prompt rows
+    attention_mask = torch.cat([prompt_mask, completion_mask.to(prompt_mask.dtype)], dim=1)
+    positions = positions_from_mask(attention_mask)[:, prompt_ids.shape[1]:]
+    rest_logits = model(input_ids=completion_ids[:, :-1], attention_mask=attention_mask[:, :-1],
+                        position_ids=positions[:, :-1], use_cache=True, **{cache_argument(model): cache}).logits
     rest = selective_log_softmax(rest_logits, completion_ids[:, 1:], temperature, chunk_rows, with_entropy)
     # the [N, T] results are joined, not the [N, T, V] logits: no full-vocabulary copy (nor its gradient)
     return (torch.cat([first[0], rest[0]], dim=1),
             torch.cat([first[1], rest[1]], dim=1) if with_entropy else None)
-
-
-def _split_head_logprobs(parts, p_ids, p_mask, p_pos, inverse, prompt_mask, completion_ids, completion_mask,
-                         temperature, with_entropy, chunk_rows):
-    body, embed, head = parts
-    N, T = completion_ids.shape
-    embeds = embed(torch.cat([p_ids.reshape(-1), completion_ids[:, :-1].reshape(-1)]))  # one lookup, one gradient
-    p_embeds, c_embeds = embeds.split([p_ids.numel(), N * (T - 1)])
-    out = body(inputs_embeds=p_embeds.view(*p_ids.shape, -1), attention_mask=p_mask, position_ids=p_pos,
-               use_cache=True)
-    hidden = out.last_hidden_state[:, -1:].index_select(0, inverse)  # [N, 1, H]: predicts completion token 0
-    if T > 1:
-        rest = body(inputs_embeds=c_embeds.view(N, T - 1, -1), use_cache=True,
-                    **_continuation(body, out, inverse, prompt_mask, completion_mask)).last_hidden_state
-        hidden = torch.cat([hidden, rest], dim=1)
-    return selective_log_softmax(head(hidden), completion_ids, temperature, chunk_rows, with_entropy)
-
-
-def _continuation(model: nn.Module, prompt_out, inverse: Tensor, prompt_mask: Tensor, completion_mask: Tensor) -> dict:
-    """The completions' pass's keywords after the shared prompt's: the prompt's cache gathered to the N rows
-    (gradient flows back to the U prompt rows), the joint mask and the completions' positions, all but the last."""
-    cache = output_cache(prompt_out)
-    _select_rows(cache, inverse)  # [U, ...] -> [N, ...]
-    attention_mask = torch.cat([prompt_mask, completion_mask.to(prompt_mask.dtype)], dim=1)
-    positions = positions_from_mask(attention_mask)[:, prompt_mask.shape[1]:]
-    return {"attention_mask": attention_mask[:, :-1], "position_ids": positions[:, :-1], cache_argument(model): cache}
 
 
 def _select_rows(cache, index: Tensor) -> None:

@@ -112,10 +112,6 @@ class PolicyOptimizationModule(L.LightningModule):
         share_prompt: run each prompt once per group in the training, reference and old-log-prob passes, the G
             completions attending to its keys/values (same result, fewer FLOPs); off for models whose cache cannot
             be gathered.
-        split_head: with ``share_prompt``, look the prompt's and the completions' tokens up in one embedding call
-            and score them in one head call, the model's body run apart (:func:`~polopt_lightning.logprobs.split_head`:
-            Llama, Mistral, Qwen2, Qwen3 classes with plain tables): one table-sized gradient each instead of two,
-            the same values up to rounding. ``None``: where the head's table has 2**22 elements or more.
         keep_host_memory: while training, glibc keeps freed memory for the next step's tensors instead of giving it
             back to the system and faulting it in again (:mod:`polopt_lightning.host_memory`; the process holds its
             peak until training ends). ``None``: where the policy trains on the CPU (Qwen2.5-0.5B shape, 2 threads,
@@ -176,7 +172,6 @@ class PolicyOptimizationModule(L.LightningModule):
         rollout_dtype: str | torch.dtype | None = None,
         compile_rollout: bool = False,
         share_prompt: bool = True,
-        split_head: bool | None = None,
         keep_host_memory: bool | None = None,
         reuse_sampling_logprobs: bool = True,
         micro_batch_tokens: int | None = None,
@@ -257,7 +252,6 @@ class PolicyOptimizationModule(L.LightningModule):
                              "rollout_engine instead")
         self.engine = rollout_engine or HFRolloutEngine(dtype=rollout_dtype, compile=compile_rollout)
         self.share_prompt = share_prompt
-        self.split_head = split_head
         if keep_host_memory and not host_memory.available():
             raise ValueError("keep_host_memory=True: this process's C library is not glibc (no mallopt)")
         self.keep_host_memory = keep_host_memory
@@ -532,8 +526,7 @@ class PolicyOptimizationModule(L.LightningModule):
         with evaluating(model, keep_quantized=True) if model is self.ref_model else nullcontext():
             if self.share_prompt and not checkpointed:
                 return shared_prompt_completion_logprobs(*args, exp["group_index"][rows],
-                                                         self.sampling.logprob_temperature, with_entropy=with_entropy,
-                                                         split=self.split_head)
+                                                         self.sampling.logprob_temperature, with_entropy=with_entropy)
             return completion_logprobs(*args, self.sampling.logprob_temperature, with_entropy=with_entropy)
 
     def reference_logprobs(self, exp: Mapping[str, Any]) -> Tensor:
