@@ -79,8 +79,7 @@ class RolloutCheckpoint(ModelCheckpoint):
         self._save_last_checkpoint(trainer, candidates)
 
     def _save_checkpoint(self, trainer: L.Trainer, filepath: str) -> None:
-        for logger in trainer.loggers:  # every step logged so far reaches the disk before a checkpoint covering it
-            logger.save()
+        _flush_loggers(trainer)  # every step logged so far reaches the disk before a checkpoint covering it
         super()._save_checkpoint(trainer, filepath)
 
     def _remove_checkpoint(self, trainer: L.Trainer, filepath: str) -> None:
@@ -95,8 +94,7 @@ class RolloutCheckpoint(ModelCheckpoint):
         if io is None:
             return
         if flush:
-            for logger in trainer.loggers:
-                logger.save()
+            _flush_loggers(trainer)
         io.release()
         removals, self._held_removals = self._held_removals, []
         for filepath in removals:
@@ -122,6 +120,11 @@ class RolloutCheckpoint(ModelCheckpoint):
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
         self._publish(trainer)  # the held files are whole states at a step's end: better in place than lost
         super().on_exception(trainer, pl_module, exception)
+
+
+def _flush_loggers(trainer: L.Trainer) -> None:
+    for logger in trainer.loggers:
+        logger.save()
 
 
 class ExceptionCheckpoint(L.Callback):
