@@ -14,6 +14,18 @@ def positions_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
+def last_positions(length: int, n: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """``logits_to_keep`` for the last ``n`` of ``length`` positions, as the index tensor transformers also takes.
+
+    Given the int ``n``, transformers slices the hidden states (``[:, -n:]``, a view that is not contiguous when
+    ``n < length``) before the head; given the indices it gathers them into a contiguous copy. On the CPU a bfloat16
+    ``F.linear`` of such a sliced 3-D view runs as a batched product on a transposed copy of the weight, expanded
+    to every row: at a 151,936 x 896 head, 2 rows of 1 position took 1.6 s against 19 ms contiguous, 8 rows of 17
+    positions 5.9 s against 0.13 s (float32 through MKL: 0.85 s against 0.47). The values are the same.
+    """
+    return torch.arange(length - n, length, device=device)
+
+
 def cache_argument(model: nn.Module) -> str:
     """transformers 5 renamed ``past_key_values`` to ``cache``; the name this model's forward takes (a peft model's
     forward passes its keywords on to its base's)."""

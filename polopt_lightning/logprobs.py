@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from ._hf import cache_argument, output_cache, positions_from_mask
+from ._hf import cache_argument, last_positions, output_cache, positions_from_mask
 
 # Elements of [rows, V] logits processed at once: temporaries stay at ~32 MiB in float32 whatever the batch and the
 # vocabulary (55 rows of a 151,936-token vocabulary; every row of a small one).
@@ -105,7 +105,7 @@ def completion_logprobs(
     T = completion_ids.shape[1]
     logits = model(
         input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False,
-        logits_to_keep=T + 1,
+        logits_to_keep=last_positions(input_ids.shape[1], T + 1, input_ids.device),
     ).logits[:, :-1]  # [N, T, V]: position t predicts completion token t
     return selective_log_softmax(logits, completion_ids, temperature, chunk_rows, with_entropy)
 
@@ -133,7 +133,8 @@ def shared_prompt_completion_logprobs(
     first = first.scatter_reduce(0, inverse, rows, reduce="amin")  # one representative row per group
     p_ids, p_mask = prompt_ids[first], prompt_mask[first]
     p_pos = positions_from_mask(p_mask)
-    out = model(input_ids=p_ids, attention_mask=p_mask, position_ids=p_pos, use_cache=True, logits_to_keep=1)
+    out = model(input_ids=p_ids, attention_mask=p_mask, position_ids=p_pos, use_cache=True,
+                logits_to_keep=last_positions(p_ids.shape[1], 1, p_ids.device))
     first_logits = out.logits[:, -1:].index_select(0, inverse)  # [N, 1, V]: predicts completion token 0
     first = selective_log_softmax(first_logits, completion_ids[:, :1], temperature, chunk_rows, with_entropy)
     T = completion_ids.shape[1]

@@ -1,6 +1,6 @@
-"""Levers for real-scale models (0.5B, 152k-token vocabularies): the inverse-CDF sampler and clipping with the norm
-already measured. Neither changes a loss or gradient (the clip: not a bit; the sampler draws from the same
-distribution)."""
+"""Levers for real-scale models (0.5B, 152k-token vocabularies): the inverse-CDF sampler, clipping with the norm
+already measured and a contiguous input to the language-model head. None changes a loss or gradient (the clip and the
+head's input: not a bit; the sampler draws from the same distribution)."""
 
 import copy
 
@@ -111,3 +111,39 @@ def test_chunked_log_probs_at_a_152k_vocabulary_stay_within_their_chunk():
     expected = -log_p.exp()
     expected.scatter_add_(-1, index[..., None], torch.ones(2, 64, 1))
     torch.testing.assert_close(logits.grad, expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_head_gets_a_contiguous_input_and_the_values_of_an_int_logits_to_keep(dtype):
+    """The training and reference passes and the rollout's prefill keep the last positions by index: the head sees a
+    contiguous input (a sliced view sends frozen bf16 weights through a batched product on an expanded copy of the
+    weight, 10-80x slower on the CPU; see ``_hf.last_positions``) and computes what ``logits_to_keep=n`` computes."""
+    from polopt_lightning.logprobs import completion_logprobs, shared_prompt_completion_logprobs
+    from polopt_lightning.models import build_tiny_model
+    from polopt_lightning.rollout.engine import HFRolloutEngine, SamplingConfig
+
+    model, _ = build_tiny_model(hidden_size=32, num_layers=2, num_heads=2, vocab_size=128)
+    model = model.to(dtype).eval().requires_grad_(False)  # a frozen reference copy or sampler
+    seen = []
+    model.lm_head.register_forward_pre_hook(lambda module, args: seen.append(args[0].is_contiguous()))
+    g = torch.Generator().manual_seed(0)
+    prompt_ids, completion_ids = torch.randint(0, 128, (4, 6), generator=g), torch.randint(0, 128, (4, 5), generator=g)
+    prompt_mask, completion_mask = torch.ones(4, 6, dtype=torch.long), torch.ones(4, 5, dtype=torch.long)
+    prompt_mask[0, :2] = 0  # left padding
+    with torch.no_grad():
+        plain = completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask)[0]
+        shared = shared_prompt_completion_logprobs(model, prompt_ids[[0, 0, 2, 2]], prompt_mask[[0, 0, 2, 2]],
+                                                   completion_ids, completion_mask, torch.tensor([0, 0, 1, 1]))[0]
+        HFRolloutEngine().generate(model, prompt_ids, prompt_mask, 2, SamplingConfig(max_new_tokens=3), 0, 0,
+                                   torch.Generator().manual_seed(0))
+        ids = torch.cat([prompt_ids, completion_ids], 1)
+        mask = torch.cat([prompt_mask, completion_mask], 1)
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
+                       logits_to_keep=6).logits[:, :-1].float()
+    # the plain pass, both of the shared prompt and the prefill (the lean decoding step calls no hooks), then the
+    # sliced view of the int
+    assert seen == [True] * 4 + [False], seen
+    expected = torch.log_softmax(logits, -1).gather(-1, completion_ids[..., None]).squeeze(-1)
+    torch.testing.assert_close(plain.float(), expected)
+    torch.testing.assert_close(shared[[0, 2]].float(), plain[[0, 2]].float(), atol=5e-2 if dtype == torch.bfloat16
+                               else 1e-5, rtol=0)

@@ -13,7 +13,7 @@ import torch
 from torch import Tensor, nn
 
 from .. import cpu_linear
-from .._hf import cache_argument, output_cache, positions_from_mask, preallocated_cache
+from .._hf import cache_argument, last_positions, output_cache, positions_from_mask, preallocated_cache
 from ..models import float_dtype, frozen_copy, is_quantized, resolve_dtype
 from .fast_decode import PackedProjections, decode_step, llama_like, shared_prompt_decode_step, static_decode_step
 
@@ -312,7 +312,7 @@ class HFRolloutEngine(RolloutEngine):
         cache = preallocated_cache(model, prompt_ids.shape[1] + sampling.max_new_tokens)
         extra = {cache_arg: cache} if cache is not None else {}
         out = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=position_ids, use_cache=True,
-                    logits_to_keep=1, **extra)
+                    logits_to_keep=last_positions(prompt_ids.shape[1], 1, device), **extra)
         cache = output_cache(out)
         logits = out.logits[:, -1].float().repeat_interleave(G, dim=0)  # [N, V]
         attention_mask = prompt_mask.repeat_interleave(G, dim=0)  # [N, Lp]
