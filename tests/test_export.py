@@ -14,6 +14,7 @@ from polopt_lightning.data import ArithmeticTask
 from polopt_lightning.export import export_checkpoint
 from polopt_lightning.models import load_pretrained
 from polopt_lightning.rewards import DigitMatchReward, ExactMatchReward
+from tests.test_module import distinct_chars
 
 TEXT = "12+34=46"
 
@@ -48,17 +49,12 @@ def logprobs_elsewhere(folder, text=TEXT):
     return torch.tensor(out["logprobs"]), out["ids"]
 
 
-def distinct_chars(prompts, completions, **kw):
-    """Varies from sample to sample even for an untrained model: the tiny model scores 0 on both arithmetic rewards,
-    and without a varying reward the weights moved only by float noise in the KL term (the reference and the
-    training pass rounding differently), which exact passes do not have."""
-    return [float(len(set(c))) for c in completions]
-
-
 def trained_module(tiny, tmp_path, beta=0.04):
     model, tok = tiny
     train, val = ArithmeticTask(digits=1, train_size=40, val_size=8).splits()
     data = PromptDataModule(train=train, val=val, tokenizer=tok, batch_size=2)
+    # the tiny model scores 0 on both arithmetic rewards: without a reward that varies, the weights would move only
+    # by the KL term's float noise (none once the reference and training passes round alike)
     module = PolicyOptimizationModule(model, tok, objective={"name": "grpo", "beta": beta}, lr=1e-3,
                                       reward_fns=[ExactMatchReward(), DigitMatchReward(), distinct_chars],
                                       num_generations=4, generation={"max_new_tokens": 3})

@@ -1,6 +1,7 @@
 """Levers for real-scale models (0.5B, 152k-token vocabularies): the inverse-CDF sampler, clipping with the norm
-already measured and a contiguous input to the language-model head. None changes a loss or gradient (the clip and the
-head's input: not a bit; the sampler draws from the same distribution)."""
+already measured and a contiguous input to the language-model head. None changes a loss or gradient (the clip: not a
+bit; the head's input: within float tolerance, its product may round in another order; the sampler draws from the
+same distribution)."""
 
 import copy
 
@@ -118,6 +119,7 @@ def test_the_head_gets_a_contiguous_input_and_the_values_of_an_int_logits_to_kee
     """The training and reference passes and the rollout's prefill keep the last positions by index: the head sees a
     contiguous input (a sliced view sends frozen bf16 weights through a batched product on an expanded copy of the
     weight, 10-80x slower on the CPU; see ``_hf.last_positions``) and computes what ``logits_to_keep=n`` computes."""
+    from polopt_lightning._hf import positions_from_mask
     from polopt_lightning.logprobs import completion_logprobs, shared_prompt_completion_logprobs
     from polopt_lightning.models import build_tiny_model
     from polopt_lightning.rollout.engine import HFRolloutEngine, SamplingConfig
@@ -138,7 +140,7 @@ def test_the_head_gets_a_contiguous_input_and_the_values_of_an_int_logits_to_kee
                                    torch.Generator().manual_seed(0))
         ids = torch.cat([prompt_ids, completion_ids], 1)
         mask = torch.cat([prompt_mask, completion_mask], 1)
-        logits = model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=positions_from_mask(mask),
                        logits_to_keep=6).logits[:, :-1].float()
     # the plain pass, both of the shared prompt and the prefill (the lean decoding step calls no hooks), then the
     # sliced view of the int
