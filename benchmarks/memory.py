@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from throughput import length_reward, peak_rss_gib, run_child  # noqa: E402  (the same harness)
+from throughput import length_reward, note_sampling_dtype, peak_rss_gib, run_child  # noqa: E402  (the same harness)
 
 SHAPES = {
     # Qwen2.5-0.5B: 494M parameters, tied embeddings, q/k/v biases
@@ -128,6 +128,7 @@ def run_polopt(folder: str, setting: str, steps: int, overrides: dict | None = N
         num_generations=JOB["generations"], generation={"max_new_tokens": n, "min_new_tokens": n}, lr=JOB["lr"],
         **overrides)
     if phases is not None:
+        note_sampling_dtype(module, phases.facts)
         phases.wrap(module, "rollout", "rollout")
         phases.wrap(module, "reference_logprobs", "reference")
         phases.wrap(module, "accumulate_gradients", "training")  # forward and backward of every mini-batch
@@ -224,6 +225,7 @@ class Phases:
         self.current_peaks: dict[str, float] = {}
         self.depth = 0
         self.overall = 0.0  # the highest mark read: the process's peak since it started timing
+        self.facts: dict = {}  # what the run noted besides times (the dtype polopt sampled with)
 
     def _mark(self, reset: bool) -> float | None:
         """The high-water mark so far (GiB), then, with ``reset``, a new one from what is resident now."""

@@ -105,22 +105,25 @@ def quantization_and_adapter(setting: str) -> tuple[str, str]:
     return SETTINGS[REAL_SETTINGS[setting][0]]
 
 
-def phase_dtypes(setting: str, impl: str) -> dict[str, str]:
-    """What each phase computes in and, for decoding, the dtype of the weights it reads."""
+def phase_dtypes(setting: str, impl: str, sampled: str | None = None) -> dict[str, str]:
+    """What each phase computes in and, for decoding, the dtype of the weights it reads. ``sampled``: what polopt's
+    engine sampled with, as its trials recorded it (under autocast on the CPU it samples the float32 policy through
+    oneDNN); without it (older result files) the rollout computes in the autocast dtype or ``rollout_dtype``."""
     name, o = parse_impl(impl)
     mixed = setting == "bf16-mixed"
     compute = "bfloat16" if mixed else "float32"
-    if name == "polopt":  # under autocast polopt samples and scores with bf16 copies
-        sample = o.get("rollout_dtype") or (o.get("engine") or {}).get("dtype") or compute
+    if name == "polopt":
+        sample = sampled or o.get("rollout_dtype") or (o.get("engine") or {}).get("dtype") or compute
         return {"sample": sample, "sample_weights": sample, "ref": o.get("ref_dtype") or compute, "train": compute}
     # TRL under bf16 autocast computes in bf16 but reads its fp32 weights (cast on every product)
     return {"sample": compute, "sample_weights": "float32", "ref": compute, "train": compute}
 
 
-def phase_floors(numbers: dict, setting: str, impl: str, gflops: dict[str, float], gbps: float) -> dict[str, float]:
+def phase_floors(numbers: dict, setting: str, impl: str, gflops: dict[str, float], gbps: float,
+                 sampled: str | None = None) -> dict[str, float]:
     """Seconds each phase needs at the least on this machine (see the module's docstring)."""
     size = {"float32": 4, "bfloat16": 2}
-    dt = phase_dtypes(setting, impl)
+    dt = phase_dtypes(setting, impl, sampled)
     P, G, Lp, T = JOB["prompts"], JOB["generations"], JOB["prompt_len"], JOB["new_tokens"]
     N = P * G
     body, head = numbers["non_embedding"], numbers["embedding"]  # per token: 2 FLOPs a weight
@@ -168,6 +171,7 @@ def child(impl: str, setting: str, folder: str, steps: int, threads: int, baton:
     # the phases reset the high-water mark at each of them: the training peak is the highest mark they read
     print("RESULT " + json.dumps({"impl": impl, "setting": setting, "step_s": times, "phases": phases.steps,
                                   "phase_peaks": phases.peaks, "load_peak_gib": load_peak,
+                                  "sample_dtype": phases.facts.get("sample_dtype"),
                                   "train_peak_gib": max(phases.overall, peak_rss_gib())}))
 
 
@@ -212,9 +216,15 @@ def measure(args) -> dict:
                     print(f"  {setting:10s} {impl:34s} trial {trial}: {statistics.median(result['step_s'][1:]):6.2f} "
                           f"s/step, peak {result['train_peak_gib']:.2f} GiB", flush=True)
             rows.append({"setting": setting, "interleave": interleave, "trials": trials,
-                         "floors": {impl: phase_floors(numbers, setting, impl, gflops, gbps) for impl in args.impls}})
+                         "floors": {impl: phase_floors(numbers, setting, impl, gflops, gbps, sampled(trials[impl]))
+                                    for impl in args.impls}})
     return {"machine": machine, "gflops": gflops, "memory_gbps": gbps, "shape": args.shape, "numbers": numbers,
             "job": JOB, "steps": args.steps, "rows": rows}
+
+
+def sampled(trials: list[dict]) -> str | None:
+    """The dtype an implementation's trials sampled with (polopt's record it; TRL's and older files do not)."""
+    return next((t["sample_dtype"] for t in trials if t.get("sample_dtype")), None)
 
 
 def pool(runs: list[dict]) -> list[dict]:
@@ -230,7 +240,8 @@ def pool(runs: list[dict]) -> list[dict]:
             into["interleave"] = into["interleave"] and row["interleave"]
             if "numbers" in run:  # floors from the run's measured rates, by the current rules
                 into["floors"] = {impl: phase_floors(run["numbers"], row["setting"], impl, run["gflops"],
-                                                     run["memory_gbps"]) for impl in row["trials"]}
+                                                     run["memory_gbps"], sampled(trials))
+                                  for impl, trials in row["trials"].items()}
             for impl, trials in row["trials"].items():
                 into["trials"][impl] += trials
     return list(pooled.values())

@@ -53,6 +53,7 @@ class TrialResult:
     step_s: list[float]
     peak_rss_gib: float
     generated_tokens_per_step: int
+    sample_dtype: str | None = None  # what polopt's engine sampled with (see note_sampling_dtype); None: TRL
 
     @property
     def median_s(self) -> float:
@@ -103,8 +104,23 @@ def length_reward(prompts, completions, **kwargs):
     return [float(sum(map(ord, c)) % 7) for c in completions]
 
 
+def note_sampling_dtype(module, facts: dict) -> None:
+    """Record in ``facts["sample_dtype"]`` the dtype ``module``'s engine samples with, asked at each rollout, inside
+    the step's contexts where the engine decides it (autocast, oneDNN's linear layers): the floors take it from
+    here instead of repeating the engine's rule."""
+    rollout = module.rollout
+
+    def noting(*args, **kwargs):
+        chosen = getattr(module.engine, "sampling_dtype", lambda model: None)(module.policy)
+        dtype = chosen or next(p.dtype for p in module.policy.parameters() if p.is_floating_point())
+        facts["sample_dtype"] = str(dtype).removeprefix("torch.")
+        return rollout(*args, **kwargs)
+
+    module.rollout = noting
+
+
 def run_polopt(workload: dict, steps: int, overrides: dict | None = None, device: str = "cpu",
-               baton: Baton | None = None, name: str = "polopt") -> list[float]:
+               baton: Baton | None = None, name: str = "polopt", facts: dict | None = None) -> list[float]:
     import lightning as L
     import torch
 
@@ -127,6 +143,8 @@ def run_polopt(workload: dict, steps: int, overrides: dict | None = None, device
         generation={"max_new_tokens": n, "min_new_tokens": n, "temperature": 1.0}, lr=1e-6,
         **overrides,
     )
+    if facts is not None:
+        note_sampling_dtype(module, facts)
     times: list[float] = []
 
     class Timer(L.Callback):
@@ -194,13 +212,14 @@ def run_trl(workload: dict, steps: int, overrides: dict | None = None, device: s
     return [sum(step_times[i:i + mb]) for i in range(0, len(step_times) - mb + 1, mb)]
 
 
-def run_impl(impl: str, workload: dict, steps: int, device: str = "cpu", baton: Baton | None = None) -> list[float]:
+def run_impl(impl: str, workload: dict, steps: int, device: str = "cpu", baton: Baton | None = None,
+             facts: dict | None = None) -> list[float]:
     peer, overrides = parse_impl(impl)
     if peer == "trl":  # "trl" or "trl:bf16=true" (GRPOConfig arguments)
         return run_trl(workload, steps, overrides, device, baton, impl)
     # "polopt" or a lever changed, e.g. "polopt:share_prompt=false", 'polopt:precision="bf16-mixed"' or
     # 'polopt:engine={"packed_weights":false}' (rollout engine arguments)
-    return run_polopt(workload, steps, overrides, device, baton, impl)
+    return run_polopt(workload, steps, overrides, device, baton, impl, facts)
 
 
 def child(impl: str, name: str, steps: int, threads: int, device: str = "cpu", baton: Baton | None = None) -> None:
@@ -208,13 +227,15 @@ def child(impl: str, name: str, steps: int, threads: int, device: str = "cpu", b
 
     torch.set_num_threads(threads)
     workload = WORKLOADS[name]
-    times = run_impl(impl, workload, steps, device, baton)
+    facts: dict = {}
+    times = run_impl(impl, workload, steps, device, baton, facts)
     if device == "cpu":
         peak = peak_rss_gib()
     else:  # accelerator memory is what bounds a GPU run
         peak = torch.cuda.max_memory_allocated() / 2**30
     generated = workload["prompts"] * workload["generations"] * workload["new_tokens"]
-    print("RESULT " + json.dumps(asdict(TrialResult(impl, name, times[1:] or times, peak, generated))))
+    print("RESULT " + json.dumps(asdict(TrialResult(impl, name, times[1:] or times, peak, generated,
+                                                    facts.get("sample_dtype")))))
 
 
 def peak_rss_gib() -> float:
@@ -247,13 +268,16 @@ def paired_speedups(run: dict, peer: dict, steps: bool = False) -> list[float]:
     return [p / r for r, p in zip(run["trial_s_per_step"], peer["trial_s_per_step"])]
 
 
-def phase_dtypes(impl: str) -> dict[str, str]:
-    """The dtype each phase's matrix products run in: sampling (with prefill), reference pass, training pass."""
+def phase_dtypes(impl: str, sampled: str | None = None) -> dict[str, str]:
+    """The dtype each phase's matrix products run in: sampling (with prefill), reference pass, training pass.
+    ``sampled``: what polopt's engine sampled with, as its trials recorded it (:func:`note_sampling_dtype`; under
+    autocast it may sample in float32); without it (older result files) the rollout computes in the autocast
+    dtype or ``rollout_dtype``."""
     name, o = parse_impl(impl)
     if name == "trl":  # bf16=True: autocast over the whole step
         return dict.fromkeys(("sample", "ref", "train"), "bfloat16" if o.get("bf16") else "float32")
     mixed = "bfloat16" if str(o.get("precision", "")).startswith("bf16") else "float32"  # autocast dtype
-    return {"sample": o.get("rollout_dtype") or mixed, "ref": o.get("ref_dtype") or mixed, "train": mixed}
+    return {"sample": sampled or o.get("rollout_dtype") or mixed, "ref": o.get("ref_dtype") or mixed, "train": mixed}
 
 
 def matmul_gflops(threads: int, size: int = 2048, repeats: int = 5, rounds: int = 5, device: str = "cpu",
@@ -452,7 +476,7 @@ def main() -> None:
         row = {"workload": name, "runs": {}}
         for impl, rs in results.items():
             all_steps = [s for r in rs for s in r.step_s]
-            flop_s, roofline_s = floors(costs, phase_dtypes(impl), gflops, gbps)
+            flop_s, roofline_s = floors(costs, phase_dtypes(impl, rs[0].sample_dtype), gflops, gbps)
             row["runs"][impl] = {"s_per_step": statistics.median(all_steps),
                                  "trial_s_per_step": [r.median_s for r in rs],
                                  "step_s": [r.step_s for r in rs],

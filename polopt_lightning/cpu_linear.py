@@ -17,6 +17,8 @@ dtypes, autocast, tensor subclasses such as FSDP's DTensors, compiled code) runs
 
 from __future__ import annotations
 
+import threading
+
 import torch
 from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
@@ -83,8 +85,20 @@ def _eligible(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
             and not torch.is_autocast_enabled("cpu") and not torch.compiler.is_compiling())
 
 
+_open = threading.local()  # how many OneDNNLinear contexts this thread has open (torch's mode stack is per thread)
+
+
 class OneDNNLinear(TorchFunctionMode):
     """Inside this context, eligible ``F.linear`` calls run through oneDNN (see the module's docstring)."""
+
+    def __enter__(self):
+        mode = super().__enter__()
+        _open.depth = getattr(_open, "depth", 0) + 1
+        return mode
+
+    def __exit__(self, *exc):
+        _open.depth -= 1
+        return super().__exit__(*exc)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -97,10 +111,8 @@ class OneDNNLinear(TorchFunctionMode):
 
 
 def active() -> bool:
-    """Whether an :class:`OneDNNLinear` context is open here."""
-    from torch.overrides import _get_current_function_mode_stack
-
-    return any(isinstance(mode, OneDNNLinear) for mode in _get_current_function_mode_stack())
+    """Whether an :class:`OneDNNLinear` context is open in this thread."""
+    return getattr(_open, "depth", 0) > 0
 
 
 def pays_for(model: nn.Module) -> bool:

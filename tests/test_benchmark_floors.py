@@ -18,6 +18,8 @@ def test_phase_dtypes_follow_the_run_settings():
     assert throughput.phase_dtypes("polopt") == fp32 and throughput.phase_dtypes("trl") == fp32
     assert throughput.phase_dtypes("trl:bf16=true") == bf16
     assert throughput.phase_dtypes('polopt:precision="bf16-mixed"') == bf16
+    # what the trials recorded the engine sampling with wins (under autocast it may sample in float32)
+    assert throughput.phase_dtypes('polopt:precision="bf16-mixed"', "float32") == {**bf16, "sample": "float32"}
     assert throughput.phase_dtypes('polopt:rollout_dtype="bfloat16",ref_dtype="bfloat16"') == {
         "sample": "bfloat16", "ref": "bfloat16", "train": "float32"}
     assert throughput.parse_impl('polopt:share_prompt=false,micro_batch_tokens=512') == (

@@ -92,6 +92,26 @@ def _rows():
     return [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a, b in [(1, 2), (3, 4)]]
 
 
+def test_active_counts_this_threads_open_contexts():
+    """Nested contexts, a context left by an exception, and another thread, which has its own mode stack."""
+    import threading
+
+    assert not cpu_linear.active()
+    with cpu_linear.OneDNNLinear():
+        with cpu_linear.OneDNNLinear():
+            assert cpu_linear.active()
+        assert cpu_linear.active()  # the outer one still holds
+        seen = []
+        thread = threading.Thread(target=lambda: seen.append(cpu_linear.active()))
+        thread.start()
+        thread.join()
+        assert seen == [False]
+    assert not cpu_linear.active()
+    with pytest.raises(RuntimeError), cpu_linear.OneDNNLinear():
+        raise RuntimeError("inside")
+    assert not cpu_linear.active()
+
+
 def test_module_turns_it_on_only_for_models_with_large_cpu_weights():
     def mode(model, tok, **kw):
         return PolicyOptimizationModule(model, tok, reward_fns=[ExactMatchReward()], **kw)._linear_mode()

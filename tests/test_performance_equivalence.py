@@ -1,12 +1,18 @@
 """The speed levers change no result: loss and gradients with every optimisation on equal the plain computation."""
 
 import copy
+from functools import partial
 
 import pytest
 import torch
 
 from polopt_lightning import PolicyOptimizationModule
-from polopt_lightning.logprobs import completion_logprobs, selective_log_softmax, shared_prompt_completion_logprobs
+from polopt_lightning.logprobs import (
+    PACKED_MAX_TOKENS,
+    completion_logprobs,
+    selective_log_softmax,
+    shared_prompt_completion_logprobs,
+)
 from polopt_lightning.models import build_tiny_model
 from polopt_lightning.rollout import HFRolloutEngine, SamplingConfig
 
@@ -47,11 +53,13 @@ def gradients(module, exp, rows, **settings):
     {"name": "dr_grpo", "max_completion_length": 6},
     {"name": "gspo", "beta": 0.02, "clip_low": 0.05, "clip_high": 0.05},
 ])
-def test_all_levers_on_equal_plain_computation(objective):
+@pytest.mark.parametrize("pack_groups", [False, True])
+def test_all_levers_on_equal_plain_computation(objective, pack_groups):
     module, exp = experience(objective, mini_batches=2)
     rows = torch.tensor([0, 5, 1, 7, 11, 2, 8])  # a shuffled mini-batch that splits groups
     plain_metrics, plain = gradients(module, exp, rows, share_prompt=False, micro_batch_tokens=None)
-    fast_metrics, fast = gradients(module, exp, rows, share_prompt=True, micro_batch_tokens=40)
+    fast_metrics, fast = gradients(module, exp, rows, share_prompt=True, micro_batch_tokens=40,
+                                   pack_groups=pack_groups)
     assert plain.keys() == fast.keys() and plain
     torch.testing.assert_close(fast_metrics["loss"], plain_metrics["loss"], atol=1e-6, rtol=1e-5)
     for name in plain:
@@ -119,6 +127,65 @@ def test_shared_prompt_logprobs_equal_plain():
     torch.testing.assert_close(shared[m], plain[m], atol=1e-5, rtol=1e-5)
 
 
+def test_packed_groups_give_the_plain_logprobs_entropies_and_gradients():
+    """Left-padded prompts of different lengths, completions cut by EOS (padding after it), rows out of order and an
+    uneven group (one of its rows in another mini-batch): the packed pass against one row per completion."""
+    model, tok = build_tiny_model(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64, seed=2)
+    enc = tok(["1+1=", "22+33=", "7="], padding=True, return_tensors="pt")
+    b = HFRolloutEngine().generate(model, enc.input_ids, enc.attention_mask, 4, SamplingConfig(max_new_tokens=6),
+                                   tok.eos_token_id, tok.pad_token_id, torch.Generator().manual_seed(1))
+    lengths = torch.tensor([6, 2, 5, 1, 6, 3, 6, 4, 2, 6, 1, 5])  # completions ended early: padding after them
+    c_mask = (torch.arange(6)[None] < lengths[:, None]).long()
+    c_ids = b.completion_ids.masked_fill(c_mask == 0, tok.pad_token_id)
+    assert not enc.attention_mask.all()  # left-padded prompts too
+    rows = torch.tensor([5, 0, 9, 3, 1, 11, 4, 2, 10, 8, 6])  # group 1 lacks row 7
+    args = (b.prompt_ids[rows], b.prompt_mask[rows], c_ids[rows], c_mask[rows])
+    group = torch.arange(3).repeat_interleave(4)[rows]
+    m = args[3].bool()
+    results = []
+    packed = partial(shared_prompt_completion_logprobs, group_index=group, packed=True)
+    for fn in (completion_logprobs, packed):
+        model.zero_grad(set_to_none=True)
+        logp, entropy = fn(model, *args, temperature=0.7, with_entropy=True)
+        (logp[m] * torch.linspace(-1, 1, int(m.sum()))).sum().backward()
+        results.append((logp.detach()[m], entropy[m], {n: p.grad.clone() for n, p in model.named_parameters()}))
+    (plain, plain_entropy, plain_grads), (packed, packed_entropy, packed_grads) = results
+    torch.testing.assert_close(packed, plain, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(packed_entropy, plain_entropy, atol=1e-5, rtol=1e-5)
+    for name, grad in plain_grads.items():
+        torch.testing.assert_close(packed_grads[name], grad, atol=1e-6, rtol=1e-4, msg=name)
+
+
+def test_groups_are_packed_where_it_pays_and_the_model_takes_the_mask(monkeypatch):
+    import polopt_lightning.module as module_code
+
+    module, exp = experience({"name": "grpo"})
+    calls = []
+    monkeypatch.setattr(module_code, "shared_prompt_completion_logprobs",
+                        lambda *a, **k: calls.append(k["packed"]) or shared_prompt_completion_logprobs(*a, **k))
+    with torch.no_grad():
+        module.sequence_logprobs(module.policy, exp, slice(None))
+    assert calls == [True]  # the default: 3 groups of 4 short completions
+    groups, width, prompt_len = exp["group_index"], exp["completion_ids"].shape[1], exp["prompt_ids"].shape[1]
+    assert module._packs(module.policy, prompt_len, width, groups)
+    long_width = (PACKED_MAX_TOKENS - prompt_len) // 4 + 2  # one packed group over the bound
+    assert not module._packs(module.policy, prompt_len, long_width, groups)
+    module.pack_groups = True
+    assert module._packs(module.policy, prompt_len, long_width, groups)
+    assert module._packs(module.policy, prompt_len, width, groups[:-2])  # uneven groups, forced
+    module.pack_groups = None
+    assert not module._packs(module.policy, prompt_len, width, groups[torch.tensor([0, 4, 8, 9])])  # 6 slots, 4 rows
+    module.pack_groups = False
+    assert not module._packs(module.policy, prompt_len, width, groups)
+    module.pack_groups = None
+    config = module.policy.config
+    monkeypatch.setattr(config, "_attn_implementation", "eager")
+    assert not module._packs(module.policy, prompt_len, width, groups)
+    monkeypatch.setattr(config, "_attn_implementation", "sdpa")
+    monkeypatch.setattr(config, "layer_types", ["full_attention", "sliding_attention"])
+    assert not module._packs(module.policy, prompt_len, width, groups)
+
+
 def test_logprob_memory_stays_flat_with_a_150k_vocabulary():
     """Chunked log-probs: the float32 working set is chunk x V, not B x T x V, however long the batch."""
     V, chunk = 150_000, 64
@@ -161,7 +228,12 @@ def test_gradient_checkpointing_recomputes_the_layers_and_keeps_the_gradient():
     for name, p in ckpt.policy.named_parameters():
         torch.testing.assert_close(p.grad, plain[name], atol=1e-6, rtol=1e-4, msg=name)
     calls.clear()
-    with torch.no_grad():  # a pass without gradient keeps the shared prompt (one prompt forward per group)
+    with torch.no_grad():  # a pass without gradient keeps the shared prompt: its groups packed, one call
+        ckpt.sequence_logprobs(ckpt.policy, exp, slice(None))
+    assert calls == [False]
+    calls.clear()
+    ckpt.pack_groups = False
+    with torch.no_grad():  # unpacked: the prompt's forward once per group, then the completions'
         ckpt.sequence_logprobs(ckpt.policy, exp, slice(None))
     assert calls == [False, False]
     with pytest.raises(ValueError, match="gradient_checkpointing"):

@@ -39,6 +39,12 @@ def test_floors_count_the_head_and_the_vocabulary_at_the_05b_shape():
     trl_mixed = real_scale.phase_floors(n, "bf16-mixed", "trl", rates, bw)  # reads its fp32 weights
     assert trl_mixed["rollout"] == pytest.approx(f["rollout"] - prefill / 2, rel=0.01)  # prefill at the bf16 rate
     assert trl_mixed["training"] == pytest.approx(f["training"] / 2)
+    # under bf16-mixed polopt samples what its trials recorded: the float32 policy through oneDNN on the CPU
+    self_sampled = real_scale.phase_floors(n, "bf16-mixed", "polopt", rates, bw, sampled="float32")
+    assert self_sampled["rollout"] == pytest.approx(f["rollout"]) and self_sampled["training"] == trl_mixed["training"]
+    copy = real_scale.phase_floors(n, "bf16-mixed", "polopt", rates, bw, sampled="bfloat16")
+    assert copy["rollout"] == pytest.approx(real_scale.phase_floors(n, "bf16-mixed", "polopt", rates, bw)["rollout"])
+    assert 0.45 < copy["rollout"] / f["rollout"] < 0.6
 
 
 def _smoke(tmp_path, impls):
@@ -56,6 +62,9 @@ def test_a_small_run_records_every_phase_of_every_step(tmp_path):
     for row in run["rows"]:
         for impl, trials in row["trials"].items():
             assert len(trials) == 1 and all(v > 0 for v in row["floors"][impl].values())
+            # asked of the engine inside the step: the bf16 sampler where it is asked for, else the policy itself
+            want = "bfloat16" if "rollout_dtype" in impl else "float32"
+            assert [t["sample_dtype"] for t in trials] == [want], impl
             for trial in trials:
                 assert len(trial["step_s"]) == 2 and len(trial["phases"]) == 2
                 for step, phases, peaks in zip(trial["step_s"], trial["phases"], trial["phase_peaks"]):
