@@ -1,6 +1,7 @@
 import pytest
 import torch
 
+from polopt_lightning import warmstart
 from polopt_lightning.data import ArithmeticTask
 from polopt_lightning.models import build_tiny_model
 from polopt_lightning.warmstart import WarmStartConfig, greedy_accuracy, supervised_warm_start
@@ -58,3 +59,31 @@ def test_probe_checks_finely_near_the_target(monkeypatch):
     assert info["steps"] == 75 and info["probe_accuracy"] == 0.70
     with pytest.raises(ValueError, match="fine_eval_every must be >= 1"):
         WarmStartConfig(fine_eval_every=0)
+
+
+def test_runs_sharing_the_cache_save_the_same_entry_together(tmp_path, monkeypatch):
+    """Two runs (a study's parallel jobs) finish the same cache entry at once: both writes complete before either
+    renames, which a shared temporary name turned into a FileNotFoundError for the second rename."""
+    import threading
+
+    both_written = threading.Barrier(2)
+    save = torch.save
+    monkeypatch.setattr(warmstart.torch, "save", lambda obj, f: (save(obj, f), both_written.wait()))
+    path = tmp_path / "cache" / "warm_start" / "entry.pt"
+    errors = []
+
+    def run(value):
+        try:
+            warmstart.save_atomically({"w": torch.full((3,), float(value))}, path)
+        except Exception as exc:  # noqa: BLE001 - the test reports it
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(v,)) for v in (1, 2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert float(torch.load(path)["w"][0]) in (1.0, 2.0)
+    assert sorted(p.name for p in path.parent.iterdir()) == ["entry.pt"]  # no temporary file left behind
+
