@@ -110,6 +110,18 @@ def completion_logprobs(
     return selective_log_softmax(logits, completion_ids, temperature, chunk_rows, with_entropy)
 
 
+def group_rows(group_index: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The groups of rows that share a prompt: per row its group (``0 .. U-1``, in the order of ``group_index``'s
+    values) and its place inside the group (in row order); per group its first row and its number of rows."""
+    _, inverse = torch.unique(group_index, return_inverse=True)
+    counts = torch.bincount(inverse)
+    order = torch.argsort(inverse, stable=True)
+    starts = counts.cumsum(0) - counts
+    place = torch.empty_like(inverse)
+    place[order] = torch.arange(inverse.numel(), device=inverse.device) - starts[inverse[order]]
+    return inverse, place, order[starts], counts
+
+
 def shared_prompt_completion_logprobs(
     model: nn.Module,
     prompt_ids: Tensor,
@@ -130,13 +142,10 @@ def shared_prompt_completion_logprobs(
     ``packed``: instead, each group runs as one sequence, its prompt then its completions under a block mask
     (:func:`_packed_groups`; the model must take the mask: :func:`packing_supported`).
     """
-    if packed:
+    if packed and completion_ids.shape[1] > 0:
         return _packed_groups(model, prompt_ids, prompt_mask, completion_ids, group_index, temperature, with_entropy,
                               chunk_rows)
-    groups, inverse = torch.unique(group_index, return_inverse=True)
-    rows = torch.arange(group_index.numel(), device=group_index.device)
-    first = torch.full((groups.numel(),), group_index.numel(), device=group_index.device, dtype=torch.long)
-    first = first.scatter_reduce(0, inverse, rows, reduce="amin")  # one representative row per group
+    inverse, _, first, _ = group_rows(group_index)
     p_ids, p_mask = prompt_ids[first], prompt_mask[first]
     p_pos = positions_from_mask(p_mask)
     out = model(input_ids=p_ids, attention_mask=p_mask, position_ids=p_pos, use_cache=True,
@@ -168,9 +177,9 @@ PACKED_MAX_TOKENS = 192
 
 
 def packing_supported(model: nn.Module) -> bool:
-    """Whether ``model`` takes the block mask of :func:`shared_prompt_completion_logprobs` with ``packed``: PyTorch's SDPA attention (a
-    boolean 4-D mask, used as given by transformers' mask code) and no sliding-window layers (their windows would be
-    the mask's to apply)."""
+    """Whether ``model`` takes the block mask of :func:`shared_prompt_completion_logprobs` with ``packed``: PyTorch's
+    SDPA attention (a boolean 4-D mask, used as given by transformers' mask code) and no sliding-window layers (their
+    windows would be the mask's to apply)."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     config = getattr(base, "config", None)
     if config is None or getattr(config, "_attn_implementation", None) != "sdpa":
@@ -184,7 +193,7 @@ def packing_supported(model: nn.Module) -> bool:
 def packed_length(prompt_len: int, completion_len: int, group_index: Tensor) -> tuple[int, bool]:
     """The packed length of a group (its prompt, then each of its completions but the last token) and whether the
     groups are even enough to pack: every group padded to the largest one's count adds under a quarter of rows."""
-    counts = torch.unique(group_index, return_counts=True)[1]
+    counts = group_rows(group_index)[3]
     slots = counts.numel() * int(counts.max())
     return prompt_len + int(counts.max()) * max(completion_len - 1, 0), slots * 4 <= group_index.numel() * 5
 
@@ -203,17 +212,10 @@ def _packed_groups(model: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, co
     covers the whole packed group, so this pays for short groups (:data:`PACKED_MAX_TOKENS`). The completions' mask
     is not needed: their padding comes after their last real token, which cannot see it.
     """
-    N, T = completion_ids.shape
+    T = completion_ids.shape[1]
     Lp, device = prompt_ids.shape[1], prompt_ids.device
-    groups, inverse = torch.unique(group_index, return_inverse=True)
-    U = groups.numel()
-    order = torch.argsort(inverse, stable=True)
-    counts = torch.bincount(inverse, minlength=U)
-    starts = counts.cumsum(0) - counts
-    slot = torch.empty_like(inverse)
-    slot[order] = torch.arange(N, device=device) - starts[inverse[order]]  # a row's place inside its group
-    first = order[starts]  # one representative row per group
-    G, S = int(counts.max()), T - 1
+    inverse, slot, first, counts = group_rows(group_index)  # slot: a row's place inside its group
+    U, G, S = counts.numel(), int(counts.max()), T - 1
     L = Lp + G * S
     p_mask = prompt_mask[first].bool()
     t = torch.arange(S, device=device)
