@@ -23,6 +23,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from .callbacks.checkpoint import save_atomically
+
 log = logging.getLogger(__name__)
 
 
@@ -168,29 +170,11 @@ def supervised_warm_start(model: nn.Module, tokenizer: Any, rows: Sequence[dict[
                 break
     model.train(was_training)
     wall = time.perf_counter() - start
-    if path is not None:
+    if path is not None:  # parallel runs sharing the cache may finish one entry together: each writes its own file
         save_atomically(model.state_dict(), path)
     log.info("warm start: %d steps in %.1fs, final loss %.4f, probe accuracy %s", steps_done, wall, loss_value, accuracy)
     return {"cached": False, "wall_s": wall, "final_loss": loss_value, "path": str(path) if path else None,
             "steps": steps_done, "probe_accuracy": accuracy}
-
-
-def save_atomically(state: dict[str, Any], path: Path) -> None:
-    """Write ``state`` to ``path`` through a temporary file of its own, then rename it into place: a crash never
-    leaves a half-written cache entry, and runs that share the cache (a study's parallel jobs) and finish the same
-    entry together each rename their own complete file (the last one wins; the contents are the same)."""
-    import tempfile
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, name = tempfile.mkstemp(dir=path.parent, prefix=f"{path.stem}.", suffix=".tmp")
-    os.close(fd)
-    tmp = Path(name)
-    try:
-        torch.save(state, tmp)
-        tmp.replace(path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
 
 
 @torch.no_grad()

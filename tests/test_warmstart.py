@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from polopt_lightning import warmstart
+from polopt_lightning.callbacks.checkpoint import save_atomically
 from polopt_lightning.data import ArithmeticTask
 from polopt_lightning.models import build_tiny_model
 from polopt_lightning.warmstart import WarmStartConfig, greedy_accuracy, supervised_warm_start
@@ -68,13 +68,13 @@ def test_runs_sharing_the_cache_save_the_same_entry_together(tmp_path, monkeypat
 
     both_written = threading.Barrier(2)
     save = torch.save
-    monkeypatch.setattr(warmstart.torch, "save", lambda obj, f: (save(obj, f), both_written.wait()))
+    monkeypatch.setattr(torch, "save", lambda obj, f: (save(obj, f), both_written.wait()))
     path = tmp_path / "cache" / "warm_start" / "entry.pt"
     errors = []
 
     def run(value):
         try:
-            warmstart.save_atomically({"w": torch.full((3,), float(value))}, path)
+            save_atomically({"w": torch.full((3,), float(value))}, path)
         except Exception as exc:  # noqa: BLE001 - the test reports it
             errors.append(exc)
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import os
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -149,9 +150,39 @@ class ExceptionCheckpoint(L.Callback):
         log.info("training raised %s: state saved to %s", type(exception).__name__, self.ckpt_path)
 
 
+def write_temporary(obj: Any, target: Path) -> Path:
+    """``torch.save(obj)`` into a new temporary file beside ``target``, flushed to disk, for the caller to rename
+    into place. Each call gets a file of its own (``mkstemp``), so writers of one target at the same time (a study's
+    parallel runs sharing a cache, two threads) never share one."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, name = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+    tmp = Path(name)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            torch.save(obj, fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return tmp
+
+
+def save_atomically(obj: Any, target: Path) -> None:
+    """``torch.save(obj, target)`` whole or not at all: a temporary file of its own (:func:`write_temporary`) renamed
+    over ``target``; of writers finishing together the last rename wins."""
+    tmp = write_temporary(obj, target)
+    try:
+        os.replace(tmp, target)
+    finally:
+        tmp.unlink(missing_ok=True)
+    AtomicCheckpointIO._sync_folder(target)
+
+
 class AtomicCheckpointIO(TorchCheckpointIO):
-    """``TorchCheckpointIO`` whose local files appear whole or not at all: written to ``.<name>.tmp-<pid>`` beside
-    the target, flushed with ``fsync``, then renamed over it (``os.replace``, atomic on POSIX). Remote paths
+    """``TorchCheckpointIO`` whose local files appear whole or not at all: written to a temporary file of their own
+    beside the target (:func:`write_temporary`), flushed with ``fsync``, then renamed over it (``os.replace``, atomic
+    on POSIX). Remote paths
     (``s3://`` and the like) are saved by Lightning's writer.
 
     Between :meth:`hold` and :meth:`release` the files are written and flushed, but stay under their temporary names
@@ -187,13 +218,8 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         if storage_options is not None or get_filesystem(path).protocol not in ("file", ("file", "local")):
             return super().save_checkpoint(checkpoint, path, storage_options)
         target = Path(path)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+        tmp = write_temporary(checkpoint, target)
         try:
-            with open(tmp, "wb") as fh:
-                torch.save(checkpoint, fh)
-                fh.flush()
-                os.fsync(fh.fileno())
             if self._held is not None:
                 self._held[target] = tmp
                 return
