@@ -168,22 +168,33 @@ def write_temporary(obj: Any, target: Path) -> Path:
     return tmp
 
 
-def save_atomically(obj: Any, target: Path) -> None:
-    """``torch.save(obj, target)`` whole or not at all: a temporary file of its own (:func:`write_temporary`) renamed
-    over ``target``; of writers finishing together the last rename wins."""
-    tmp = write_temporary(obj, target)
+def _sync_folder(target: Path) -> None:
+    fd = os.open(target.parent, os.O_RDONLY)
+    try:  # the rename itself reaches the disk
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _put_in_place(tmp: Path, target: Path) -> None:
+    """Rename a written temporary file over ``target`` (the temporary file is gone either way), flushed to disk."""
     try:
         os.replace(tmp, target)
     finally:
         tmp.unlink(missing_ok=True)
-    AtomicCheckpointIO._sync_folder(target)
+    _sync_folder(target)
+
+
+def save_atomically(obj: Any, target: Path) -> None:
+    """``torch.save(obj, target)`` whole or not at all: a temporary file of its own (:func:`write_temporary`) renamed
+    over ``target``; of writers finishing together the last rename wins."""
+    _put_in_place(write_temporary(obj, target), target)
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
     """``TorchCheckpointIO`` whose local files appear whole or not at all: written to a temporary file of their own
     beside the target (:func:`write_temporary`), flushed with ``fsync``, then renamed over it (``os.replace``, atomic
-    on POSIX). Remote paths
-    (``s3://`` and the like) are saved by Lightning's writer.
+    on POSIX). Remote paths (``s3://`` and the like) are saved by Lightning's writer.
 
     Between :meth:`hold` and :meth:`release` the files are written and flushed, but stay under their temporary names
     until :meth:`release` renames them (in the order saved): :class:`RolloutCheckpoint` holds a step's checkpoints
@@ -212,22 +223,15 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         held, self._held = self._held or {}, None
         for target, tmp in held.items():
             os.replace(tmp, target)
-            self._sync_folder(target)
+            _sync_folder(target)
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
         if storage_options is not None or get_filesystem(path).protocol not in ("file", ("file", "local")):
             return super().save_checkpoint(checkpoint, path, storage_options)
         target = Path(path)
-        tmp = write_temporary(checkpoint, target)
-        try:
-            if self._held is not None:
-                self._held[target] = tmp
-                return
-            os.replace(tmp, target)
-        finally:
-            if self._held is None or target not in self._held:
-                tmp.unlink(missing_ok=True)
-        self._sync_folder(target)
+        if self._held is None:
+            return save_atomically(checkpoint, target)
+        self._held[target] = write_temporary(checkpoint, target)
 
     def remove_checkpoint(self, path: Any) -> None:
         if self._held is not None:  # a held file removed before it is in place: it never appears
@@ -236,11 +240,3 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             if tmp is not None:
                 tmp.unlink(missing_ok=True)
         super().remove_checkpoint(path)
-
-    @staticmethod
-    def _sync_folder(target: Path) -> None:
-        fd = os.open(target.parent, os.O_RDONLY)
-        try:  # the rename itself reaches the disk
-            os.fsync(fd)
-        finally:
-            os.close(fd)
