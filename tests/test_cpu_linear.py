@@ -159,23 +159,53 @@ def test_a_training_step_gives_the_same_loss_and_gradients(monkeypatch):
         assert _close(g1[name], g0[name], rel=1e-4), name
 
 
-def test_decoding_under_the_mode_uses_onednn_instead_of_a_packed_copy(monkeypatch):
+def test_decoding_under_the_mode_packs_the_body_in_onednns_layout_and_keeps_the_head(monkeypatch):
+    """Inside the mode a float32 model decodes on a copy of its body in oneDNN's blocked layout (one per weight, no
+    MKL packing, no concatenation) and on its head as it is, with the plain decoding's tokens and log-probs."""
     model, tok = _model()
     ids = torch.tensor([tok("12+34=")["input_ids"]] * 2)
     mask = torch.ones_like(ids)
     sampling = SamplingConfig(max_new_tokens=3, min_new_tokens=3, temperature=0.0)
-    want = HFRolloutEngine().generate(model, ids, mask, 2, sampling, tok.eos_token_id, tok.pad_token_id)
-    if fast_decode.PackedProjections.supported(fast_decode.llama_like(model)):
-        packed = []
-        monkeypatch.setattr(fast_decode._Packed, "__init__",
-                            lambda self, *a: packed.append(1) or pytest.fail("packed a copy under the mode"))
+    want = HFRolloutEngine(packed_weights=False).generate(model, ids, mask, 2, sampling, tok.eos_token_id,
+                                                          tok.pad_token_id)
+    base = fast_decode.llama_like(model)
+    reordered, mkl = [], []
+    init = fast_decode._Packed.__init__
+
+    def packing(self, linears, rows, onednn=False):
+        init(self, linears, rows, onednn)
+        (reordered if self.weight is None else mkl).append([tuple(m.weight.shape) for m in linears])
+
+    monkeypatch.setattr(fast_decode._Packed, "__init__", packing)
     calls = _counting(monkeypatch)
     with cpu_linear.OneDNNLinear():
-        assert not fast_decode.PackedProjections.supported(fast_decode.llama_like(model))
+        assert fast_decode.PackedProjections.supported(base) and fast_decode.PackedProjections.onednn_float32(base)
         got = HFRolloutEngine().generate(model, ids, mask, 2, sampling, tok.eos_token_id, tok.pad_token_id)
-    assert calls  # the decoding step's and the prefill's products went through oneDNN
+        proj = fast_decode.PackedProjections(base, 4)
+    layer = model.model.layers[0]
+    # every body weight on its own (q, k, v, o, gate, up, down), the head not at all
+    shapes = [tuple(m.weight.shape) for m in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj,
+                                               layer.self_attn.o_proj, layer.mlp.gate_proj, layer.mlp.up_proj,
+                                               layer.mlp.down_proj)]
+    assert reordered[:7] == [[shape] for shape in shapes] and [tuple(model.lm_head.weight.shape)] not in reordered
+    assert not mkl
+    assert proj.packed_head is None
+    assert calls  # the products that are not packed (prefill, the head where it is large) went through the mode
     assert torch.equal(got.completion_ids, want.completion_ids)
     assert _close(got.sampling_logprobs, want.sampling_logprobs, rel=1e-4)
+    # one decoding step's logits from the same cache: blocked layout against the modules
+    from polopt_lightning._hf import cache_argument, preallocated_cache
+
+    logits = {}
+    for packed in (True, False):
+        cache = preallocated_cache(model, ids.shape[1] + 1)
+        with torch.no_grad(), cpu_linear.OneDNNLinear():
+            model.eval()(input_ids=ids, use_cache=True, **{cache_argument(model): cache})
+            key_mask = torch.zeros(2, 1, 1, ids.shape[1] + 1)
+            logits[packed] = fast_decode.decode_step(base, cache, ids[:, -1], torch.full((2, 1), ids.shape[1]),
+                                                     key_mask, fast_decode.PackedProjections(base, 2) if packed
+                                                     else None)
+    assert _close(logits[True], logits[False], rel=1e-5)
 
 
 def test_under_autocast_the_fp32_policy_samples_itself_through_onednn(monkeypatch):

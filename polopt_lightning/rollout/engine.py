@@ -149,10 +149,12 @@ class HFRolloutEngine(RolloutEngine):
             :class:`.fast_decode.PackedProjections`) where the model allows it: plain ``nn.Linear`` projections on
             the CPU in float32 (MKL) or bfloat16 (oneDNN), autocast off, not compiled. The packed copy is rebuilt at
             each rollout and freed after it (float32: MKL pads each packed matrix, up to ~8 MB for small ones).
-            A float32 model is not packed inside :class:`~polopt_lightning.cpu_linear.OneDNNLinear` (the module's
-            ``onednn_linear``, on by default for CPU models with weights of 2**18 elements or more): oneDNN's
-            products on the weights as they are run faster than MKL's packed ones, without the copy (Qwen2.5-0.5B
-            shape, generation: 2.20-2.28 s against 4.40-4.75 s packed; docs/performance.md, "At real scale").
+            Inside :class:`~polopt_lightning.cpu_linear.OneDNNLinear` (the module's ``onednn_linear``, on by
+            default for CPU models with weights of 2**18 elements or more) a float32 model packs its body in
+            oneDNN's blocked layout instead, one copy per weight, and keeps its head as it is: MKL's packed
+            products ran at half oneDNN's speed there (Qwen2.5-0.5B shape, generation: 4.40-4.75 s against
+            2.20-2.28 on the plain weights), the blocked copy 1.1x faster than the plain weights (2.95 s against
+            3.35, AMD EPYC; docs/performance.md, "At real scale").
         inference_mode: sample under ``torch.inference_mode`` instead of ``no_grad`` (less bookkeeping per
             operation; generation, medians of alternating repeats: tiny benchmark model 90 -> 83 ms, long-prompt
             2.64 -> 2.42 s); the returned tensors are ordinary copies. ``None`` decides: on for a plain

@@ -8,8 +8,8 @@ its logits against the model's own forward.
 
 On the CPU its matrix products can run on prepacked weights (:class:`PackedProjections`): a 16-row product with a
 weight in PyTorch's ``[out, in]`` layout is 2-4x slower than with the weight reordered once for the math library.
-Inside :class:`~polopt_lightning.cpu_linear.OneDNNLinear`, a float32 model's large products go through oneDNN on the
-weights as they are instead (faster than MKL's packed products, no copy).
+Inside :class:`~polopt_lightning.cpu_linear.OneDNNLinear`, a float32 model's body products run on a copy in oneDNN's
+blocked layout and its head on the weight as it is.
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ class Projections:
 class _Packed:
     """One or more ``nn.Linear`` sharing an input, as one product on a prepacked weight (outputs split back)."""
 
-    def __init__(self, linears: list[nn.Linear], rows: int) -> None:
+    def __init__(self, linears: list[nn.Linear], rows: int, onednn: bool = False) -> None:
         weight = torch.cat([m.weight for m in linears]) if len(linears) > 1 else linears[0].weight
         weight = weight.detach().contiguous()
         if all(m.bias is None for m in linears):
@@ -85,9 +85,9 @@ class _Packed:
             self.bias = torch.cat([m.weight.new_zeros(m.out_features) if m.bias is None else m.bias.detach()
                                    for m in linears])
         self.rows, self.splits = rows, [m.out_features for m in linears]
-        if weight.dtype == torch.float32:  # MKL's packed GEMM
+        if weight.dtype == torch.float32 and not onednn:  # MKL's packed GEMM
             self.weight, self.packed = weight, torch.ops.mkl._mkl_reorder_linear_weight(weight, rows)
-        else:  # oneDNN's blocked layout (bfloat16)
+        else:  # oneDNN's blocked layout (bfloat16, or float32 where oneDNN computes the model's products)
             self.weight, self.packed = None, torch.ops.mkldnn._reorder_linear_weight(weight, rows)
 
     def __call__(self, x: Tensor) -> Tensor | tuple[Tensor, ...]:
@@ -98,6 +98,16 @@ class _Packed:
         return y.split(self.splits, dim=-1) if len(self.splits) > 1 else y
 
 
+class _Each:
+    """Linear layers sharing an input, each as its own packed product (outputs as a tuple)."""
+
+    def __init__(self, linears: list[nn.Linear], rows: int, onednn: bool = False) -> None:
+        self.parts = [_Packed([m], rows, onednn) for m in linears]
+
+    def __call__(self, x: Tensor) -> tuple[Tensor, ...]:
+        return tuple(part(x) for part in self.parts)
+
+
 class PackedProjections(Projections):
     """The decoding step's products on CPU weights prepacked for ``rows``-row inputs: MKL's packed GEMM for float32,
     oneDNN's blocked layout for bfloat16; q/k/v run as one product and gate/up as another.
@@ -105,19 +115,36 @@ class PackedProjections(Projections):
     Built from the current weights at each rollout (the policy changes between rollouts); the packed copy lives for
     the rollout only. Long-prompt benchmark model (16 rows, 25M parameters), generation: fp32 2.96-3.50 s ->
     2.26-2.65 s, bf16 1.80-2.03 s -> 1.58-1.71 s (alternating repeats in one process, packing included).
+
+    A float32 model inside :class:`~polopt_lightning.cpu_linear.OneDNNLinear` packs its body in oneDNN's blocked
+    layout (float32, the same products oneDNN computes on the plain weights, rounded alike: tested) and keeps its
+    head as it is. AMD EPYC, 2 threads, 24 distinct weights read from memory, 8 rows: 22-26 GB/s against 14-16 on
+    the plain ``[out, in]`` weights (the 152k head: 15.8 against 14.6, not worth its 545 MB copy); the Qwen2.5-0.5B
+    shape's rollout 2.40-3.00 s against 2.93-3.33 (6 alternating repeats, the 0.21-0.27 s reorder included). The copy
+    (1.4 GB there) is made after the optimizer step has freed the gradients, whose memory it reuses.
     """
 
     def __init__(self, base: nn.Module, rows: int) -> None:
         super().__init__(base)
+        onednn = self.onednn_float32(base)
         self.act = [layer.mlp.act_fn for layer in self.layers]
         self.packed_qkv, self.packed_o, self.packed_gate_up, self.packed_down = [], [], [], []
+        # MKL and bf16: one product per shared input on a concatenated copy; oneDNN's float32 blocked layout: one per
+        # weight, reordered from the weight itself (concatenating first cost more than one product per input saved)
+        together = _Packed if not onednn else _Each
         for layer in self.layers:
             attn, mlp = layer.self_attn, layer.mlp
-            self.packed_qkv.append(_Packed([attn.q_proj, attn.k_proj, attn.v_proj], rows))
-            self.packed_o.append(_Packed([attn.o_proj], rows))
-            self.packed_gate_up.append(_Packed([mlp.gate_proj, mlp.up_proj], rows))
-            self.packed_down.append(_Packed([mlp.down_proj], rows))
-        self.packed_head = _Packed([base.lm_head], rows)
+            self.packed_qkv.append(together([attn.q_proj, attn.k_proj, attn.v_proj], rows, onednn))
+            self.packed_o.append(_Packed([attn.o_proj], rows, onednn))
+            self.packed_gate_up.append(together([mlp.gate_proj, mlp.up_proj], rows, onednn))
+            self.packed_down.append(_Packed([mlp.down_proj], rows, onednn))
+        self.packed_head = None if onednn else _Packed([base.lm_head], rows)
+
+    @staticmethod
+    def onednn_float32(base: nn.Module) -> bool:
+        """Whether ``base`` is a float32 model whose products oneDNN computes here (then its body packs in oneDNN's
+        blocked layout and its head stays as it is)."""
+        return base.lm_head.weight.dtype == torch.float32 and cpu_linear.applies(base)
 
     @staticmethod
     def supported(base: nn.Module) -> bool:
@@ -136,8 +163,8 @@ class PackedProjections(Projections):
             return False
         dtype = dtypes.pop()
         if dtype == torch.float32:
-            if cpu_linear.applies(base):
-                return False  # oneDNN's products on the weights as they are: faster than MKL's packed ones, no copy
+            if cpu_linear.applies(base):  # oneDNN's blocked layout: faster than MKL's packed products
+                return hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
             return torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")
         if dtype == torch.bfloat16:
             bf16_ok = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
@@ -155,7 +182,7 @@ class PackedProjections(Projections):
         return self.packed_down[i](self.act[i](gate) * up)
 
     def lm_head(self, x: Tensor) -> Tensor:
-        return self.packed_head(x)
+        return self.head(x) if self.packed_head is None else self.packed_head(x)
 
 
 @torch.no_grad()
