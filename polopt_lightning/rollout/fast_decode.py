@@ -110,7 +110,8 @@ class _Each:
 
 class PackedProjections(Projections):
     """The decoding step's products on CPU weights prepacked for ``rows``-row inputs: MKL's packed GEMM for float32,
-    oneDNN's blocked layout for bfloat16; q/k/v run as one product and gate/up as another.
+    oneDNN's blocked layout for bfloat16, q/k/v as one product and gate/up as another (float32 inside oneDNN's mode:
+    below).
 
     Built from the current weights at each rollout (the policy changes between rollouts); the packed copy lives for
     the rollout only. Long-prompt benchmark model (16 rows, 25M parameters), generation: fp32 2.96-3.50 s ->
@@ -120,8 +121,9 @@ class PackedProjections(Projections):
     layout (float32, the same products oneDNN computes on the plain weights, rounded alike: tested) and keeps its
     head as it is. AMD EPYC, 2 threads, 24 distinct weights read from memory, 8 rows: 22-26 GB/s against 14-16 on
     the plain ``[out, in]`` weights (the 152k head: 15.8 against 14.6, not worth its 545 MB copy); the Qwen2.5-0.5B
-    shape's rollout 2.40-3.00 s against 2.93-3.33 (6 alternating repeats, the 0.21-0.27 s reorder included). The copy
-    (1.4 GB there) is made after the optimizer step has freed the gradients, whose memory it reuses.
+    shape's rollout 2.79-3.00 s against 2.94-3.47 (7 alternating repeats, the ~0.25 s reorder included). The copy
+    (1.4 GB there) is made after the optimizer step has freed the gradients, in the memory they leave (run 21: the
+    step's peak 10.84-11.01 GiB against 10.76).
     """
 
     def __init__(self, base: nn.Module, rows: int) -> None:
