@@ -16,6 +16,8 @@ from polopt_lightning.models import build_tiny_model
 from polopt_lightning.rewards import ExactMatchReward
 from polopt_lightning.rollout import HFRolloutEngine, SamplingConfig, fast_decode
 
+from .test_models_rollout import _one_decoding_step
+
 pytestmark = pytest.mark.skipif(not cpu_linear.available(), reason="this PyTorch build has no oneDNN")
 
 
@@ -194,18 +196,9 @@ def test_decoding_under_the_mode_packs_the_body_in_onednns_layout_and_keeps_the_
     assert torch.equal(got.completion_ids, want.completion_ids)
     assert _close(got.sampling_logprobs, want.sampling_logprobs, rel=1e-4)
     # one decoding step's logits from the same cache: blocked layout against the modules
-    from polopt_lightning._hf import cache_argument, preallocated_cache
-
-    logits = {}
-    for packed in (True, False):
-        cache = preallocated_cache(model, ids.shape[1] + 1)
-        with torch.no_grad(), cpu_linear.OneDNNLinear():
-            model.eval()(input_ids=ids, use_cache=True, **{cache_argument(model): cache})
-            key_mask = torch.zeros(2, 1, 1, ids.shape[1] + 1)
-            logits[packed] = fast_decode.decode_step(base, cache, ids[:, -1], torch.full((2, 1), ids.shape[1]),
-                                                     key_mask, fast_decode.PackedProjections(base, 2) if packed
-                                                     else None)
-    assert _close(logits[True], logits[False], rel=1e-5)
+    with cpu_linear.OneDNNLinear():
+        blocked, plain = (_one_decoding_step(model, ids, packed=p) for p in (True, False))
+    assert _close(blocked, plain, rel=1e-5)
 
 
 def test_under_autocast_the_fp32_policy_samples_itself_through_onednn(monkeypatch):
