@@ -222,8 +222,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         """Rename the held files into place and stop holding."""
         held, self._held = self._held or {}, None
         for target, tmp in held.items():
-            os.replace(tmp, target)
-            _sync_folder(target)
+            _put_in_place(tmp, target)
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
         if storage_options is not None or get_filesystem(path).protocol not in ("file", ("file", "local")):
