@@ -161,15 +161,22 @@ def test_a_training_step_gives_the_same_loss_and_gradients(monkeypatch):
         assert _close(g1[name], g0[name], rel=1e-4), name
 
 
-def test_decoding_under_the_mode_packs_the_body_in_onednns_layout_and_keeps_the_head(monkeypatch):
-    """Inside the mode a float32 model decodes on a copy of its body in oneDNN's blocked layout (one per weight, no
-    MKL packing, no concatenation) and on its head as it is, with the plain decoding's tokens and log-probs."""
+def _greedy_on_the_modules():
+    """The model of these tests, two prompts, greedy sampling of 3 tokens and what decoding on its modules gives."""
     model, tok = _model()
     ids = torch.tensor([tok("12+34=")["input_ids"]] * 2)
     mask = torch.ones_like(ids)
     sampling = SamplingConfig(max_new_tokens=3, min_new_tokens=3, temperature=0.0)
     want = HFRolloutEngine(packed_weights=False).generate(model, ids, mask, 2, sampling, tok.eos_token_id,
                                                           tok.pad_token_id)
+    return model, tok, ids, mask, sampling, want
+
+
+def test_decoding_under_the_mode_packs_the_body_in_onednns_layout_and_keeps_the_head(monkeypatch):
+    """Inside the mode, with the few-row kernel off (no AVX-512 or no compiler, or ``decode_kernel=False``), a float32
+    model decodes on a copy of its body in oneDNN's blocked layout (one per weight, no MKL packing, no concatenation)
+    and on its head as it is, with the plain decoding's tokens and log-probs."""
+    model, tok, ids, mask, sampling, want = _greedy_on_the_modules()
     base = fast_decode.llama_like(model)
     reordered, mkl = [], []
     init = fast_decode._Packed.__init__
@@ -182,8 +189,9 @@ def test_decoding_under_the_mode_packs_the_body_in_onednns_layout_and_keeps_the_
     calls = _counting(monkeypatch)
     with cpu_linear.OneDNNLinear():
         assert fast_decode.PackedProjections.supported(base) and fast_decode.PackedProjections.onednn_float32(base)
-        got = HFRolloutEngine().generate(model, ids, mask, 2, sampling, tok.eos_token_id, tok.pad_token_id)
-        proj = fast_decode.PackedProjections(base, 4)
+        got = HFRolloutEngine(decode_kernel=False).generate(model, ids, mask, 2, sampling, tok.eos_token_id,
+                                                            tok.pad_token_id)
+        proj = fast_decode.PackedProjections(base, 4, kernel=False)
     layer = model.model.layers[0]
     # every body weight on its own (q, k, v, o, gate, up, down), the head not at all
     shapes = [tuple(m.weight.shape) for m in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj,
@@ -197,7 +205,7 @@ def test_decoding_under_the_mode_packs_the_body_in_onednns_layout_and_keeps_the_
     assert _close(got.sampling_logprobs, want.sampling_logprobs, rel=1e-4)
     # one decoding step's logits from the same cache: blocked layout against the modules
     with cpu_linear.OneDNNLinear():
-        blocked, plain = (_one_decoding_step(model, ids, packed=p) for p in (True, False))
+        blocked, plain = (_one_decoding_step(model, ids, packed=p, kernel=False) for p in (True, False))
     assert _close(blocked, plain, rel=1e-5)
 
 

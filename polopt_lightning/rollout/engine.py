@@ -15,6 +15,7 @@ from torch import Tensor, nn
 from .. import cpu_linear
 from .._hf import cache_argument, last_positions, output_cache, positions_from_mask, preallocated_cache
 from ..models import float_dtype, frozen_copy, is_quantized, resolve_dtype
+from . import rowdot
 from .fast_decode import PackedProjections, decode_step, llama_like, shared_prompt_decode_step, static_decode_step
 
 log = logging.getLogger(__name__)
@@ -155,6 +156,14 @@ class HFRolloutEngine(RolloutEngine):
             products ran at half oneDNN's speed there (Qwen2.5-0.5B shape, generation: 4.40-4.75 s against
             2.20-2.28 on the plain weights), the blocked copy 1.1x faster than the plain weights (2.95 s against
             3.35, AMD EPYC; docs/performance.md, "At real scale").
+        decode_kernel: run the lean step's float32 products (where oneDNN computes them, see ``packed_weights``) on
+            :mod:`.rowdot`'s kernel, on the weights as they are, head included, for batches of at most
+            :data:`.fast_decode.KERNEL_MAX_ROWS` rows: no blocked copy to make at each rollout (0.22-0.28 s and 1.4
+            GB at the Qwen2.5-0.5B shape) and the 152k head at the blocked layout's rate. It needs an x86-64 CPU
+            with AVX-512 and a C compiler (built once, cached). ``None`` uses it where it can run and falls back to
+            the blocked layout otherwise; ``True`` requires it (an error here says why it cannot run); ``False``
+            keeps the blocked layout. Qwen2.5-0.5B shape, rollout alone, 7 alternating repeats (AMD EPYC, 2 threads):
+            1.92 s against 2.24 on the blocked copy, the same greedy tokens, log-probs within 3e-6.
         inference_mode: sample under ``torch.inference_mode`` instead of ``no_grad`` (less bookkeeping per
             operation; generation, medians of alternating repeats: tiny benchmark model 90 -> 83 ms, long-prompt
             2.64 -> 2.42 s); the returned tensors are ordinary copies. ``None`` decides: on for a plain
@@ -170,7 +179,11 @@ class HFRolloutEngine(RolloutEngine):
 
     def __init__(self, fast_decode: bool = True, dtype: torch.dtype | str | None = None, compile: bool = False,
                  shared_prompt_kv: bool | None = None, packed_weights: bool = True,
-                 inference_mode: bool | None = None, release_copy: bool | None = None) -> None:
+                 inference_mode: bool | None = None, release_copy: bool | None = None,
+                 decode_kernel: bool | None = None) -> None:
+        if decode_kernel and rowdot.load() is None:
+            raise ValueError(f"decode_kernel=True: the few-row decoding kernel cannot run here ({rowdot.why_not()})")
+        self.decode_kernel = decode_kernel
         self.fast_decode = fast_decode
         self.release_copy = release_copy
         self._released = False
@@ -293,7 +306,7 @@ class HFRolloutEngine(RolloutEngine):
                 self._said_unpacked = True
             return None
         try:
-            return PackedProjections(base, rows)
+            return PackedProjections(base, rows, self.decode_kernel)
         except RuntimeError as err:
             warnings.warn(f"HFRolloutEngine(packed_weights=True): prepacking the decoding weights failed ({err}); "
                           "decoding runs on the model's own modules", RuntimeWarning, stacklevel=2)

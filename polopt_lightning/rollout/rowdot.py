@@ -1,0 +1,144 @@
+"""Few-row float32 products for decoding on AVX-512 CPUs, on the weights as they are (``rowdot.c``).
+
+Decoding multiplies 8-16 rows by every weight at every token, so the product is bound by how fast the weights stream
+from memory. oneDNN streams a plain ``[out, in]`` weight at about half the rate a plain read reaches and gets close
+to it only on a copy reordered into its blocked layout, which must be made again at every rollout (the policy
+changes between rollouts: 0.22-0.28 s and 1.4 GB at the Qwen2.5-0.5B shape). ``rowdot.c`` reads the plain layout at
+the blocked copy's rate, with no copy, and covers the 152k-row head too (oneDNN on the plain head: 15-21 GB/s; this
+kernel 19-29). It is compiled with the machine's C compiler (``$CC``, else ``cc``) at its first use in a process and
+kept in ``$POLOPT_CACHE`` (default ``~/.cache/polopt-lightning``) for the next; where there is no compiler, no
+AVX-512 or the build fails, :func:`load` returns ``None`` (with the reason in :func:`why_not`) and decoding keeps
+oneDNN's products.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("rowdot.c")
+FLAGS = ["-O3", "-mavx512f", "-mfma", "-fopenmp", "-shared", "-fPIC"]
+ROWS = 8  # the kernel's row block: inputs are padded to a multiple of it
+K_MULTIPLE = 16  # the input width must be a multiple of this (one AVX-512 register of float32)
+_state: dict = {}
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("POLOPT_CACHE", Path.home() / ".cache" / "polopt-lightning")) / "kernels"
+
+
+def _build(compiler: str) -> Path:
+    """The shared library for this source, flags and compiler, compiled once and kept (an atomic rename, so
+    processes building it at the same time each leave a whole file)."""
+    source = SOURCE.read_bytes()
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60).stdout
+    key = hashlib.sha256(source + " ".join(FLAGS).encode() + version.encode()).hexdigest()[:16]
+    target = _cache_dir() / f"rowdot-{key}.so"
+    if target.is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=".rowdot-", suffix=".so")
+    os.close(fd)
+    try:
+        done = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True,
+                              timeout=300)
+        if done.returncode:
+            raise RuntimeError(f"{compiler} failed: {done.stderr.strip()[-2000:]}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    return target
+
+
+def load():
+    """The compiled ``polopt_rowdot`` function, or ``None`` where it cannot run here (see :func:`why_not`)."""
+    if "fn" in _state:
+        return _state["fn"]
+    fn, reason = None, None
+    if os.environ.get("POLOPT_ROWDOT", "1") == "0":
+        reason = "POLOPT_ROWDOT=0"
+    elif platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
+        reason = f"not an x86-64 Linux machine ({platform.system()} {platform.machine()})"
+    elif "AVX512" not in torch.backends.cpu.get_cpu_capability():
+        reason = f"the CPU has no AVX-512 (PyTorch reports {torch.backends.cpu.get_cpu_capability()})"
+    else:
+        compiler = shutil.which(os.environ.get("CC", "cc"))
+        if compiler is None:
+            reason = f"no C compiler ({os.environ.get('CC', 'cc')!r} is not on the PATH)"
+        else:
+            try:
+                lib = ctypes.CDLL(str(_build(compiler)))
+                fn = lib.polopt_rowdot
+                fn.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_int, ctypes.c_void_p,
+                               ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+                fn.restype = None
+            except (OSError, RuntimeError, subprocess.SubprocessError) as err:
+                reason = f"building {SOURCE.name} failed: {err}"
+    if fn is None:
+        log.info("the few-row decoding kernel is off (%s): decoding uses oneDNN's products", reason)
+    _state.update(fn=fn, reason=reason)
+    return fn
+
+
+def why_not() -> str | None:
+    """Why :func:`load` returned ``None`` (``None`` where it loaded, or before the first :func:`load`)."""
+    return _state.get("reason")
+
+
+def fits(linears: list[nn.Linear]) -> bool:
+    """Whether these layers can run on the kernel: plain float32 CPU weights, contiguous, the input width a
+    multiple of 16."""
+    return all(m.weight.dtype == torch.float32 and m.weight.is_cpu and m.in_features % K_MULTIPLE == 0
+               and m.weight.is_contiguous() and (m.bias is None or m.bias.dtype == torch.float32)
+               for m in linears)
+
+
+class RowDot:
+    """``nn.Linear`` layers sharing an input as one kernel call on their weights as they are (no copy); outputs as
+    a tuple, or the one output for a single layer. Holds references to the weights: build it afresh after they are
+    replaced (an in-place optimizer step is seen)."""
+
+    def __init__(self, linears: list[nn.Linear]) -> None:
+        self.fn = load()
+        if self.fn is None:
+            raise RuntimeError(f"the few-row decoding kernel is not available: {why_not()}")
+        if not fits(linears):
+            raise ValueError("RowDot takes float32 CPU nn.Linear layers whose input width is a multiple of 16")
+        self.weights = [m.weight.detach() for m in linears]
+        self.biases = [None if m.bias is None else m.bias.detach().contiguous() for m in linears]
+        self.outs = [m.out_features for m in linears]
+        self.in_features = linears[0].in_features
+        n = len(linears)
+        self._weights = (ctypes.c_void_p * n)(*[w.data_ptr() for w in self.weights])
+        self._biases = (ctypes.c_void_p * n)(*[None if b is None else b.data_ptr() for b in self.biases])
+        self._outs = (ctypes.c_long * n)(*self.outs)
+        self.single = n == 1
+
+    def __call__(self, x: Tensor) -> Tensor | tuple[Tensor, ...]:
+        lead, K = x.shape[:-1], x.shape[-1]
+        if K != self.in_features:
+            raise ValueError(f"input width {K}, the layers take {self.in_features}")
+        rows = x.reshape(-1, K)
+        M = rows.shape[0]
+        padded = -(-M // ROWS) * ROWS
+        if padded != M or not rows.is_contiguous() or rows.dtype != torch.float32:
+            rows = torch.cat([rows.float(), rows.new_zeros(padded - M, K, dtype=torch.float32)])
+        outputs = [rows.new_empty(padded, n) for n in self.outs]
+        self.fn(rows.data_ptr(), padded, K, len(outputs), self._weights, self._biases,
+                (ctypes.c_void_p * len(outputs))(*[y.data_ptr() for y in outputs]), self._outs,
+                torch.get_num_threads())
+        outputs = tuple(y[:M].view(*lead, y.shape[1]) for y in outputs)
+        return outputs[0] if self.single else outputs

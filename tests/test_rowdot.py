@@ -1,0 +1,120 @@
+"""The few-row decoding kernel (polopt_lightning.rollout.rowdot): F.linear's values within float32 tolerance for any
+row count, width, bias and thread count; decoding on it with the modules' tokens and log-probs, on the weights as
+they are (no blocked copy, the head included); off, with the reason, where it cannot run."""
+
+import pytest
+import torch
+from torch.nn import functional as F
+
+from polopt_lightning import cpu_linear
+from polopt_lightning.rollout import HFRolloutEngine, fast_decode, rowdot
+
+from .test_cpu_linear import _close, _greedy_on_the_modules, _model
+from .test_models_rollout import _one_decoding_step
+
+
+def _needs_kernel():
+    if rowdot.load() is None:
+        pytest.skip(f"the few-row kernel cannot run here: {rowdot.why_not()}")
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8, 11, 16])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_kernel_matches_f_linear_for_every_row_count_width_and_bias(rows, threads):
+    _needs_kernel()
+    torch.manual_seed(rows)
+    # outputs that leave 0, 1 and 2 rows after the blocks of 3, fewer outputs than threads x 3, a bias or none
+    layers = [torch.nn.Linear(48, n, bias=b) for n, b in [(7, True), (2, False), (100, True), (9, False)]]
+    x = torch.randn(rows, 1, 48)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = rowdot.RowDot(layers)(x)
+        single = rowdot.RowDot([layers[2]])(torch.randn(48, rows).t())  # one layer, a non-contiguous input
+    finally:
+        torch.set_num_threads(previous)
+    assert isinstance(got, tuple) and len(got) == len(layers)
+    for layer, y in zip(layers, got):
+        assert y.shape == (rows, 1, layer.out_features) and y.is_contiguous()
+        torch.testing.assert_close(y, F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
+    assert isinstance(single, torch.Tensor) and single.shape == (rows, 100)
+
+
+def test_kernel_refuses_what_it_cannot_compute():
+    _needs_kernel()
+    assert not rowdot.fits([torch.nn.Linear(40, 8)])  # the input width is not a multiple of 16
+    assert not rowdot.fits([torch.nn.Linear(48, 8).to(torch.bfloat16)])
+    with pytest.raises(ValueError, match="multiple of 16"):
+        rowdot.RowDot([torch.nn.Linear(40, 8)])
+    with pytest.raises(ValueError, match="input width 32"):
+        rowdot.RowDot([torch.nn.Linear(48, 8)])(torch.randn(8, 32))
+
+
+def test_decoding_runs_on_the_kernel_with_the_modules_tokens_and_logprobs(monkeypatch):
+    """Inside oneDNN's mode a float32 model decodes on the kernel: no weight reordered or packed (the head
+    included), the tokens and log-probs of decoding on the modules, one step's logits within float tolerance."""
+    _needs_kernel()
+    model, tok, ids, mask, sampling, want = _greedy_on_the_modules()
+    packed, kernel_calls = [], []
+    monkeypatch.setattr(fast_decode._Packed, "__init__", lambda self, *a, **k: packed.append(a))
+    call = rowdot.RowDot.__call__
+    monkeypatch.setattr(rowdot.RowDot, "__call__", lambda self, x: kernel_calls.append(x.shape) or call(self, x))
+    consulted, in_step = [], []  # the mode's dispatch inside the lean step: none (its products are prepacked)
+    dispatch, layers = cpu_linear.OneDNNLinear.__torch_function__, fast_decode._layers
+    monkeypatch.setattr(cpu_linear.OneDNNLinear, "__torch_function__",
+                        lambda self, *a, **k: (in_step and consulted.append(a[0])) or dispatch(self, *a, **k))
+    monkeypatch.setattr(fast_decode, "_layers",
+                        lambda *a: in_step.append(1) or (layers(*a), in_step.pop())[0])
+    base = fast_decode.llama_like(model)
+    with cpu_linear.OneDNNLinear():
+        got = HFRolloutEngine().generate(model, ids, mask, 2, sampling, tok.eos_token_id, tok.pad_token_id)
+        assert in_step == [] and not consulted
+        proj = fast_decode.PackedProjections(base, 4)
+        kernel, plain = (_one_decoding_step(model, ids, packed=p) for p in (True, False))
+    assert proj.kernel and isinstance(proj.packed_head, rowdot.RowDot) and not packed
+    assert proj.packed_qkv[0].weights[0] is not None and proj.packed_qkv[0].weights[0].data_ptr() == \
+        model.model.layers[0].self_attn.q_proj.weight.data_ptr()  # the weight itself, no copy
+    # per decoded token (2 of the 3 come from the lean step): q/k/v, o, gate/up, down per layer, then the head
+    assert len(kernel_calls) >= 2 * (4 * len(model.model.layers) + 1)
+    assert torch.equal(got.completion_ids, want.completion_ids)
+    assert _close(got.sampling_logprobs, want.sampling_logprobs, rel=1e-4)
+    assert _close(kernel, plain, rel=1e-5)
+
+
+def test_more_rows_than_the_kernel_takes_keep_the_blocked_layout():
+    _needs_kernel()
+    model, _ = _model()
+    with cpu_linear.OneDNNLinear():
+        assert not fast_decode.PackedProjections(fast_decode.llama_like(model), fast_decode.KERNEL_MAX_ROWS + 1).kernel
+
+
+def test_without_a_compiler_decoding_keeps_the_blocked_layout_and_true_says_why(monkeypatch, tmp_path):
+    monkeypatch.setattr(rowdot, "_state", {})
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.setenv("POLOPT_CACHE", str(tmp_path))
+    assert rowdot.load() is None and rowdot.why_not()
+    with pytest.raises(ValueError, match=r"decode_kernel=True: .*cannot run here"):
+        HFRolloutEngine(decode_kernel=True)
+    model, _ = _model()
+    with cpu_linear.OneDNNLinear():
+        proj = fast_decode.PackedProjections(fast_decode.llama_like(model), 4)
+    assert not proj.kernel and proj.packed_head is None  # the blocked layout, as before the kernel
+
+
+def test_the_kernel_is_built_once_into_the_cache_and_a_failed_build_says_so(monkeypatch, tmp_path):
+    if "AVX512" not in torch.backends.cpu.get_cpu_capability():
+        pytest.skip(f"the CPU has no AVX-512 ({torch.backends.cpu.get_cpu_capability()})")
+    monkeypatch.setattr(rowdot, "_state", {})
+    monkeypatch.setenv("POLOPT_CACHE", str(tmp_path))
+    monkeypatch.setenv("CC", "false")  # a 'compiler' that fails
+    assert rowdot.load() is None and "building rowdot.c failed" in rowdot.why_not()
+    assert not list((tmp_path / "kernels").glob("*"))  # no half-written file left
+    monkeypatch.setattr(rowdot, "_state", {})
+    monkeypatch.delenv("CC")
+    if rowdot.load() is None:
+        pytest.skip(f"no working C compiler here: {rowdot.why_not()}")
+    built = list((tmp_path / "kernels").glob("rowdot-*.so"))
+    assert len(built) == 1
+    stamp = built[0].stat().st_mtime_ns
+    monkeypatch.setattr(rowdot, "_state", {})
+    assert rowdot.load() is not None and built[0].stat().st_mtime_ns == stamp  # taken from the cache
