@@ -8,7 +8,9 @@ the blocked copy's rate, with no copy, and covers the 152k-row head too (oneDNN 
 kernel 19-29). It is compiled with the machine's C compiler (``$CC``, else ``cc``) at its first use in a process and
 kept in ``$POLOPT_CACHE`` (default ``~/.cache/polopt-lightning``) for the next; where there is no compiler, no
 AVX-512 or the build fails, :func:`load` returns ``None`` (with the reason in :func:`why_not`) and decoding keeps
-oneDNN's products.
+oneDNN's products. With PyTorch's Linux wheels its OpenMP threads are PyTorch's own: the library asks for
+``libgomp.so.1``, which PyTorch (imported first) has loaded already, so the two share one thread pool (a build of
+PyTorch on another OpenMP runtime gets a second pool beside its own).
 """
 
 from __future__ import annotations
