@@ -12,7 +12,6 @@ import hashlib
 import json
 import logging
 import math
-import os
 import random
 import time
 from collections.abc import Sequence
@@ -23,6 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ._cache import cache_root
 from .callbacks.checkpoint import save_atomically
 
 log = logging.getLogger(__name__)
@@ -74,7 +74,7 @@ class WarmStartConfig:
 
 
 def default_cache_dir() -> Path:
-    return Path(os.environ.get("POLOPT_CACHE", Path.home() / ".cache" / "polopt-lightning")) / "warm_start"
+    return cache_root() / "warm_start"
 
 
 def _cache_key(model: nn.Module, tokenizer: Any, rows: Sequence[dict], cfg: WarmStartConfig) -> str:

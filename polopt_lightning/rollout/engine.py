@@ -161,8 +161,9 @@ class HFRolloutEngine(RolloutEngine):
             :data:`.fast_decode.KERNEL_MAX_ROWS` rows: no blocked copy to make at each rollout (0.22-0.28 s and 1.4
             GB at the Qwen2.5-0.5B shape) and the 152k head at the blocked layout's rate. It needs an x86-64 CPU
             with AVX-512 and a C compiler (built once, cached). ``None`` uses it where it can run and falls back to
-            the blocked layout otherwise; ``True`` requires it (an error here says why it cannot run); ``False``
-            keeps the blocked layout. Qwen2.5-0.5B shape (AMD EPYC, 2 threads): rollout alone, 7 alternating
+            the blocked layout otherwise; ``True`` requires it to be built here (an error here says why it cannot
+            be), batches of more rows or layers it does not take (not float32, a width not a multiple of 16) still
+            use the blocked layout; ``False`` keeps the blocked layout. Qwen2.5-0.5B shape (AMD EPYC, 2 threads): rollout alone, 7 alternating
             repeats, 1.65 s against 2.12 on the blocked copy, the same greedy tokens, log-probs within 4e-6; in the
             step (run 24) 1.76 s against 2.96, peak 10.86 against 10.93 GiB. The 25M long-prompt workload (16 rows):
             4.84 s/step against 5.50.

@@ -28,6 +28,8 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
+from .._cache import cache_root
+
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("rowdot.c")
@@ -37,17 +39,13 @@ K_MULTIPLE = 16  # the input width must be a multiple of this (one AVX-512 regis
 _state: dict = {}
 
 
-def _cache_dir() -> Path:
-    return Path(os.environ.get("POLOPT_CACHE", Path.home() / ".cache" / "polopt-lightning")) / "kernels"
-
-
 def _build(compiler: str) -> Path:
     """The shared library for this source, flags and compiler, compiled once and kept (an atomic rename, so
     processes building it at the same time each leave a whole file)."""
     source = SOURCE.read_bytes()
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60).stdout
     key = hashlib.sha256(source + " ".join(FLAGS).encode() + version.encode()).hexdigest()[:16]
-    target = _cache_dir() / f"rowdot-{key}.so"
+    target = cache_root() / "kernels" / f"rowdot-{key}.so"
     if target.is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
