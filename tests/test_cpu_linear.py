@@ -26,10 +26,16 @@ def _close(a, b, rel=1e-5):
     return float((a - b).abs().max()) <= rel * float(b.abs().max())
 
 
-def _counting(monkeypatch):
+def _counting(monkeypatch, kernel: bool = False):
+    """The weight shapes of the mode's oneDNN products from here on (``kernel``: and of its few-row kernel's)."""
     calls = []
     product = cpu_linear._product
     monkeypatch.setattr(cpu_linear, "_product", lambda *a: calls.append(a[1].shape) or product(*a))
+    if kernel:
+        from polopt_lightning.rollout import rowdot
+
+        few_rows = rowdot.linear
+        monkeypatch.setattr(rowdot, "linear", lambda *a: calls.append(a[1].shape) or few_rows(*a))
     return calls
 
 
@@ -56,13 +62,23 @@ def test_values_and_gradients_match_f_linear(monkeypatch, bias, frozen):
         assert layer.weight.grad is None
 
 
-def test_without_gradient_it_is_one_product(monkeypatch):
+@pytest.mark.parametrize("rows, kernel", [(4, True), (16, True), (4, False), (17, True)])
+def test_without_gradient_it_is_one_product_few_rows_on_the_kernel(monkeypatch, rows, kernel):
+    """No gradient wanted: one oneDNN product, or for at most 16 rows one call of the few-row kernel where it runs
+    here, unless ``few_row_kernel(False)`` (the rollout's ``decode_kernel=False``)."""
+    from polopt_lightning.rollout import rowdot
+
     layer = torch.nn.Linear(512, 640)
-    x = torch.randn(4, 512)
-    calls = _counting(monkeypatch)
-    with cpu_linear.OneDNNLinear(), torch.inference_mode():
+    x = torch.randn(rows, 1, 512)
+    calls, on_kernel = _counting(monkeypatch), []
+    kernel_linear = rowdot.linear
+    monkeypatch.setattr(rowdot, "linear", lambda *a: on_kernel.append(a[1].shape) or kernel_linear(*a))
+    with cpu_linear.OneDNNLinear(), torch.inference_mode(), cpu_linear.few_row_kernel(kernel):
         out = layer(x)
-    assert calls == [(640, 512)] and _close(out, F.linear(x, layer.weight, layer.bias))
+    takes = kernel and rows <= rowdot.MAX_ROWS and rowdot.load() is not None
+    assert (on_kernel, calls) == (([(640, 512)], []) if takes else ([], [(640, 512)]))
+    assert out.shape == (rows, 1, 640) and _close(out, F.linear(x, layer.weight, layer.bias))
+    assert getattr(cpu_linear._kernel, "on", True)  # the switch is back after the context
 
 
 @pytest.mark.parametrize("case", ["small", "bfloat16", "autocast", "vector", "double"])
@@ -221,11 +237,11 @@ def test_under_autocast_the_fp32_policy_samples_itself_through_onednn(monkeypatc
     engine = HFRolloutEngine()
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert engine.sampling_dtype(model) == torch.bfloat16  # no mode: the bf16 copy, as before
-        calls = _counting(monkeypatch)
+        calls = _counting(monkeypatch, kernel=True)
         with cpu_linear.OneDNNLinear():
             assert engine.sampling_dtype(model) == torch.float32 and engine.sampling_model(model) is model
             assert not engine.logprobs_match(model)  # the training pass computes in bf16
             got = engine.generate(model, ids, mask, 2, sampling, tok.eos_token_id, tok.pad_token_id)
-    assert calls and engine._sampler is None  # through oneDNN, and no copy was made
+    assert calls and engine._sampler is None  # through the mode (oneDNN, the few-row kernel), and no copy was made
     assert torch.equal(got.completion_ids, plain.completion_ids)
     assert _close(got.sampling_logprobs, plain.sampling_logprobs, rel=1e-4)

@@ -118,3 +118,30 @@ def test_the_kernel_is_built_once_into_the_cache_and_a_failed_build_says_so(monk
     stamp = built[0].stat().st_mtime_ns
     monkeypatch.setattr(rowdot, "_state", {})
     assert rowdot.load() is not None and built[0].stat().st_mtime_ns == stamp  # taken from the cache
+
+
+def test_adapter_decoding_runs_its_frozen_base_products_on_the_kernel(monkeypatch):
+    """A LoRA policy decodes on its own modules (nothing prepacked): inside oneDNN's mode the frozen base weights'
+    few-row products go through the kernel (as would the prefill's head, were it above the mode's size), with the tokens and log-probs of
+    ``decode_kernel=False`` (oneDNN's products)."""
+    _needs_kernel()
+    from polopt_lightning.models import LLAMA_TARGETS, Adapter, apply_adapter
+
+    model, tok, ids, mask, sampling, _ = _greedy_on_the_modules()
+    policy = apply_adapter(model, Adapter(kind="lora", r=4, target_modules=list(LLAMA_TARGETS)))
+    for name, p in policy.named_parameters():  # adapters that change the output (B starts at zero)
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.05)
+    on_kernel = []
+    few_rows = rowdot.linear
+    monkeypatch.setattr(rowdot, "linear", lambda *a: on_kernel.append(tuple(a[1].shape)) or few_rows(*a))
+    with cpu_linear.OneDNNLinear():
+        got = HFRolloutEngine().generate(policy, ids, mask, 2, sampling, tok.eos_token_id, tok.pad_token_id)
+        kernel_calls = len(on_kernel)
+        off = HFRolloutEngine(decode_kernel=False).generate(policy, ids, mask, 2, sampling, tok.eos_token_id,
+                                                            tok.pad_token_id)
+    layer = model.model.layers[0]
+    assert (512, 512) in on_kernel and tuple(layer.mlp.gate_proj.weight.shape) in on_kernel  # base weights
+    assert kernel_calls == len(on_kernel) > 0  # decode_kernel=False made none
+    assert torch.equal(got.completion_ids, off.completion_ids)
+    assert _close(got.sampling_logprobs, off.sampling_logprobs, rel=1e-4)

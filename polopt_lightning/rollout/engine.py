@@ -163,8 +163,10 @@ class HFRolloutEngine(RolloutEngine):
             with AVX-512 and a C compiler (built once, cached). ``None`` uses it where it can run and falls back to
             the blocked layout otherwise; ``True`` requires it to be built here (an error here says why it cannot
             be), batches of more rows or layers it does not take (not float32, a width not a multiple of 16) still
-            use the blocked layout; ``False`` keeps the blocked layout. Qwen2.5-0.5B shape (AMD EPYC, 2 threads): rollout alone, 7 alternating
-            repeats, 1.65 s against 2.12 on the blocked copy, the same greedy tokens, log-probs within 4e-6; in the
+            use the blocked layout; ``False`` keeps the blocked layout and also keeps the products decoding makes
+            through the model's own modules (adapter layers' frozen base weights, the prefill's head) on oneDNN
+            (:func:`~polopt_lightning.cpu_linear.few_row_kernel`). Qwen2.5-0.5B shape (AMD EPYC, 2 threads):
+            rollout alone, 7 alternating repeats, 1.65 s against 2.12 on the blocked copy, the same greedy tokens, log-probs within 4e-6; in the
             step (run 24) 1.76 s against 2.96, peak 10.86 against 10.93 GiB. The 25M long-prompt workload (16 rows):
             4.84 s/step against 5.50.
         inference_mode: sample under ``torch.inference_mode`` instead of ``no_grad`` (less bookkeeping per
@@ -277,7 +279,8 @@ class HFRolloutEngine(RolloutEngine):
         was_training = sampler.training
         sampler.eval()
         try:
-            with precision, torch.inference_mode() if inference else nullcontext():
+            with (precision, torch.inference_mode() if inference else nullcontext(),
+                  cpu_linear.few_row_kernel(self.decode_kernel is not False)):
                 batch = self._generate(sampler, prompt_ids, prompt_mask, num_generations, sampling, eos_token_id,
                                        pad_token_id, generator)
         finally:

@@ -28,9 +28,7 @@ from . import rowdot
 from .rowdot import RowDot
 
 SUPPORTED = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
-# up to this many rows the decoding products run on rowdot.c where it applies (each weight is read once per 8 rows
-# from memory, then from L1 for the next 8); beyond it a GEMM library reuses every weight better
-KERNEL_MAX_ROWS = 16
+KERNEL_MAX_ROWS = rowdot.MAX_ROWS  # up to this many rows the decoding products run on rowdot.c where it applies
 
 
 def llama_like(model: nn.Module) -> nn.Module | None:

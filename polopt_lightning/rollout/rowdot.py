@@ -35,6 +35,9 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("rowdot.c")
 FLAGS = ["-O3", "-mavx512f", "-mfma", "-fopenmp", "-shared", "-fPIC"]
 ROWS = 8  # the kernel's row block: inputs are padded to a multiple of it
+# up to this many rows a product runs here (each weight read once per 8 rows from memory, then from L1 for the next
+# 8); beyond it a GEMM library reuses every weight better
+MAX_ROWS = 16
 K_MULTIPLE = 16  # the input width must be a multiple of this (one AVX-512 register of float32)
 _state: dict = {}
 
@@ -124,21 +127,42 @@ class RowDot:
         n = len(linears)
         self._weights = (ctypes.c_void_p * n)(*[w.data_ptr() for w in self.weights])
         self._biases = (ctypes.c_void_p * n)(*[None if b is None else b.data_ptr() for b in self.biases])
-        self._outs = (ctypes.c_long * n)(*self.outs)
         self.single = n == 1
 
     def __call__(self, x: Tensor) -> Tensor | tuple[Tensor, ...]:
-        lead, K = x.shape[:-1], x.shape[-1]
-        if K != self.in_features:
-            raise ValueError(f"input width {K}, the layers take {self.in_features}")
-        rows = x.reshape(-1, K)
-        M = rows.shape[0]
-        padded = -(-M // ROWS) * ROWS
-        if padded != M or not rows.is_contiguous() or rows.dtype != torch.float32:
-            rows = torch.cat([rows.float(), rows.new_zeros(padded - M, K, dtype=torch.float32)])
-        outputs = [rows.new_empty(padded, n) for n in self.outs]
-        self.fn(rows.data_ptr(), padded, K, len(outputs), self._weights, self._biases,
-                (ctypes.c_void_p * len(outputs))(*[y.data_ptr() for y in outputs]), self._outs,
-                torch.get_num_threads())
-        outputs = tuple(y[:M].view(*lead, y.shape[1]) for y in outputs)
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"input width {x.shape[-1]}, the layers take {self.in_features}")
+        outputs = _run(self.fn, x, self._weights, self._biases, self.outs)
         return outputs[0] if self.single else outputs
+
+
+def takes(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> bool:
+    """Whether :func:`linear` computes ``F.linear(x, weight, bias)`` on the kernel: it loaded here, at most
+    :data:`MAX_ROWS` rows, float32 CPU tensors, a contiguous weight whose input width is a multiple of 16."""
+    K = weight.shape[-1]
+    return (weight.dim() == 2 and K % K_MULTIPLE == 0 and 0 < x.numel() <= MAX_ROWS * K
+            and weight.dtype == x.dtype == torch.float32 and weight.is_cpu and x.is_cpu and weight.is_contiguous()
+            and (bias is None or (bias.dtype == torch.float32 and bias.is_contiguous()))
+            and load() is not None)
+
+
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """``F.linear(x, weight, bias)`` on the kernel, without autograd (check :func:`takes` first)."""
+    arrays = ((ctypes.c_void_p * 1)(weight.data_ptr()), (ctypes.c_void_p * 1)(None if bias is None else bias.data_ptr()))
+    return _run(load(), x, *arrays, [weight.shape[0]])[0]
+
+
+def _run(fn, x: Tensor, weights, biases, outs: list[int]) -> tuple[Tensor, ...]:
+    """One kernel call: ``x`` ``[..., K]`` against the weights and biases behind the ctypes pointer arrays, one output
+    ``[..., outs[j]]`` each (rows padded to a multiple of :data:`ROWS` for the call)."""
+    lead, K = x.shape[:-1], x.shape[-1]
+    rows = x.reshape(-1, K)
+    M = rows.shape[0]
+    padded = -(-M // ROWS) * ROWS
+    if padded != M or not rows.is_contiguous() or rows.dtype != torch.float32:
+        rows = torch.cat([rows.float(), rows.new_zeros(padded - M, K, dtype=torch.float32)])
+    outputs = [rows.new_empty(padded, n) for n in outs]
+    fn(rows.data_ptr(), padded, K, len(outputs), weights, biases,
+       (ctypes.c_void_p * len(outputs))(*[y.data_ptr() for y in outputs]), (ctypes.c_long * len(outs))(*outs),
+       torch.get_num_threads())
+    return tuple(y[:M].view(*lead, y.shape[1]) for y in outputs)
