@@ -13,6 +13,8 @@ tolerance (tested against ``F.linear``'s values and gradients).
 inside ``transformers`` models and peft's base layers) on plain float32 CPU tensors with a weight of at least
 :data:`MIN_WEIGHT_ELEMENTS` elements runs forward and backward through oneDNN; everything else (small weights, other
 dtypes, autocast, tensor subclasses such as FSDP's DTensors, compiled code) runs as it would without the mode.
+Products that need no gradient and have at most 16 rows (decoding through a model's own modules) run on
+:mod:`~polopt_lightning.rollout.rowdot`'s few-row kernel instead where it runs (:func:`few_row_kernel`).
 """
 
 from __future__ import annotations
