@@ -122,8 +122,8 @@ def test_the_kernel_is_built_once_into_the_cache_and_a_failed_build_says_so(monk
 
 def test_adapter_decoding_runs_its_frozen_base_products_on_the_kernel(monkeypatch):
     """A LoRA policy decodes on its own modules (nothing prepacked): inside oneDNN's mode the frozen base weights'
-    few-row products go through the kernel (as would the prefill's head, were it above the mode's size), with the tokens and log-probs of
-    ``decode_kernel=False`` (oneDNN's products)."""
+    few-row products go through the kernel (as would the prefill's head, were it above the mode's size), with the
+    tokens and log-probs of ``decode_kernel=False`` (oneDNN's products)."""
     _needs_kernel()
     from polopt_lightning.models import LLAMA_TARGETS, Adapter, apply_adapter
 

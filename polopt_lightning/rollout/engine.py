@@ -166,9 +166,9 @@ class HFRolloutEngine(RolloutEngine):
             use the blocked layout; ``False`` keeps the blocked layout and also keeps the products decoding makes
             through the model's own modules (adapter layers' frozen base weights, the prefill's head) on oneDNN
             (:func:`~polopt_lightning.cpu_linear.few_row_kernel`). Qwen2.5-0.5B shape (AMD EPYC, 2 threads):
-            rollout alone, 7 alternating repeats, 1.65 s against 2.12 on the blocked copy, the same greedy tokens, log-probs within 4e-6; in the
-            step (run 24) 1.76 s against 2.96, peak 10.86 against 10.93 GiB. The 25M long-prompt workload (16 rows):
-            4.84 s/step against 5.50.
+            rollout alone, 7 alternating repeats, 1.65 s against 2.12 on the blocked copy, the same greedy tokens,
+            log-probs within 4e-6; in the step (run 24) 1.76 s against 2.96, peak 10.86 against 10.93 GiB. The 25M
+            long-prompt workload (16 rows): 4.84 s/step against 5.50.
         inference_mode: sample under ``torch.inference_mode`` instead of ``no_grad`` (less bookkeeping per
             operation; generation, medians of alternating repeats: tiny benchmark model 90 -> 83 ms, long-prompt
             2.64 -> 2.42 s); the returned tensors are ordinary copies. ``None`` decides: on for a plain

@@ -101,12 +101,17 @@ def why_not() -> str | None:
     return _state.get("reason")
 
 
+def _weight_fits(weight: Tensor, bias: Tensor | None) -> bool:
+    """A float32 CPU weight ``[out, in]``, contiguous, ``in`` a multiple of 16; a float32 bias or none."""
+    return (weight.dim() == 2 and weight.dtype == torch.float32 and weight.is_cpu
+            and weight.shape[1] % K_MULTIPLE == 0 and weight.is_contiguous()
+            and (bias is None or bias.dtype == torch.float32))
+
+
 def fits(linears: list[nn.Linear]) -> bool:
     """Whether these layers can run on the kernel: plain float32 CPU weights, contiguous, the input width a
     multiple of 16."""
-    return all(m.weight.dtype == torch.float32 and m.weight.is_cpu and m.in_features % K_MULTIPLE == 0
-               and m.weight.is_contiguous() and (m.bias is None or m.bias.dtype == torch.float32)
-               for m in linears)
+    return all(_weight_fits(m.weight, m.bias) for m in linears)
 
 
 class RowDot:
@@ -139,17 +144,15 @@ class RowDot:
 def takes(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> bool:
     """Whether :func:`linear` computes ``F.linear(x, weight, bias)`` on the kernel: it loaded here, at most
     :data:`MAX_ROWS` rows, float32 CPU tensors, a contiguous weight whose input width is a multiple of 16."""
-    K = weight.shape[-1]
-    return (weight.dim() == 2 and K % K_MULTIPLE == 0 and 0 < x.numel() <= MAX_ROWS * K
-            and weight.dtype == x.dtype == torch.float32 and weight.is_cpu and x.is_cpu and weight.is_contiguous()
-            and (bias is None or (bias.dtype == torch.float32 and bias.is_contiguous()))
-            and load() is not None)
+    return (0 < x.numel() <= MAX_ROWS * x.shape[-1] and x.dtype == torch.float32 and x.is_cpu
+            and _weight_fits(weight, bias) and (bias is None or bias.is_contiguous()) and load() is not None)
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """``F.linear(x, weight, bias)`` on the kernel, without autograd (check :func:`takes` first)."""
-    arrays = ((ctypes.c_void_p * 1)(weight.data_ptr()), (ctypes.c_void_p * 1)(None if bias is None else bias.data_ptr()))
-    return _run(load(), x, *arrays, [weight.shape[0]])[0]
+    weights = (ctypes.c_void_p * 1)(weight.data_ptr())
+    biases = (ctypes.c_void_p * 1)(None if bias is None else bias.data_ptr())
+    return _run(load(), x, weights, biases, [weight.shape[0]])[0]
 
 
 def _run(fn, x: Tensor, weights, biases, outs: list[int]) -> tuple[Tensor, ...]:
