@@ -205,7 +205,7 @@ def test_packed_decode_weights_give_the_modules_results(architecture, heads, kv_
                                **tol)
 
 
-def _one_decoding_step(model, ids, packed: bool, kernel: bool | None = None):
+def _one_decoding_step(model, ids, packed: bool, kernel: bool | None = None, fused: bool | None = None):
     """Logits of the lean step after a prefill of ``ids`` (its last token fed again), prepacked (``kernel``: see
     ``PackedProjections``) or on the modules."""
     from polopt_lightning.rollout import fast_decode
@@ -215,7 +215,7 @@ def _one_decoding_step(model, ids, packed: bool, kernel: bool | None = None):
     cache = preallocated_cache(model, length + 1)
     with torch.no_grad():
         model.eval()(input_ids=ids, use_cache=True, **{cache_argument(model): cache})
-    proj = fast_decode.PackedProjections(base, rows, kernel) if packed else None
+    proj = fast_decode.PackedProjections(base, rows, kernel, fused) if packed else None
     key_mask = torch.zeros(rows, 1, 1, length + 1, dtype=next(model.parameters()).dtype)
     return fast_decode.decode_step(base, cache, ids[:, -1], torch.full((rows, 1), length), key_mask, proj).float()
 
@@ -254,7 +254,7 @@ def test_packing_that_fails_falls_back_to_the_modules_with_a_warning(tiny, monke
     if not fast_decode.PackedProjections.supported(model):
         pytest.skip("this PyTorch build cannot prepack float32 weights (no MKL)")
 
-    def refuse(self, base, rows, kernel=None):
+    def refuse(self, base, rows, kernel=None, fused=None):
         raise RuntimeError("reorder refused")
 
     monkeypatch.setattr(fast_decode.PackedProjections, "__init__", refuse)

@@ -7,7 +7,9 @@ import torch
 from torch.nn import functional as F
 
 from polopt_lightning import cpu_linear
+from polopt_lightning.models import build_tiny_model
 from polopt_lightning.rollout import HFRolloutEngine, fast_decode, rowdot
+from polopt_lightning.rollout.engine import SamplingConfig
 
 from .test_cpu_linear import _close, _greedy_on_the_modules, _model
 from .test_models_rollout import _one_decoding_step
@@ -67,10 +69,11 @@ def test_decoding_runs_on_the_kernel_with_the_modules_tokens_and_logprobs(monkey
                         lambda *a: in_step.append(1) or (layers(*a), in_step.pop())[0])
     base = fast_decode.llama_like(model)
     with cpu_linear.OneDNNLinear():
-        got = HFRolloutEngine().generate(model, ids, mask, 2, sampling, tok.eos_token_id, tok.pad_token_id)
+        got = HFRolloutEngine(fused_step=False).generate(model, ids, mask, 2, sampling, tok.eos_token_id,
+                                                         tok.pad_token_id)
         assert in_step == [] and not consulted
         proj = fast_decode.PackedProjections(base, 4)
-        kernel, plain = (_one_decoding_step(model, ids, packed=p) for p in (True, False))
+        kernel, plain = (_one_decoding_step(model, ids, packed=p, fused=False) for p in (True, False))
     assert proj.kernel and isinstance(proj.packed_head, rowdot.RowDot) and not packed
     assert proj.packed_qkv[0].weights[0] is not None and proj.packed_qkv[0].weights[0].data_ptr() == \
         model.model.layers[0].self_attn.q_proj.weight.data_ptr()  # the weight itself, no copy
@@ -145,3 +148,68 @@ def test_adapter_decoding_runs_its_frozen_base_products_on_the_kernel(monkeypatc
     assert kernel_calls == len(on_kernel) > 0  # decode_kernel=False made none
     assert torch.equal(got.completion_ids, off.completion_ids)
     assert _close(got.sampling_logprobs, off.sampling_logprobs, rel=1e-4)
+
+
+def _gqa_model(**config):
+    """Qwen2 (q/k/v biases) or Llama, grouped-query attention, two layers, weights above the mode's size."""
+    model, tok = build_tiny_model(hidden_size=512, num_layers=2, num_heads=8, num_kv_heads=2, intermediate_size=640,
+                                  seed=0, **config)
+    return model, tok
+
+
+@pytest.mark.parametrize("architecture", ["qwen2", "llama"])
+@pytest.mark.parametrize("shared", [False, True])
+def test_the_fused_step_samples_what_the_step_in_pytorch_samples(monkeypatch, architecture, shared):
+    """The whole step in one C call (norms, rotary, attention, activation, residuals between the kernel's products):
+    the sampled tokens and log-probs of the same step in PyTorch, for a left-padded prompt, 6 rows (padded to the
+    kernel's 8), grouped-query attention, each sample's own cache or the prompt's kept once per group; one step's
+    logits within float32 tolerance; ``fused_step=False`` never calls it."""
+    _needs_kernel()
+    model, tok = _gqa_model(architecture=architecture)
+    ids = torch.tensor([tok("12+34=")["input_ids"], tok("7*8=")["input_ids"] + [tok.pad_token_id] * 2])
+    ids = torch.stack([ids[0], ids[1].roll(2)])  # the second prompt left-padded
+    mask = (torch.arange(ids.shape[1]) >= torch.tensor([[0], [2]])).long()
+    sampling = SamplingConfig(max_new_tokens=6, min_new_tokens=6, temperature=1.0)
+    calls = []
+    fused_call = fast_decode.FusedStep.__call__
+    monkeypatch.setattr(fast_decode.FusedStep, "__call__", lambda self, *a, **k: calls.append(1) or
+                        fused_call(self, *a, **k))
+    got = {}
+    with cpu_linear.OneDNNLinear():
+        for fused in (None, False):
+            engine = HFRolloutEngine(fused_step=fused, shared_prompt_kv=shared)
+            got[fused] = engine.generate(model, ids, mask, 3, sampling, tok.eos_token_id, tok.pad_token_id,
+                                         generator=torch.Generator().manual_seed(0))
+            if fused is None:
+                assert len(calls) == sampling.max_new_tokens - 1  # every token after the prefill's
+        assert len(calls) == sampling.max_new_tokens - 1
+        one, two = (_one_decoding_step(model, ids, packed=True, fused=f) for f in (None, False))
+    assert len(calls) == sampling.max_new_tokens
+    assert torch.equal(got[None].completion_ids, got[False].completion_ids)
+    assert _close(got[None].sampling_logprobs, got[False].sampling_logprobs, rel=1e-5)
+    assert _close(one, two, rel=1e-5)
+
+
+def test_the_fused_step_steps_aside_for_layers_it_does_not_compute():
+    """Another activation than SiLU, or biased MLP layers: the kernel's products with PyTorch's operations between
+    them, the same tokens as decoding on the modules."""
+    _needs_kernel()
+    gelu, tok = _gqa_model(architecture="llama")
+    gelu.config.hidden_act = "gelu"
+    for layer in gelu.model.layers:
+        layer.mlp.act_fn = torch.nn.GELU()
+    biased, _ = _gqa_model(architecture="llama")
+    biased.model.layers[1].mlp.down_proj.bias = torch.nn.Parameter(torch.zeros(512))
+    ids = torch.tensor([tok("12+34=")["input_ids"]] * 2)
+    sampling = SamplingConfig(max_new_tokens=3, min_new_tokens=3, temperature=0.0)
+    for model in (gelu, biased):
+        base = fast_decode.llama_like(model)
+        assert not fast_decode.FusedStep.fits(base)
+        with cpu_linear.OneDNNLinear():
+            proj = fast_decode.PackedProjections(base, 4)
+            got = HFRolloutEngine().generate(model, ids, torch.ones_like(ids), 2, sampling, tok.eos_token_id,
+                                             tok.pad_token_id)
+        want = HFRolloutEngine(packed_weights=False).generate(model, ids, torch.ones_like(ids), 2, sampling,
+                                                              tok.eos_token_id, tok.pad_token_id)
+        assert proj.kernel and proj.fused is None
+        assert torch.equal(got.completion_ids, want.completion_ids)

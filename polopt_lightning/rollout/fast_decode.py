@@ -15,6 +15,7 @@ Inside :class:`~polopt_lightning.cpu_linear.OneDNNLinear`, a float32 model's pro
 
 from __future__ import annotations
 
+import ctypes
 from contextlib import nullcontext
 from functools import partial
 from typing import Any
@@ -135,7 +136,7 @@ class PackedProjections(Projections):
     step's peak 10.84-11.01 GiB against 10.76).
     """
 
-    def __init__(self, base: nn.Module, rows: int, kernel: bool | None = None) -> None:
+    def __init__(self, base: nn.Module, rows: int, kernel: bool | None = None, fused: bool | None = None) -> None:
         super().__init__(base)
         onednn = self.onednn_float32(base)
         self.act = [layer.mlp.act_fn for layer in self.layers]
@@ -156,6 +157,9 @@ class PackedProjections(Projections):
             self.packed_gate_up.append(together([mlp.gate_proj, mlp.up_proj]))
             self.packed_down.append(single([mlp.down_proj]))
         self.packed_head = RowDot([base.lm_head]) if self.kernel else None if onednn else _Packed([base.lm_head], rows)
+        # the whole step in one C call where the products run on the kernel and the model's layers allow it
+        use_fused = self.kernel and fused is not False and FusedStep.fits(base)
+        self.fused = FusedStep(base, rows) if use_fused else None
 
     @staticmethod
     def kernel_fits(base: nn.Module, rows: int, kernel: bool | None = None) -> bool:
@@ -211,6 +215,119 @@ class PackedProjections(Projections):
         return self.head(x) if self.packed_head is None else self.packed_head(x)
 
 
+class FusedStep:
+    """The whole decoding step in one call of :mod:`.rowdot`'s ``polopt_decode_step``: the products on the kernel as
+    in :class:`PackedProjections`, and the norms, rotary, attention, activation and residuals between them in C on the
+    same threads (PyTorch spends ~50 small operations a layer on those, ~10 ms a token at the Qwen2.5-0.5B shape).
+    Only the embedding lookup and the rotary tables stay in PyTorch. Built at each rollout from the current weights
+    (references, no copy); :meth:`fits` says where it applies."""
+
+    def __init__(self, base: nn.Module, rows: int) -> None:
+        self.fn = rowdot.step_function()
+        if self.fn is None or not self.fits(base):
+            raise RuntimeError("the fused decoding step does not apply to this model here")
+        self.base, config, inner = base, base.config, base.model
+        layers = inner.layers
+        heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+        D = getattr(config, "head_dim", None) or config.hidden_size // heads
+        H, inner_width, V = config.hidden_size, layers[0].mlp.gate_proj.out_features, base.lm_head.out_features
+        M = -(-rows // rowdot.ROWS) * rowdot.ROWS
+        self.M, self.H, self.D = M, H, D
+        self.keep: list = []  # tensors and C arrays the struct points into
+
+        def each(get) -> ctypes.Array:
+            tensors = [get(layer) for layer in layers]
+            tensors = [None if t is None else t.detach() for t in tensors]
+            self.keep.append(tensors)
+            array = rowdot.pointers(tensors)
+            self.keep.append(array)
+            return ctypes.cast(array, rowdot._PP)
+
+        def attn(name: str, part: str):
+            return lambda layer: getattr(getattr(layer.self_attn, name), part)
+
+        def mlp(name: str):
+            return lambda layer: getattr(layer.mlp, name).weight
+
+        scratch = {name: torch.zeros(M, width) for name, width in
+                   (("x", H), ("h", H), ("q", heads * D), ("k", kv_heads * D), ("v", kv_heads * D),
+                    ("att", heads * D), ("gate", inner_width), ("up", inner_width), ("tmp", H))}
+        self.scratch = scratch
+        eps = getattr(inner.norm, "variance_epsilon", getattr(inner.norm, "eps", 1e-6))
+        self.step = rowdot.Step(
+            M=M, N=rows, H=H, I=inner_width, heads=heads, kv_heads=kv_heads, D=D, layers=len(layers), V=V, eps=eps,
+            scale=layers[0].self_attn.scaling,
+            in_norm=each(lambda layer: layer.input_layernorm.weight),
+            post_norm=each(lambda layer: layer.post_attention_layernorm.weight),
+            wq=each(attn("q_proj", "weight")), wk=each(attn("k_proj", "weight")), wv=each(attn("v_proj", "weight")),
+            bq=each(attn("q_proj", "bias")), bk=each(attn("k_proj", "bias")), bv=each(attn("v_proj", "bias")),
+            wo=each(attn("o_proj", "weight")), bo=each(attn("o_proj", "bias")),
+            wg=each(mlp("gate_proj")), wu=each(mlp("up_proj")), wd=each(mlp("down_proj")),
+            final_norm=inner.norm.weight.data_ptr(), head=base.lm_head.weight.data_ptr(),
+            **{name: t.data_ptr() for name, t in scratch.items()})
+
+    @staticmethod
+    def fits(base: nn.Module) -> bool:
+        """A float32 model whose products run on the kernel (:meth:`PackedProjections.kernel_fits`), SiLU-gated MLPs
+        without biases, RMSNorm layers with float32 weights, widths and head size multiples of 16 (head size at most
+        256), one attention scaling for all layers."""
+        config, inner = base.config, base.model
+        heads = config.num_attention_heads
+        D = getattr(config, "head_dim", None) or config.hidden_size // heads
+        if getattr(config, "hidden_act", None) not in ("silu", "swish") or D % 16 or D > 256:
+            return False
+        if base.lm_head.bias is not None or config.hidden_size % 16:
+            return False
+        norms = [inner.norm] + [n for layer in inner.layers for n in (layer.input_layernorm,
+                                                                      layer.post_attention_layernorm)]
+        if not all(getattr(n, "weight", None) is not None and n.weight.dtype == torch.float32
+                   and n.weight.is_contiguous() and not hasattr(n, "bias") for n in norms):
+            return False
+        for layer in inner.layers:
+            mlp = layer.mlp
+            if not all(hasattr(mlp, name) for name in ("gate_proj", "up_proj", "down_proj")):
+                return False
+            if any(getattr(mlp, name).bias is not None for name in ("gate_proj", "up_proj", "down_proj")):
+                return False
+            if mlp.gate_proj.out_features % 16 or layer.self_attn.scaling != inner.layers[0].self_attn.scaling:
+                return False
+        return True
+
+    def __call__(self, token: Tensor, position: Tensor, a: list[tuple[Tensor, Tensor]], a_len: int, a_bias: Tensor,
+                 a_group: int, b: list[tuple[Tensor, Tensor]] | None = None, b_len: int = 0,
+                 slot: int = 0) -> Tensor:
+        """Logits ``[N, V]`` for one new token per row.
+
+        ``a[i]``: layer i's keys/values ``[R, kv_heads, capacity, D]`` (one per ``a_group`` consecutive rows) of
+        which the first ``a_len`` positions are attended under the additive ``a_bias`` ``[R, 1, 1, >= a_len]``;
+        ``b[i]``: each row's own ``[N, kv_heads, capacity, D]``, the first ``b_len`` positions attended. The new
+        key/value goes to position ``slot`` of ``b`` where it is given, else of ``a`` (then ``a_group`` is 1)."""
+        N, M, s = token.shape[0], self.M, self.step
+        x = self.scratch["x"]
+        x[:N] = self.base.model.embed_tokens(token)
+        x[N:] = 0
+        cos, sin = self.base.model.rotary_emb(x[:N, None], position)  # [N, 1, D]
+        cos, sin = cos[:, 0].float().contiguous(), sin[:, 0].float().contiguous()
+        for t in [k for kv in a for k in kv] + [k for kv in (b or []) for k in kv]:
+            if t.dtype != torch.float32 or t.stride(3) != 1 or t.stride(2) != self.D:
+                raise ValueError("the fused step takes float32 keys/values with contiguous positions")
+        if a_bias.dtype != torch.float32 or a_bias.stride(-1) != 1:
+            raise ValueError("the fused step takes a float32 additive key mask")
+        ka, va = rowdot.pointers([k for k, _ in a]), rowdot.pointers([v for _, v in a])
+        kb, vb = (rowdot.pointers([k for k, _ in b]), rowdot.pointers([v for _, v in b])) if b else (ka, va)
+        logits = x.new_empty(M, s.V)
+        scores = x.new_empty(torch.get_num_threads(), a_len + b_len)
+        a0, b0 = a[0][0], (b[0][0] if b else a[0][0])
+        s.N, s.a_group, s.a_row, s.a_head, s.a_len = N, a_group, a0.stride(0), a0.stride(1), a_len
+        s.b_row, s.b_head, s.b_len, s.slot, s.write_b = b0.stride(0), b0.stride(1), b_len, slot, int(bool(b))
+        s.ka, s.va = ctypes.cast(ka, rowdot._PP), ctypes.cast(va, rowdot._PP)
+        s.kb, s.vb = ctypes.cast(kb, rowdot._PP), ctypes.cast(vb, rowdot._PP)
+        s.a_bias, s.bias_row = a_bias.data_ptr(), a_bias.stride(0)
+        s.cos, s.sin, s.scores, s.logits = cos.data_ptr(), sin.data_ptr(), scores.data_ptr(), logits.data_ptr()
+        self.fn(ctypes.byref(s), torch.get_num_threads())
+        return logits[:N]
+
+
 @torch.no_grad()
 def decode_step(base: nn.Module, cache: Any, token: Tensor, position: Tensor, key_mask: Tensor,
                 projections: Projections | None = None) -> Tensor:
@@ -224,6 +341,15 @@ def decode_step(base: nn.Module, cache: Any, token: Tensor, position: Tensor, ke
         key_mask: ``[N, 1, 1, L]`` additive mask over the cache positions including the new one.
         projections: how the products run (default: the model's own modules).
     """
+    fused = getattr(projections, "fused", None)
+    if fused is not None and all(hasattr(kv, "_k") for kv in cache.layers):  # the preallocated cache
+        slot = cache.layers[0]._len
+        logits = fused(token, position, [(kv._k, kv._v) for kv in cache.layers], slot + 1, key_mask[:, 0, 0], 1,
+                       slot=slot)
+        for kv in cache.layers:
+            kv._len = slot + 1
+            kv.keys, kv.values = kv._k[:, :, :slot + 1], kv._v[:, :, :slot + 1]
+        return logits
     return _step(base, [_sdpa(kv.update, key_mask) for kv in cache.layers], token, position, projections)
 
 
@@ -268,6 +394,10 @@ def shared_prompt_decode_step(base: nn.Module, prompt_kv: list[tuple[Tensor, Ten
                                             scale)
         return run
 
+    fused = getattr(projections, "fused", None)
+    if fused is not None:
+        return fused(token, position, prompt_kv, prompt_kv[0][0].shape[2], prompt_bias[:, 0, 0],
+                     token.shape[0] // prompt_kv[0][0].shape[0], completion_kv, length + 1, slot=length)
     return _step(base, [attend(*p, *c) for p, c in zip(prompt_kv, completion_kv)], token, position, projections)
 
 

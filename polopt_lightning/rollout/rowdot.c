@@ -12,6 +12,7 @@
  * ahead of the arithmetic. Threads (OpenMP) split every weight's rows evenly.
  */
 #include <immintrin.h>
+#include <math.h>
 #include <omp.h>
 
 #define PREFETCH_FLOATS 16384 /* how far ahead the weight rows are prefetched (64 KiB): measured 16-18 GB/s a thread */
@@ -65,5 +66,200 @@ void polopt_rowdot(const float *x, long M, long K, int count, const float *const
             long N = outs[j], n0 = (N * t / nt) / 3 * 3, n1 = t == nt - 1 ? N : (N * (t + 1) / nt) / 3 * 3;
             rows_of(x, M, K, weights[j], biases[j], outputs[j], N, n0, n1);
         }
+    }
+}
+
+/* ---- The whole decoding step of a Llama-family model in one call (polopt_decode_step) ----------------------------
+ *
+ * Between the step's 97 products (Qwen2.5-0.5B shape) PyTorch runs ~50 small operations a layer (norms, rotary,
+ * attention, activation, residuals) at several microseconds each, ~10 ms a token. Here they run between the products
+ * inside one OpenMP region, on the same threads, separated by barriers: the products split every weight's rows
+ * between the threads as polopt_rowdot does, the rest splits rows (or row x head pairs for attention). */
+
+/* exp on 16 lanes: Cephes' single-precision polynomial after reduction by ln 2 (within ~2 ulp) */
+static inline __m512 exp16(__m512 x) {
+    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.7f));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    x = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    x = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), x);
+    __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507e-3f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073e-3f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894e-2f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459e-1f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201e-1f));
+    y = _mm512_fmadd_ps(y, _mm512_mul_ps(x, x), _mm512_add_ps(x, _mm512_set1_ps(1.0f)));
+    return _mm512_scalef_ps(y, n);
+}
+
+typedef struct {
+    long M, N, H, I, heads, kv_heads, D, layers, V; /* rows (padded, a multiple of 8), real rows, widths, head size */
+    float eps, scale;
+    /* per layer (arrays of `layers` pointers; biases may be NULL) */
+    const float *const *in_norm, *const *post_norm, *const *wq, *const *wk, *const *wv, *const *bq, *const *bk,
+        *const *bv, *const *wo, *const *bo, *const *wg, *const *wu, *const *wd;
+    const float *final_norm, *head; /* [H], [V, H] */
+    /* keys/values: segment A (a prompt shared by `a_group` consecutive rows, or each row's own cache with a_group 1),
+     * then segment B (each row's completion; b_len 0: none). Strides in floats; the key mask is additive, one row of
+     * it per A segment. The new key/value is written at `slot` of A (write_b 0) or of B (write_b 1). */
+    float *const *ka, *const *va, *const *kb, *const *vb;
+    long a_group, a_row, a_head, a_len, b_row, b_head, b_len, slot, bias_row;
+    int write_b;
+    const float *a_bias;
+    const float *cos, *sin; /* [N, D]: rotary tables at each row's position */
+    float *x, *h, *q, *k, *v, *att, *gate, *up, *tmp, *scores, *logits; /* scratch; scores: [threads, a_len+b_len] */
+} Step;
+
+static void share(long N, int t, int nt, long *n0, long *n1) {
+    *n0 = (N * t / nt) / 3 * 3;
+    *n1 = t == nt - 1 ? N : (N * (t + 1) / nt) / 3 * 3;
+}
+
+static void product(const Step *s, const float *x, long K, const float *w, const float *b, float *y, long N, int t,
+                    int nt) {
+    long n0, n1;
+    share(N, t, nt, &n0, &n1);
+    rows_of(x, s->M, K, w, b, y, N, n0, n1);
+}
+
+/* out[r] = weight * x[r] / sqrt(mean(x[r]^2) + eps) for rows [r0, r1) */
+static void rms_rows(const float *x, const float *weight, float *out, long H, float eps, long r0, long r1) {
+    for (long r = r0; r < r1; r++) {
+        const float *xr = x + r * H;
+        __m512 acc = _mm512_setzero_ps();
+        for (long i = 0; i < H; i += 16) {
+            __m512 v = _mm512_loadu_ps(xr + i);
+            acc = _mm512_fmadd_ps(v, v, acc);
+        }
+        __m512 f = _mm512_set1_ps(1.0f / sqrtf(_mm512_reduce_add_ps(acc) / (float)H + eps));
+        for (long i = 0; i < H; i += 16)
+            _mm512_storeu_ps(out + r * H + i,
+                             _mm512_mul_ps(_mm512_loadu_ps(weight + i), _mm512_mul_ps(_mm512_loadu_ps(xr + i), f)));
+    }
+}
+
+/* x*cos + rotate_half(x)*sin on one head vector of D floats, in place */
+static void rope(float *x, const float *cos, const float *sin, long D) {
+    long half = D / 2;
+    float tmp[512];
+    for (long i = 0; i < half; i++) {
+        tmp[i] = x[i] * cos[i] - x[i + half] * sin[i];
+        tmp[i + half] = x[i + half] * cos[i + half] + x[i] * sin[i + half];
+    }
+    for (long i = 0; i < D; i++) x[i] = tmp[i];
+}
+
+static float dot16(const float *a, const float *b, long D) {
+    __m512 acc = _mm512_setzero_ps();
+    for (long i = 0; i < D; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
+    return _mm512_reduce_add_ps(acc);
+}
+
+/* one query head of one row over segment A then B: att = softmax(q.k * scale + bias) @ v */
+static void attend(const Step *s, int layer, long r, long h, float *sc) {
+    long D = s->D, kvh = h / (s->heads / s->kv_heads), n = s->a_len + s->b_len;
+    const float *q = s->q + r * s->heads * D + h * D;
+    long g = r / s->a_group;
+    const float *ka = s->ka[layer] + g * s->a_row + kvh * s->a_head;
+    const float *va = s->va[layer] + g * s->a_row + kvh * s->a_head;
+    const float *bias = s->a_bias + g * s->bias_row;
+    for (long j = 0; j < s->a_len; j++) sc[j] = dot16(q, ka + j * D, D) * s->scale + bias[j];
+    const float *kb = NULL, *vb = NULL;
+    if (s->b_len) {
+        kb = s->kb[layer] + r * s->b_row + kvh * s->b_head;
+        vb = s->vb[layer] + r * s->b_row + kvh * s->b_head;
+        for (long j = 0; j < s->b_len; j++) sc[s->a_len + j] = dot16(q, kb + j * D, D) * s->scale;
+    }
+    float mx = sc[0];
+    for (long j = 1; j < n; j++) mx = sc[j] > mx ? sc[j] : mx;
+    __m512 total = _mm512_setzero_ps(), m = _mm512_set1_ps(mx);
+    long j = 0;
+    for (; j + 16 <= n; j += 16) {
+        __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(sc + j), m));
+        _mm512_storeu_ps(sc + j, e);
+        total = _mm512_add_ps(total, e);
+    }
+    if (j < n) {
+        __mmask16 k = (__mmask16)((1u << (n - j)) - 1);
+        __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, sc + j), m));
+        _mm512_mask_storeu_ps(sc + j, k, e);
+        total = _mm512_add_ps(total, _mm512_maskz_mov_ps(k, e));
+    }
+    float inv = 1.0f / _mm512_reduce_add_ps(total);
+    float *out = s->att + r * s->heads * D + h * D;
+    for (long i = 0; i < D; i += 16) {
+        __m512 acc = _mm512_setzero_ps();
+        for (long jj = 0; jj < s->a_len; jj++)
+            acc = _mm512_fmadd_ps(_mm512_set1_ps(sc[jj]), _mm512_loadu_ps(va + jj * D + i), acc);
+        for (long jj = 0; jj < s->b_len; jj++)
+            acc = _mm512_fmadd_ps(_mm512_set1_ps(sc[s->a_len + jj]), _mm512_loadu_ps(vb + jj * D + i), acc);
+        _mm512_storeu_ps(out + i, _mm512_mul_ps(acc, _mm512_set1_ps(inv)));
+    }
+}
+
+void polopt_decode_step(const Step *s, int threads) {
+    #pragma omp parallel num_threads(threads)
+    {
+        int t = omp_get_thread_num(), nt = omp_get_num_threads();
+        long M = s->M, H = s->H, D = s->D, QW = s->heads * D, KW = s->kv_heads * D;
+        long r0 = M * t / nt, r1 = M * (t + 1) / nt;
+        long pairs = s->N * s->heads, p0 = pairs * t / nt, p1 = pairs * (t + 1) / nt;
+        float *sc = s->scores + (long)t * (s->a_len + s->b_len);
+        for (long L = 0; L < s->layers; L++) {
+            rms_rows(s->x, s->in_norm[L], s->h, H, s->eps, r0, r1);
+            #pragma omp barrier
+            product(s, s->h, H, s->wq[L], s->bq[L], s->q, QW, t, nt);
+            product(s, s->h, H, s->wk[L], s->bk[L], s->k, KW, t, nt);
+            product(s, s->h, H, s->wv[L], s->bv[L], s->v, KW, t, nt);
+            #pragma omp barrier
+            for (long r = r0; r < r1 && r < s->N; r++) { /* rotary on q and k; the new key/value into the cache */
+                const float *c = s->cos + r * D, *sn = s->sin + r * D;
+                for (long h = 0; h < s->heads; h++) rope(s->q + r * QW + h * D, c, sn, D);
+                for (long h = 0; h < s->kv_heads; h++) {
+                    float *kr = s->k + r * KW + h * D;
+                    rope(kr, c, sn, D);
+                    float *kd, *vd;
+                    if (s->write_b) {
+                        kd = s->kb[L] + r * s->b_row + h * s->b_head + s->slot * D;
+                        vd = s->vb[L] + r * s->b_row + h * s->b_head + s->slot * D;
+                    } else { /* each row's own cache: a_group is 1 */
+                        kd = s->ka[L] + r * s->a_row + h * s->a_head + s->slot * D;
+                        vd = s->va[L] + r * s->a_row + h * s->a_head + s->slot * D;
+                    }
+                    for (long i = 0; i < D; i++) { kd[i] = kr[i]; vd[i] = s->v[r * KW + h * D + i]; }
+                }
+            }
+            #pragma omp barrier
+            for (long p = p0; p < p1; p++) attend(s, (int)L, p / s->heads, p % s->heads, sc);
+            for (long r = r0 > s->N ? r0 : s->N; r < r1; r++) /* padding rows attend to nothing */
+                for (long i = 0; i < QW; i++) s->att[r * QW + i] = 0.f;
+            #pragma omp barrier
+            product(s, s->att, QW, s->wo[L], s->bo[L], s->tmp, H, t, nt);
+            #pragma omp barrier
+            for (long r = r0; r < r1; r++)
+                for (long i = 0; i < H; i++) s->x[r * H + i] += s->tmp[r * H + i];
+            rms_rows(s->x, s->post_norm[L], s->h, H, s->eps, r0, r1);
+            #pragma omp barrier
+            product(s, s->h, H, s->wg[L], NULL, s->gate, s->I, t, nt);
+            product(s, s->h, H, s->wu[L], NULL, s->up, s->I, t, nt);
+            #pragma omp barrier
+            for (long r = r0; r < r1; r++) /* silu(gate) * up, into gate */
+                for (long i = 0; i < s->I; i += 16) {
+                    __m512 g = _mm512_loadu_ps(s->gate + r * s->I + i);
+                    __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), g));
+                    __m512 a = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
+                    _mm512_storeu_ps(s->gate + r * s->I + i, _mm512_mul_ps(a, _mm512_loadu_ps(s->up + r * s->I + i)));
+                }
+            #pragma omp barrier
+            product(s, s->gate, s->I, s->wd[L], NULL, s->tmp, H, t, nt);
+            #pragma omp barrier
+            for (long r = r0; r < r1; r++)
+                for (long i = 0; i < H; i++) s->x[r * H + i] += s->tmp[r * H + i];
+            #pragma omp barrier
+        }
+        rms_rows(s->x, s->final_norm, s->h, H, s->eps, r0, r1);
+        #pragma omp barrier
+        product(s, s->h, H, s->head, NULL, s->logits, s->V, t, nt);
     }
 }

@@ -88,12 +88,47 @@ def load():
                 fn.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_int, ctypes.c_void_p,
                                ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
                 fn.restype = None
+                step = lib.polopt_decode_step
+                step.argtypes = [ctypes.POINTER(Step), ctypes.c_int]
+                step.restype = None
+                _state["step"] = step
             except (OSError, RuntimeError, subprocess.SubprocessError) as err:
                 reason = f"building {SOURCE.name} failed: {err}"
     if fn is None:
         log.info("the few-row decoding kernel is off (%s): decoding uses oneDNN's products", reason)
     _state.update(fn=fn, reason=reason)
     return fn
+
+
+def step_function():
+    """The compiled ``polopt_decode_step`` (a whole decoding step, see :class:`Step`), or ``None`` where the kernel
+    cannot run here."""
+    return _state.get("step") if load() is not None else None
+
+
+_P = ctypes.c_void_p
+_PP = ctypes.POINTER(ctypes.c_void_p)
+
+
+class Step(ctypes.Structure):
+    """The arguments of ``polopt_decode_step`` (``rowdot.c``'s ``Step``, field for field)."""
+
+    _fields_ = ([(name, ctypes.c_long) for name in ("M", "N", "H", "I", "heads", "kv_heads", "D", "layers", "V")]
+                + [("eps", ctypes.c_float), ("scale", ctypes.c_float)]
+                + [(name, _PP) for name in ("in_norm", "post_norm", "wq", "wk", "wv", "bq", "bk", "bv", "wo", "bo",
+                                            "wg", "wu", "wd")]
+                + [("final_norm", _P), ("head", _P)]
+                + [(name, _PP) for name in ("ka", "va", "kb", "vb")]
+                + [(name, ctypes.c_long) for name in ("a_group", "a_row", "a_head", "a_len", "b_row", "b_head",
+                                                      "b_len", "slot", "bias_row")]
+                + [("write_b", ctypes.c_int), ("a_bias", _P), ("cos", _P), ("sin", _P)]
+                + [(name, _P) for name in ("x", "h", "q", "k", "v", "att", "gate", "up", "tmp", "scores",
+                                           "logits")])
+
+
+def pointers(tensors: list[Tensor | None]) -> ctypes.Array:
+    """A C array of the tensors' data pointers (``NULL`` for ``None``)."""
+    return (ctypes.c_void_p * len(tensors))(*[None if t is None else t.data_ptr() for t in tensors])
 
 
 def why_not() -> str | None:
