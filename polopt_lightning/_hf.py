@@ -74,6 +74,11 @@ def preallocated_cache(model: nn.Module, capacity: int) -> Any | None:
                 raise RuntimeError(f"KV cache capacity {capacity} exceeded ({end} positions)")
             self._k[:, :, self._len:end] = key_states
             self._v[:, :, self._len:end] = value_states
+            return self.advance(end)
+
+        def advance(self, end: int):
+            """The first ``end`` positions are filled (written into ``_k``/``_v`` by the caller or by
+            :meth:`update`): attention sees them from here on."""
             self._len = end
             self.keys, self.values = self._k[:, :, :end], self._v[:, :, :end]
             return self.keys, self.values

@@ -53,11 +53,19 @@ def _rope(x: Tensor, cos: Tensor, signed_sin: Tensor) -> Tensor:
     return x * cos + torch.roll(x, x.shape[-1] // 2, dims=-1) * signed_sin
 
 
+def _norm_eps(norm: nn.Module) -> float:
+    """An RMSNorm module's epsilon (Llama/Qwen2 call it ``variance_epsilon``)."""
+    return getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6))
+
+
+def _head_dim(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
 def _rms_norm(norm: nn.Module, x: Tensor) -> Tensor:
     """Llama/Qwen2 RMSNorm inline: statistics in float32, as the modules compute them, in one ``F.rms_norm`` call
     (on the CPU that call still runs pow/mean/rsqrt/mul inside ATen, without Python between them)."""
-    eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6))
-    return norm.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
+    return norm.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=_norm_eps(norm)).to(x.dtype)
 
 
 class Projections:
@@ -228,11 +236,10 @@ class FusedStep:
             raise RuntimeError("the fused decoding step does not apply to this model here")
         self.base, config, inner = base, base.config, base.model
         layers = inner.layers
-        heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
-        D = getattr(config, "head_dim", None) or config.hidden_size // heads
+        heads, kv_heads, D = config.num_attention_heads, config.num_key_value_heads, _head_dim(config)
         H, inner_width, V = config.hidden_size, layers[0].mlp.gate_proj.out_features, base.lm_head.out_features
         M = -(-rows // rowdot.ROWS) * rowdot.ROWS
-        self.M, self.H, self.D = M, H, D
+        self.M, self.D = M, D
         self.keep: list = []  # tensors and C arrays the struct points into
 
         def each(get) -> ctypes.Array:
@@ -252,11 +259,10 @@ class FusedStep:
         scratch = {name: torch.zeros(M, width) for name, width in
                    (("x", H), ("h", H), ("q", heads * D), ("k", kv_heads * D), ("v", kv_heads * D),
                     ("att", heads * D), ("gate", inner_width), ("up", inner_width), ("tmp", H))}
-        self.scratch = scratch
-        eps = getattr(inner.norm, "variance_epsilon", getattr(inner.norm, "eps", 1e-6))
+        self.scratch = scratch  # the struct points into it
         self.step = rowdot.Step(
-            M=M, N=rows, H=H, I=inner_width, heads=heads, kv_heads=kv_heads, D=D, layers=len(layers), V=V, eps=eps,
-            scale=layers[0].self_attn.scaling,
+            M=M, N=rows, H=H, I=inner_width, heads=heads, kv_heads=kv_heads, D=D, layers=len(layers), V=V,
+            eps=_norm_eps(inner.norm), scale=layers[0].self_attn.scaling,
             in_norm=each(lambda layer: layer.input_layernorm.weight),
             post_norm=each(lambda layer: layer.post_attention_layernorm.weight),
             wq=each(attn("q_proj", "weight")), wk=each(attn("k_proj", "weight")), wv=each(attn("v_proj", "weight")),
@@ -272,8 +278,7 @@ class FusedStep:
         without biases, RMSNorm layers with float32 weights, widths and head size multiples of 16 (head size at most
         256), one attention scaling for all layers."""
         config, inner = base.config, base.model
-        heads = config.num_attention_heads
-        D = getattr(config, "head_dim", None) or config.hidden_size // heads
+        D = _head_dim(config)
         if getattr(config, "hidden_act", None) not in ("silu", "swish") or D % 16 or D > 256:
             return False
         if base.lm_head.bias is not None or config.hidden_size % 16:
@@ -281,7 +286,8 @@ class FusedStep:
         norms = [inner.norm] + [n for layer in inner.layers for n in (layer.input_layernorm,
                                                                       layer.post_attention_layernorm)]
         if not all(getattr(n, "weight", None) is not None and n.weight.dtype == torch.float32
-                   and n.weight.is_contiguous() and not hasattr(n, "bias") for n in norms):
+                   and n.weight.is_contiguous() and not hasattr(n, "bias") and _norm_eps(n) == _norm_eps(inner.norm)
+                   for n in norms):  # one epsilon for all (the C step takes one)
             return False
         for layer in inner.layers:
             mlp = layer.mlp
@@ -342,13 +348,12 @@ def decode_step(base: nn.Module, cache: Any, token: Tensor, position: Tensor, ke
         projections: how the products run (default: the model's own modules).
     """
     fused = getattr(projections, "fused", None)
-    if fused is not None and all(hasattr(kv, "_k") for kv in cache.layers):  # the preallocated cache
+    if fused is not None and all(hasattr(kv, "advance") for kv in cache.layers):  # the preallocated cache
         slot = cache.layers[0]._len
         logits = fused(token, position, [(kv._k, kv._v) for kv in cache.layers], slot + 1, key_mask[:, 0, 0], 1,
-                       slot=slot)
+                       slot=slot)  # the new keys/values written at `slot` of each layer's buffers
         for kv in cache.layers:
-            kv._len = slot + 1
-            kv.keys, kv.values = kv._k[:, :, :slot + 1], kv._v[:, :, :slot + 1]
+            kv.advance(slot + 1)
         return logits
     return _step(base, [_sdpa(kv.update, key_mask) for kv in cache.layers], token, position, projections)
 
@@ -449,8 +454,7 @@ def _without_torch_function():
 
 def _layers(base: nn.Module, proj: Projections, attends: list, token: Tensor, position: Tensor) -> Tensor:
     inner, config = base.model, base.config
-    heads = config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    head_dim = _head_dim(config)
     x = inner.embed_tokens(token[:, None])  # [N, 1, H]
     cos, sin = inner.rotary_emb(x, position)  # [N, 1, D]
     cos, sin = cos[:, None], sin[:, None]  # [N, 1, 1, D]

@@ -56,6 +56,12 @@ static void rows_of(const float *x, long M, long K, const float *w, const float 
     }
 }
 
+/* This thread's output rows [n0, n1) of a weight of N rows, in whole blocks of three but the last thread's. */
+static void share(long N, int t, int nt, long *n0, long *n1) {
+    *n0 = (N * t / nt) / 3 * 3;
+    *n1 = t == nt - 1 ? N : (N * (t + 1) / nt) / 3 * 3;
+}
+
 /* count weights sharing x [M, K]: weights[j] [outs[j], K], biases[j] (or NULL), outputs[j] [M, outs[j]]. */
 void polopt_rowdot(const float *x, long M, long K, int count, const float *const *weights,
                    const float *const *biases, float *const *outputs, const long *outs, int threads) {
@@ -63,8 +69,9 @@ void polopt_rowdot(const float *x, long M, long K, int count, const float *const
     {
         int t = omp_get_thread_num(), nt = omp_get_num_threads();
         for (int j = 0; j < count; j++) {
-            long N = outs[j], n0 = (N * t / nt) / 3 * 3, n1 = t == nt - 1 ? N : (N * (t + 1) / nt) / 3 * 3;
-            rows_of(x, M, K, weights[j], biases[j], outputs[j], N, n0, n1);
+            long n0, n1;
+            share(outs[j], t, nt, &n0, &n1);
+            rows_of(x, M, K, weights[j], biases[j], outputs[j], outs[j], n0, n1);
         }
     }
 }
@@ -111,11 +118,6 @@ typedef struct {
     float *x, *h, *q, *k, *v, *att, *gate, *up, *tmp, *scores, *logits; /* scratch; scores: [threads, a_len+b_len] */
 } Step;
 
-static void share(long N, int t, int nt, long *n0, long *n1) {
-    *n0 = (N * t / nt) / 3 * 3;
-    *n1 = t == nt - 1 ? N : (N * (t + 1) / nt) / 3 * 3;
-}
-
 static void product(const Step *s, const float *x, long K, const float *w, const float *b, float *y, long N, int t,
                     int nt) {
     long n0, n1;
@@ -137,6 +139,11 @@ static void rms_rows(const float *x, const float *weight, float *out, long H, fl
             _mm512_storeu_ps(out + r * H + i,
                              _mm512_mul_ps(_mm512_loadu_ps(weight + i), _mm512_mul_ps(_mm512_loadu_ps(xr + i), f)));
     }
+}
+
+/* x[r] += d[r] for rows [r0, r1) */
+static void add_rows(float *x, const float *d, long H, long r0, long r1) {
+    for (long i = r0 * H; i < r1 * H; i++) x[i] += d[i];
 }
 
 /* x*cos + rotate_half(x)*sin on one head vector of D floats, in place */
@@ -237,8 +244,7 @@ void polopt_decode_step(const Step *s, int threads) {
             #pragma omp barrier
             product(s, s->att, QW, s->wo[L], s->bo[L], s->tmp, H, t, nt);
             #pragma omp barrier
-            for (long r = r0; r < r1; r++)
-                for (long i = 0; i < H; i++) s->x[r * H + i] += s->tmp[r * H + i];
+            add_rows(s->x, s->tmp, H, r0, r1);
             rms_rows(s->x, s->post_norm[L], s->h, H, s->eps, r0, r1);
             #pragma omp barrier
             product(s, s->h, H, s->wg[L], NULL, s->gate, s->I, t, nt);
@@ -254,8 +260,7 @@ void polopt_decode_step(const Step *s, int threads) {
             #pragma omp barrier
             product(s, s->gate, s->I, s->wd[L], NULL, s->tmp, H, t, nt);
             #pragma omp barrier
-            for (long r = r0; r < r1; r++)
-                for (long i = 0; i < H; i++) s->x[r * H + i] += s->tmp[r * H + i];
+            add_rows(s->x, s->tmp, H, r0, r1);
             #pragma omp barrier
         }
         rms_rows(s->x, s->final_norm, s->h, H, s->eps, r0, r1);

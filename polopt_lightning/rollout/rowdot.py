@@ -165,8 +165,7 @@ class RowDot:
         self.outs = [m.out_features for m in linears]
         self.in_features = linears[0].in_features
         n = len(linears)
-        self._weights = (ctypes.c_void_p * n)(*[w.data_ptr() for w in self.weights])
-        self._biases = (ctypes.c_void_p * n)(*[None if b is None else b.data_ptr() for b in self.biases])
+        self._weights, self._biases = pointers(self.weights), pointers(self.biases)
         self.single = n == 1
 
     def __call__(self, x: Tensor) -> Tensor | tuple[Tensor, ...]:
@@ -185,9 +184,7 @@ def takes(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> bool:
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """``F.linear(x, weight, bias)`` on the kernel, without autograd (check :func:`takes` first)."""
-    weights = (ctypes.c_void_p * 1)(weight.data_ptr())
-    biases = (ctypes.c_void_p * 1)(None if bias is None else bias.data_ptr())
-    return _run(load(), x, weights, biases, [weight.shape[0]])[0]
+    return _run(load(), x, pointers([weight]), pointers([bias]), [weight.shape[0]])[0]
 
 
 def _run(fn, x: Tensor, weights, biases, outs: list[int]) -> tuple[Tensor, ...]:
@@ -201,6 +198,6 @@ def _run(fn, x: Tensor, weights, biases, outs: list[int]) -> tuple[Tensor, ...]:
         rows = torch.cat([rows.float(), rows.new_zeros(padded - M, K, dtype=torch.float32)])
     outputs = [rows.new_empty(padded, n) for n in outs]
     fn(rows.data_ptr(), padded, K, len(outputs), weights, biases,
-       (ctypes.c_void_p * len(outputs))(*[y.data_ptr() for y in outputs]), (ctypes.c_long * len(outs))(*outs),
+       pointers(outputs), (ctypes.c_long * len(outs))(*outs),
        torch.get_num_threads())
     return tuple(y[:M].view(*lead, y.shape[1]) for y in outputs)
