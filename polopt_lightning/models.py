@@ -6,14 +6,14 @@ from __future__ import annotations
 import copy
 import logging
 import re
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 log = logging.getLogger(__name__)
@@ -162,7 +162,7 @@ def load_pretrained(
     prepare_tokenizer(tokenizer)
     if is_quantized(model):
         prepare_quantized(model)
-        release_weight_files(model)
+    release_weight_files(model)
     return model, tokenizer
 
 
@@ -455,17 +455,41 @@ def quantized_copy(model: PreTrainedModel, quantization: Quantization, folder: s
 
 
 def release_weight_files(model: nn.Module) -> None:
-    """Copy the floating-point weights of a model loaded quantized out of the weight files they map.
+    """Copy a model's floating-point CPU weights out of the weight files they map, into 64-byte aligned memory.
 
-    ``from_pretrained`` maps the safetensors files and keeps unconverted tensors (embeddings, norms, biases) as views
-    into them, so the whole mapping stays alive with every page the quantization read resident: at 0.5B parameters
-    1.4 GB of the process's memory for 0.5 GB of weights in use (Qwen2.5-0.5B shape, nf4: 1.96 -> 1.13 GB resident).
-    A model loaded in full precision is left as it is (its weights are the file's pages).
+    ``from_pretrained`` maps the safetensors files and keeps every tensor it did not convert (all of them when the
+    dtype is the file's; embeddings, norms and biases of a quantized model) as a view into them. Two costs follow:
+    - a tensor's data starts wherever the file put it, which safetensors aligns to 8 bytes only (every weight of a
+      saved Qwen2.5-0.5B sits 16 bytes past a cache line), so every 64-byte vector load of it touches two cache
+      lines (see :func:`align_weights`);
+    - a quantized model keeps the whole mapping alive with every page the quantization read resident: at 0.5B
+      parameters 1.4 GB of the process's memory for 0.5 GB of weights in use (nf4: 1.96 -> 1.13 GB resident).
+    The copies are made one tensor at a time (the file's pages are clean and the mapping goes when the last view
+    does). Tensors on other devices are left as they are; tied weights stay tied (one parameter, one copy).
     """
+    _copy_out(model, lambda tensor: True)
+
+
+def align_weights(model: nn.Module) -> int:
+    """Copy each floating-point CPU weight whose data does not start on a 64-byte boundary (a cache line, one
+    AVX-512 vector) into fresh memory, which PyTorch's CPU allocator aligns; returns how many were copied.
+
+    Vector loads from a misaligned weight each touch two cache lines: a Qwen2.5-0.5B-shaped model loaded from its
+    safetensors file (every weight 16 bytes past a line) rolled out in 1.25 s against 1.12 s with its weights
+    aligned (AMD EPYC, 2 threads, fp32, 8 x 16 new tokens; the same 16-byte offset in anonymous memory: 1.26 s, so
+    the offset is the cost, not the file). Values, parameter objects and ties are kept.
+    """
+    return _copy_out(model, lambda tensor: tensor.data_ptr() % 64 != 0)
+
+
+def _copy_out(model: nn.Module, wanted: Callable[[Tensor], bool]) -> int:
+    copied = 0
     with torch.no_grad():
         for tensor in [*model.parameters(), *model.buffers()]:
-            if tensor.dtype.is_floating_point:
+            if tensor.dtype.is_floating_point and tensor.device.type == "cpu" and wanted(tensor):
                 tensor.data = tensor.data.clone()
+                copied += 1
+    return copied
 
 
 def prepare_quantized(model: nn.Module) -> nn.Module:

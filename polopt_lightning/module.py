@@ -31,6 +31,7 @@ from .logprobs import (
 )
 from .models import (
     Quantization,
+    align_weights,
     as_quantization,
     cast_weights,
     evaluating,
@@ -369,10 +370,16 @@ class PolicyOptimizationModule(L.LightningModule):
 
     def configure_model(self) -> None:
         """Under ``strategy=fsdp`` (FSDP2), shard the policy and the reference copy over the processes: each decoder
-        layer, then the rest of the model (Lightning calls this hook once the processes exist). Other strategies:
-        nothing to do."""
+        layer, then the rest of the model (Lightning calls this hook once the processes exist). Training on the CPU,
+        copy the weights that do not start on a 64-byte boundary into aligned memory (a model from
+        ``from_pretrained`` keeps its safetensors file's offsets: :func:`~polopt_lightning.models.align_weights`),
+        the same values and parameter objects. Other cases: nothing to do."""
         mesh = getattr(self, "_device_mesh", None)
         if mesh is None:
+            if self._trainer is not None and self.trainer.strategy.root_device.type == "cpu":
+                for model in (self.policy, self.ref_model):
+                    if model is not None:
+                        align_weights(model)
             return
         from .strategies import shard_fully
 

@@ -1,5 +1,6 @@
 import copy
 import logging
+import os
 
 import pytest
 import torch
@@ -45,6 +46,37 @@ def test_load_pretrained_from_a_saved_folder(tmp_path, tiny):
     assert loaded_tok.padding_side == "left" and loaded_tok.get_vocab() == tok.get_vocab()
     with pytest.raises(ValueError, match="model.dtype"):
         load_pretrained(str(tmp_path / "m"), dtype="float8")
+
+
+def _mapped_files(tensors) -> set[str]:
+    """The files (from /proc/self/maps) whose mappings hold any of ``tensors``' data."""
+    spans = []
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split()
+            start, end = (int(x, 16) for x in fields[0].split("-"))
+            if len(fields) > 5 and fields[5].startswith("/"):
+                spans.append((start, end, fields[5]))
+    return {path for t in tensors for start, end, path in spans if start <= t.data_ptr() < end}
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="reads the process's mappings from /proc (Linux)")
+def test_load_pretrained_copies_the_weights_out_of_the_mapped_file_into_aligned_memory(tmp_path, tiny):
+    from transformers import AutoModelForCausalLM
+
+    model, tok = tiny
+    model.save_pretrained(tmp_path / "m")
+    tok.save_pretrained(tmp_path / "m")
+    plain = AutoModelForCausalLM.from_pretrained(tmp_path / "m", dtype=torch.float32)
+    # what from_pretrained leaves: views into the mapped safetensors file, at the file's (8-byte) alignment
+    assert any(path.endswith("model.safetensors") for path in _mapped_files(plain.parameters()))
+    loaded, _ = load_pretrained(str(tmp_path / "m"), dtype="float32")
+    weights = [*loaded.parameters(), *loaded.buffers()]
+    assert _mapped_files(weights) == set()
+    assert all(t.data_ptr() % 64 == 0 for t in weights if t.dtype.is_floating_point and t.numel())
+    assert loaded.get_output_embeddings().weight is loaded.get_input_embeddings().weight  # still tied
+    ids = torch.tensor([tok("7+8=")["input_ids"]])
+    torch.testing.assert_close(loaded(input_ids=ids).logits, plain(input_ids=ids).logits, rtol=0, atol=0)
 
 
 def test_tokenizer_without_pad_uses_eos_and_says_so(caplog):

@@ -155,3 +155,40 @@ def test_validation_means_leave_none_rewards_out(tmp_path, tiny):
     assert results["val/reward"] == pytest.approx(0.5)
     again = trainer(tmp_path, steps=1).validate(module, datamodule=dm, verbose=False)[0]
     assert again["val/accuracy"] == pytest.approx(0.5)  # the sums were reset between validations
+
+
+def _misaligned(model):
+    """``model`` with every weight moved 16 bytes past a cache line, as ``from_pretrained`` leaves a safetensors
+    file's weights (anonymous memory here, so the test does not depend on the file's layout)."""
+    with torch.no_grad():
+        for p in model.parameters():
+            view = torch.empty(p.numel() + 16)[4:4 + p.numel()].view_as(p)
+            view.copy_(p)
+            p.data = view
+    assert all(p.data_ptr() % 64 == 16 for p in model.parameters())
+    return model
+
+
+def test_weights_off_a_cache_line_are_copied_into_aligned_memory(tmp_path, arithmetic_rows):
+    from polopt_lightning.models import align_weights, build_tiny_model
+
+    model, tok = build_tiny_model(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64, seed=0)
+    values = [p.detach().clone() for p in _misaligned(model).parameters()]
+    assert align_weights(model) == len(values)
+    assert all(p.data_ptr() % 64 == 0 for p in model.parameters())
+    assert all(torch.equal(a, b) for a, b in zip(values, model.parameters()))
+    assert model.get_output_embeddings().weight is model.get_input_embeddings().weight  # still tied
+    assert align_weights(model) == 0  # nothing left to copy
+
+    # in the drop-in module: the policy and a given reference, when training on the CPU
+    policy, tok = build_tiny_model(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64, seed=0)
+    reference, _ = build_tiny_model(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64, seed=0)
+    reference.requires_grad_(False)
+    ref_values = [p.detach().clone() for p in _misaligned(reference).parameters()]
+    params = list(_misaligned(policy).parameters())
+    module, dm = make((policy, tok), arithmetic_rows, objective=GRPO(beta=0.1), ref_model=reference)
+    trainer(tmp_path, steps=1).fit(module, datamodule=dm)
+    after = list(module.policy.parameters())
+    assert len(after) == len(params) and all(a is b for a, b in zip(after, params))  # same objects, moved
+    assert all(p.data_ptr() % 64 == 0 for p in [*params, *module.ref_model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(ref_values, module.ref_model.parameters()))
