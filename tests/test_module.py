@@ -1,5 +1,6 @@
 """PolicyOptimizationModule as a drop-in LightningModule in a plain Trainer."""
 
+import copy
 import csv
 import math
 
@@ -169,10 +170,11 @@ def _misaligned(model):
     return model
 
 
-def test_weights_off_a_cache_line_are_copied_into_aligned_memory(tmp_path, arithmetic_rows):
-    from polopt_lightning.models import align_weights, build_tiny_model
+def test_weights_off_a_cache_line_are_copied_into_aligned_memory(tmp_path, tiny, arithmetic_rows):
+    from polopt_lightning.models import align_weights
 
-    model, tok = build_tiny_model(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64, seed=0)
+    model, tok = tiny
+    policy, reference = copy.deepcopy(model), copy.deepcopy(model).requires_grad_(False)
     values = [p.detach().clone() for p in _misaligned(model).parameters()]
     assert align_weights(model) == len(values)
     assert all(p.data_ptr() % 64 == 0 for p in model.parameters())
@@ -181,9 +183,6 @@ def test_weights_off_a_cache_line_are_copied_into_aligned_memory(tmp_path, arith
     assert align_weights(model) == 0  # nothing left to copy
 
     # in the drop-in module: the policy and a given reference, when training on the CPU
-    policy, tok = build_tiny_model(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64, seed=0)
-    reference, _ = build_tiny_model(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64, seed=0)
-    reference.requires_grad_(False)
     ref_values = [p.detach().clone() for p in _misaligned(reference).parameters()]
     params = list(_misaligned(policy).parameters())
     module, dm = make((policy, tok), arithmetic_rows, objective=GRPO(beta=0.1), ref_model=reference)
