@@ -14,7 +14,9 @@ The harness and statistics are ``throughput.py``'s: each (setting, implementatio
 back, so the machine's drift hits both), where their memory fits beside each other (the estimate is printed; full
 fine-tuning at 0.5B needs ~12 GiB a process, so on a 24 GiB machine those trials run one after the other, alternating
 the implementations). Speed-ups are the median of per-step ratios (step i of trial k of each), with a 95% bootstrap
-interval and their range; the first step of each trial (optimizer state allocated, warm-up) is left out.
+interval and their range; the first step of each trial (optimizer state allocated, warm-up) is left out. Runs
+pooled with ``--summarize`` measure each step against the floors of the run it was measured in (the median of those
+ratios; the floors' range is printed).
 
 Phases, timed around the trainers' own methods (polopt: ``rollout``, ``reference_logprobs``, ``accumulate_gradients``;
 TRL: ``_generate``, ``_get_per_token_logps_and_entropies`` without gradient (reference) and with it (training
@@ -228,8 +230,8 @@ def sampled(trials: list[dict]) -> str | None:
 
 
 def pool(runs: list[dict]) -> list[dict]:
-    """Rows of several runs (same build and settings) as one: each setting's trials together; floors from the
-    last run that has the setting (its own matmul and bandwidth measurements)."""
+    """Rows of several runs (same build and settings) as one: each setting's trials together, each trial keeping its
+    own run's floors (from that run's matmul and bandwidth measurements); the row's floors are the last run's."""
     pooled: dict[str, dict] = {}
     for run in runs:
         for row in run["rows"]:
@@ -243,8 +245,30 @@ def pool(runs: list[dict]) -> list[dict]:
                                                      run["memory_gbps"], sampled(trials))
                                   for impl, trials in row["trials"].items()}
             for impl, trials in row["trials"].items():
-                into["trials"][impl] += trials
+                into["trials"][impl] += [{"floors": row["floors"][impl], **t} for t in trials]
     return list(pooled.values())
+
+
+def floor_ratios(row: dict, impl: str, trials: list[dict], phase: str | None = None) -> tuple[list[float], list[float]]:
+    """Every step's (after each trial's first) ratio to its floor, one phase's or the whole step's, each against the
+    floors of the run it was measured in (pooled trials carry theirs); and those floors."""
+    ratios, floors = [], []
+    for trial, values in zip(trials, steps_of(trials, phase)):
+        own = trial.get("floors", row["floors"][impl])
+        floor = own[phase] if phase else sum(own.values())
+        if floor > 0:
+            ratios += [v / floor for v in values]
+            floors.append(floor)
+    return ratios, floors
+
+
+def floor_cell(ratios: list[float], floors: list[float]) -> str:
+    """``floor 0.79 (1.5x)``, with the floors' range where the pooled runs measured different ones."""
+    if not ratios:
+        return "floor 0.00 (-)"
+    lo, hi = min(floors), max(floors)
+    span = f"{lo:.2f}" if f"{lo:.2f}" == f"{hi:.2f}" else f"{lo:.2f}-{hi:.2f}"
+    return f"floor {span} ({statistics.median(ratios):.2f}x)"
 
 
 def steps_of(trials: list[dict], key: str | None = None) -> list[list[float]]:
@@ -274,11 +298,12 @@ def print_tables(rows: list[dict], machine: str) -> None:
                          f"{len(ratios)} pairs{', interleaved' if row['interleave'] else ''})")
             else:
                 speed = "-"
-            floor = sum(row["floors"][impl].values())
+            ratios, floors = floor_ratios(row, impl, ts)
             print(f"| {row['setting']} | {impl} | {spread(steps)} | {speed} | "
                   f"{max(t['train_peak_gib'] for t in ts):.2f} / {max(t['load_peak_gib'] for t in ts):.2f} | "
-                  f"{statistics.median(steps) / floor:.1f}x of {floor:.2f} s |")
-    print("\nPhases: median (range) s, then the floor in s and the median's ratio to it\n")
+                  f"{floor_cell(ratios, floors)} |")
+    print("\nPhases: median (range) s, then the floor in s (pooled: the runs' range) and the median of the steps' "
+          "ratios to their run's floor\n")
     print("| setting | run | " + " | ".join(PHASES) + " |")
     print("|---|---|" + "---|" * len(PHASES))
     for row in rows:
@@ -286,9 +311,7 @@ def print_tables(rows: list[dict], machine: str) -> None:
             cells = []
             for phase in PHASES:
                 values = [s for trial in steps_of(ts, phase) for s in trial]
-                floor = row["floors"][impl][phase]
-                ratio = f"{statistics.median(values) / floor:.1f}x" if floor > 0 else "-"
-                cells.append(f"{spread(values)}, floor {floor:.2f} ({ratio})")
+                cells.append(f"{spread(values)}, {floor_cell(*floor_ratios(row, impl, ts, phase))}")
             print(f"| {row['setting']} | {impl} | " + " | ".join(cells) + " |")
     peaks = [(row, impl, ts) for row in rows for impl, ts in row["trials"].items()
              if all(t.get("phase_peaks") for t in ts)]

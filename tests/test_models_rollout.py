@@ -1,6 +1,7 @@
 import copy
 import logging
 import os
+import re
 
 import pytest
 import torch
@@ -77,6 +78,41 @@ def test_load_pretrained_copies_the_weights_out_of_the_mapped_file_into_aligned_
     assert loaded.get_output_embeddings().weight is loaded.get_input_embeddings().weight  # still tied
     ids = torch.tensor([tok("7+8=")["input_ids"]])
     torch.testing.assert_close(loaded(input_ids=ids).logits, plain(input_ids=ids).logits, rtol=0, atol=0)
+
+
+def _resident_kib(path_suffix: str) -> int:
+    """Resident KiB of this process's mappings of the file ending in ``path_suffix`` (/proc/self/smaps)."""
+    total, inside = 0, False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            fields = line.split()
+            if re.match(r"[0-9a-f]+-[0-9a-f]+$", fields[0]):  # a mapping's first line: its range, ..., its path
+                inside = len(fields) > 5 and fields[5].endswith(path_suffix)
+            elif inside and fields[0] == "Rss:":
+                total += int(fields[1])
+    return total
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="reads the process's mappings from /proc (Linux)")
+def test_copied_weights_hand_their_file_pages_back_at_once(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from polopt_lightning.models import build_tiny_model, release_weight_files
+
+    # weights of many whole pages each (the tiny fixture's fit in a page or two): 2.2 MB in all
+    model, _ = build_tiny_model(hidden_size=128, num_layers=2, num_heads=2, intermediate_size=512, seed=0)
+    model.save_pretrained(tmp_path / "m")
+    plain = AutoModelForCausalLM.from_pretrained(tmp_path / "m", dtype=torch.float32)
+    old = {name: p.data for name, p in plain.named_parameters()}  # keeps the mapping alive past the copies
+    assert sum(float(t.sum()) for t in old.values()) != 0  # every page of the weights read: resident
+    file_kib = (tmp_path / "m" / "model.safetensors").stat().st_size // 1024
+    assert _resident_kib("model.safetensors") > 0.9 * file_kib
+    release_weight_files(plain)
+    # each copied tensor's whole pages left the process as soon as it was copied: the file no longer doubles the
+    # weights' memory while a model loads (only pages shared by two tensors' edges may stay)
+    assert _resident_kib("model.safetensors") < 0.1 * file_kib
+    for name, p in plain.named_parameters():  # the copies hold the values, and the file still reads them back
+        assert p.data_ptr() != old[name].data_ptr() and torch.equal(p, old[name]), name
 
 
 def test_tokenizer_without_pad_uses_eos_and_says_so(caplog):

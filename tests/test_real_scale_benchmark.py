@@ -86,3 +86,18 @@ def test_trl_phases_and_the_paired_speed_up(tmp_path):
             assert all(set(p) == set(real_scale.PHASES) and p["reference"] > 0 and p["training"] > 0
                        for p in trial["phases"])
     assert "pairs" in stdout
+
+
+def test_pooled_runs_measure_each_step_against_its_own_runs_floors():
+    def run(gflops, seconds):
+        trial = {"step_s": [9.0, *seconds], "phases": [{"training": 9.0}, *({"training": s} for s in seconds)]}
+        return {"rows": [{"setting": "fp32", "interleave": False, "trials": {"polopt": [trial]},
+                          "floors": {"polopt": {"training": 1000.0 / gflops, "rest": 0.0}}}]}
+
+    fast, slow = run(1000.0, [1.5, 1.5]), run(500.0, [3.0, 3.0])  # the same 1.5x of each run's own floor
+    row = real_scale.pool([fast, slow])[0]
+    ratios, floors = real_scale.floor_ratios(row, "polopt", row["trials"]["polopt"], "training")
+    assert ratios == [1.5] * 4 and floors == [1.0, 2.0]  # the last run's floor alone would say 0.75x and 1.5x
+    assert real_scale.floor_cell(ratios, floors) == "floor 1.00-2.00 (1.50x)"
+    whole, _ = real_scale.floor_ratios(row, "polopt", row["trials"]["polopt"])
+    assert whole == [1.5] * 4
