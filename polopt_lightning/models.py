@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import ctypes
+import functools
 import logging
 import mmap
 import re
@@ -538,12 +539,18 @@ def _mapped(start: int, spans: list[tuple[int, int]], end: int | None = None) ->
     return any(lo <= start and end <= hi for lo, hi in spans)
 
 
+@functools.cache
+def _c_library() -> ctypes.CDLL:
+    """The C library this process runs on."""
+    return ctypes.CDLL(None)
+
+
 def _hand_back(old: Tensor, spans: list[tuple[int, int]]) -> None:
     """Drop the whole pages inside a contiguous ``old``'s bytes from this process's memory when they belong to a
     file mapping (nothing otherwise, or when the C library has no ``madvise``)."""
     first = old.data_ptr()
     last = first + old.numel() * old.element_size()
-    libc = ctypes.CDLL(None)  # the C library this process runs on
+    libc = _c_library()
     if not old.is_contiguous() or last == first or not _mapped(first, spans, last) or not hasattr(libc, "madvise"):
         return
     page = mmap.PAGESIZE
