@@ -240,12 +240,14 @@ def pool(runs: list[dict]) -> list[dict]:
                 raise ValueError(f"{row['setting']} was measured with {sorted(row['trials'])} in one run and "
                                  f"{sorted(into['trials'])} in another: pool only runs of the same settings")
             into["interleave"] = into["interleave"] and row["interleave"]
+            floors = row["floors"]
             if "numbers" in run:  # floors from the run's measured rates, by the current rules
-                into["floors"] = {impl: phase_floors(run["numbers"], row["setting"], impl, run["gflops"],
-                                                     run["memory_gbps"], sampled(trials))
-                                  for impl, trials in row["trials"].items()}
+                floors = {impl: phase_floors(run["numbers"], row["setting"], impl, run["gflops"], run["memory_gbps"],
+                                             sampled(trials))
+                          for impl, trials in row["trials"].items()}
+            into["floors"] = floors
             for impl, trials in row["trials"].items():
-                into["trials"][impl] += [{"floors": row["floors"][impl], **t} for t in trials]
+                into["trials"][impl] += [{**t, "floors": floors[impl]} for t in trials]
     return list(pooled.values())
 
 

@@ -101,3 +101,9 @@ def test_pooled_runs_measure_each_step_against_its_own_runs_floors():
     assert real_scale.floor_cell(ratios, floors) == "floor 1.00-2.00 (1.50x)"
     whole, _ = real_scale.floor_ratios(row, "polopt", row["trials"]["polopt"])
     assert whole == [1.5] * 4
+    # a run that recorded its rates gets its floors by the current rules, in the row and in each trial
+    measured = {"numbers": real_scale.shape_numbers("qwen2.5-0.5b"), "gflops": {"float32": 200.0, "bfloat16": 400.0},
+                "memory_gbps": 40.0, **run(1000.0, [1.5])}
+    current = real_scale.phase_floors(measured["numbers"], "fp32", "polopt", measured["gflops"], 40.0)
+    row = real_scale.pool([measured])[0]
+    assert row["floors"]["polopt"] == current and row["trials"]["polopt"][0]["floors"] == current
