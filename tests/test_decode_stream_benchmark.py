@@ -1,0 +1,50 @@
+"""benchmarks/decode_stream.py: the rollout's pieces add up to the rollout and every wrapper comes off again; the stream
+measurement reads every weight of the model on the decoding kernel (where it runs here) and by a plain sum."""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+SCRIPT = Path(__file__).parents[1] / "benchmarks" / "decode_stream.py"
+sys.path.insert(0, str(SCRIPT.parent))
+spec = importlib.util.spec_from_file_location("decode_stream", SCRIPT)
+decode_stream = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(decode_stream)
+
+
+@pytest.fixture(scope="module")
+def small():
+    from polopt_lightning.models import build_tiny_model
+
+    model, tok = build_tiny_model(hidden_size=128, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=256,
+                                  vocab_size=512, seed=0)
+    return model.eval(), tok
+
+
+def test_the_rollout_pieces_add_up_and_the_wrappers_come_off(small):
+    import polopt_lightning.rollout.engine as engine
+
+    model, tok = small
+    before = (torch.log_softmax, torch.softmax, engine.decode_step, engine.sample_tokens, type(model).forward)
+    pieces = decode_stream.rollout_pieces(model, tok, rounds=2)
+    assert (torch.log_softmax, torch.softmax, engine.decode_step, engine.sample_tokens, type(model).forward) == before
+    assert all(len(v) == 2 for v in pieces.values())
+    for r in range(2):
+        parts = [pieces[k][r] for k in ("prefill", "decode", "draw", "rest")]
+        assert sum(parts) == pytest.approx(pieces["rollout"][r])
+        assert min(parts[:3]) > 0  # each piece was seen: the prefill, 15 decoding steps, 16 draws
+
+
+def test_the_stream_reads_every_weight_on_the_kernel_and_by_a_sum(small):
+    from polopt_lightning.rollout import rowdot
+
+    model, _ = small
+    with torch.inference_mode():
+        rates = decode_stream.stream(model, rounds=2)
+    if rowdot.load() is None:
+        assert isinstance(rates, str) and rowdot.why_not() in rates
+        pytest.skip(f"the decoding kernel does not run here ({rowdot.why_not()}): only its reason was checked")
+    assert set(rates) == {"kernel", "sum"} and all(len(v) == 2 and min(v) > 0 for v in rates.values())
