@@ -71,8 +71,9 @@ def stream(model, rounds: int) -> dict[str, list[float]] | str:
     return rates
 
 
-def rollout_pieces(model, tok, rounds: int) -> dict[str, list[float]]:
-    """Seconds of each piece of the job's rollout, per round after a warm-up rollout."""
+def rollout_pieces(model, tok, rounds: int, engine_args: dict | None = None) -> dict[str, list[float]]:
+    """Seconds of each piece of the job's rollout, per round after a warm-up rollout (``engine_args``: the
+    ``HFRolloutEngine``'s)."""
     import torch
 
     import polopt_lightning.rollout.engine as engine
@@ -83,7 +84,8 @@ def rollout_pieces(model, tok, rounds: int) -> dict[str, list[float]]:
 
     spent: Counter = Counter()
 
-    def timed(owner, name: str, piece: str):
+    def timed(owner, name: str, piece):
+        """Wrap ``owner.name`` to add its seconds to ``piece`` (a name, or a function of the call's keywords)."""
         original = getattr(owner, name)
 
         @functools.wraps(original)  # the signature stays visible (the engine reads the forward's)
@@ -92,18 +94,22 @@ def rollout_pieces(model, tok, rounds: int) -> dict[str, list[float]]:
             try:
                 return original(*args, **kwargs)
             finally:
-                spent[piece] += time.perf_counter() - t
+                spent[piece if isinstance(piece, str) else piece(kwargs)] += time.perf_counter() - t
         setattr(owner, name, run)
         return owner, name, original
 
-    patched = [timed(type(model), "forward", "prefill"), timed(engine, "decode_step", "decode"),
+    def forward_piece(kwargs) -> str:  # one new token a row: a decoding step through the model's own forward
+        ids = kwargs.get("input_ids")
+        return "decode" if ids is not None and ids.shape[-1] == 1 else "prefill"
+
+    patched = [timed(type(model), "forward", forward_piece), timed(engine, "decode_step", "decode"),
                timed(engine, "shared_prompt_decode_step", "decode"), timed(engine, "sample_tokens", "draw"),
                timed(engine, "filter_logits", "draw"), timed(torch, "log_softmax", "draw"),
                timed(torch, "softmax", "draw")]
     batch = tok(prompts()[:JOB["prompts"]], return_tensors="pt", padding=True)  # the job's first prompts
     gen = torch.Generator().manual_seed(0)
     sampling = SamplingConfig(max_new_tokens=JOB["new_tokens"], min_new_tokens=JOB["new_tokens"])
-    rollout = HFRolloutEngine()
+    rollout = HFRolloutEngine(**(engine_args or {}))
     pieces: dict[str, list[float]] = {k: [] for k in ("rollout", "prefill", "decode", "draw", "rest")}
     try:
         with KeptHostMemory(), OneDNNLinear():

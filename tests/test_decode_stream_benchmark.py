@@ -24,18 +24,21 @@ def small():
     return model.eval(), tok
 
 
-def test_the_rollout_pieces_add_up_and_the_wrappers_come_off(small):
+@pytest.mark.parametrize("engine_args", [{}, {"fast_decode": False}], ids=["lean-step", "model-forward"])
+def test_the_rollout_pieces_add_up_and_the_wrappers_come_off(small, engine_args):
     import polopt_lightning.rollout.engine as engine
 
     model, tok = small
     before = (torch.log_softmax, torch.softmax, engine.decode_step, engine.sample_tokens, type(model).forward)
-    pieces = decode_stream.rollout_pieces(model, tok, rounds=2)
+    pieces = decode_stream.rollout_pieces(model, tok, rounds=2, engine_args=engine_args)
     assert (torch.log_softmax, torch.softmax, engine.decode_step, engine.sample_tokens, type(model).forward) == before
     assert all(len(v) == 2 for v in pieces.values())
     for r in range(2):
         parts = [pieces[k][r] for k in ("prefill", "decode", "draw", "rest")]
         assert sum(parts) == pytest.approx(pieces["rollout"][r])
         assert min(parts[:3]) > 0  # each piece was seen: the prefill, 15 decoding steps, 16 draws
+        if engine_args:  # 15 decoding steps through the model's own forward count as decoding, not as the prefill
+            assert parts[1] > parts[0]
 
 
 def test_the_stream_reads_every_weight_on_the_kernel_and_by_a_sum(small):
