@@ -2,6 +2,7 @@
 plain read of the same weights, both measured round after round in one process.
 
     python benchmarks/decode_stream.py --model-dir /tmp/q05b        # real_scale.py's model (built there if missing)
+    python benchmarks/decode_stream.py --model-dir /tmp/q05b --setting lora       # the rollout of LoRA, nf4+lora
     python benchmarks/decode_stream.py --shape small --rounds 2     # a smoke run (seconds)
 
 1. Stream: every weight read the way one decoding step reads it (``rowdot``'s products of 8 rows: q/k/v in one call,
@@ -9,7 +10,8 @@ plain read of the same weights, both measured round after round in one process.
    bandwidth probe does, there on one 512 MiB tensor, best of 5), alternating round by round: GB/s of each and the
    kernel's share of the plain read, median (range).
 2. Rollout: the job of ``real_scale.py`` (2 prompts x 4 completions, 32-token prompts, 16 new tokens forced, fp32,
-   inside the module's oneDNN context and with glibc's kept heap, as in training) piece by piece: the prefill (the
+   LoRA or nf4+LoRA as ``--setting`` says, inside the module's oneDNN context and with glibc's kept heap, as in
+   training) piece by piece: the prefill (the
    model's forward over the prompts, the head at the last position included), the decoding steps, the token draw
    (log-softmax, softmax, filtering, the draw itself) and the rest (the loop, the batch built at the end); median
    (range) over the rounds after one warm-up rollout.
@@ -27,8 +29,8 @@ from collections import Counter
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from memory import JOB, _cpu_name, ensure_model, prompts  # noqa: E402
-from real_scale import phase_floors, shape_numbers  # noqa: E402
+from memory import JOB, _cpu_name, ensure_model, lora_config, prompts  # noqa: E402
+from real_scale import phase_floors, quantization_and_adapter, shape_numbers  # noqa: E402
 from throughput import matmul_gflops, memory_gbps  # noqa: E402
 
 
@@ -46,12 +48,23 @@ def stream(model, rounds: int) -> dict[str, list[float]] | str:
 
     if rowdot.load() is None:
         return f"the decoding kernel does not run here: {rowdot.why_not()}"
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+
+    def plain(*modules):  # the float32 weights themselves (an adapter layer's frozen base)
+        linears = [getattr(m, "base_layer", m) for m in modules]
+        if not all(type(m) is torch.nn.Linear for m in linears) or not rowdot.fits(linears):
+            raise TypeError(type(linears[0]).__name__)
+        return rowdot.RowDot(linears)
+
     calls = []
-    for layer in model.model.layers:
-        attn, mlp = layer.self_attn, layer.mlp
-        calls += [rowdot.RowDot([attn.q_proj, attn.k_proj, attn.v_proj]), rowdot.RowDot([attn.o_proj]),
-                  rowdot.RowDot([mlp.gate_proj, mlp.up_proj]), rowdot.RowDot([mlp.down_proj])]
-    calls.append(rowdot.RowDot([model.lm_head]))
+    try:
+        for layer in base.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            calls += [plain(attn.q_proj, attn.k_proj, attn.v_proj), plain(attn.o_proj),
+                      plain(mlp.gate_proj, mlp.up_proj), plain(mlp.down_proj)]
+        calls.append(plain(base.lm_head))
+    except TypeError as err:
+        return f"the model's layers are not plain float32 weights the kernel reads ({err})"
     weights = [w for call in calls for w in call.weights]
     total = sum(w.numel() * w.element_size() for w in weights)
     inputs = [torch.randn(8, call.in_features) for call in calls]
@@ -134,25 +147,29 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", default="qwen2.5-0.5b", help="the model's shape (memory.py's SHAPES)")
     parser.add_argument("--model-dir", help="where the model is saved (default: a temporary folder)")
+    parser.add_argument("--setting", default="fp32", choices=["fp32", "lora", "nf4+lora"])
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
 
     import torch
 
-    from polopt_lightning.models import load_pretrained
+    from polopt_lightning.models import Quantization, load_pretrained, prepare_policy
 
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
         folder = args.model_dir or tmp
         ensure_model(args.shape, folder)
-        model, tok = load_pretrained(folder, dtype="float32")
+        quant, adapter = quantization_and_adapter(args.setting)
+        model, tok = load_pretrained(folder, dtype="float32", quantization=quant)
+        if adapter == "lora":
+            model = prepare_policy(model, Quantization(mode=quant), lora_config())
         model.eval()
         gbps, gflops = memory_gbps(args.threads), matmul_gflops(args.threads, dtype="float32")
         numbers = shape_numbers(args.shape)
-        floor = phase_floors(numbers, "fp32", "polopt", {"float32": gflops}, gbps, "float32")["rollout"]
+        floor = phase_floors(numbers, args.setting, "polopt", {"float32": gflops}, gbps, "float32")["rollout"]
         prefill = 2 * numbers["non_embedding"] * JOB["prompts"] * JOB["prompt_len"] / (gflops * 1e9)
-        print(f"{_cpu_name()}, {args.threads} torch threads; {args.shape}; probe (best of 5 sums of 512 MiB) "
+        print(f"{_cpu_name()}, {args.threads} torch threads; {args.shape}, {args.setting}; probe (best of 5 sums of 512 MiB) "
               f"{gbps:.1f} GB/s, matmul {gflops:.0f} GFLOP/s fp32; the rollout's floor by real_scale.py's rules "
               f"{floor * 1e3:.0f} ms (prefill {prefill * 1e3:.0f}, {JOB['new_tokens']} tokens {(floor - prefill) * 1e3:.0f})")
         with torch.inference_mode():

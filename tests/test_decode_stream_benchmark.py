@@ -51,3 +51,19 @@ def test_the_stream_reads_every_weight_on_the_kernel_and_by_a_sum(small):
         assert isinstance(rates, str) and rowdot.why_not() in rates
         pytest.skip(f"the decoding kernel does not run here ({rowdot.why_not()}): only its reason was checked")
     assert set(rates) == {"kernel", "sum"} and all(len(v) == 2 and min(v) > 0 for v in rates.values())
+
+
+def test_the_stream_reads_an_adapter_models_frozen_base_weights():
+    from polopt_lightning.models import Adapter, Quantization, build_tiny_model, prepare_policy
+    from polopt_lightning.rollout import rowdot
+
+    if rowdot.load() is None:
+        pytest.skip(f"the decoding kernel does not run here ({rowdot.why_not()})")
+    model, _ = build_tiny_model(hidden_size=128, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=256,
+                                vocab_size=512, seed=0)
+    policy = prepare_policy(model, Quantization(mode="none"), Adapter(kind="lora", r=4, alpha=8))
+    with torch.inference_mode():
+        rates = decode_stream.stream(policy, rounds=1)
+    assert isinstance(rates, dict) and min(rates["kernel"]) > 0
+    policy.get_base_model().model.layers[0].mlp.down_proj.base_layer = torch.nn.Identity()  # not a weight it reads
+    assert "not plain float32 weights" in decode_stream.stream(policy, rounds=1)
