@@ -124,9 +124,11 @@ def test_the_kernel_is_built_once_into_the_cache_and_a_failed_build_says_so(monk
 
 
 def test_adapter_decoding_runs_its_frozen_base_products_on_the_kernel(monkeypatch):
-    """A LoRA policy decodes on its own modules (nothing prepacked): inside oneDNN's mode the frozen base weights'
-    few-row products go through the kernel (as would the prefill's head, were it above the mode's size), with the
-    tokens and log-probs of ``decode_kernel=False`` (oneDNN's products)."""
+    """A LoRA policy on plain float32 weights decodes through :class:`fast_decode.AdapterProjections` inside oneDNN's
+    mode: its frozen base weights themselves on the kernel (q/k/v in one call, gate/up in another), each adapter's
+    ``B(A(x)) * scaling`` added, no peft module and no mode dispatch inside the step; the tokens and log-probs of
+    ``decode_kernel=False`` (peft's modules on oneDNN's products). A merged or disabled adapter goes back to the
+    modules."""
     _needs_kernel()
     from polopt_lightning.models import LLAMA_TARGETS, Adapter, apply_adapter
 
@@ -135,19 +137,38 @@ def test_adapter_decoding_runs_its_frozen_base_products_on_the_kernel(monkeypatc
     for name, p in policy.named_parameters():  # adapters that change the output (B starts at zero)
         if "lora_B" in name:
             torch.nn.init.normal_(p, std=0.05)
-    on_kernel = []
-    few_rows = rowdot.linear
-    monkeypatch.setattr(rowdot, "linear", lambda *a: on_kernel.append(tuple(a[1].shape)) or few_rows(*a))
+    built, read = [], []
+    init = fast_decode.AdapterProjections.__init__
+    monkeypatch.setattr(fast_decode.AdapterProjections, "__init__", lambda self, b: built.append(self) or init(self, b))
+    call = rowdot.RowDot.__call__
+    monkeypatch.setattr(rowdot.RowDot, "__call__", lambda self, x: read.append(self.weights) or call(self, x))
+    consulted, in_step = [], []
+    dispatch, layers = cpu_linear.OneDNNLinear.__torch_function__, fast_decode._layers
+    monkeypatch.setattr(cpu_linear.OneDNNLinear, "__torch_function__",
+                        lambda self, *a, **k: (in_step and consulted.append(a[0])) or dispatch(self, *a, **k))
+    monkeypatch.setattr(fast_decode, "_layers", lambda *a: in_step.append(1) or (layers(*a), in_step.pop())[0])
     with cpu_linear.OneDNNLinear():
         got = HFRolloutEngine().generate(policy, ids, mask, 2, sampling, tok.eos_token_id, tok.pad_token_id)
-        kernel_calls = len(on_kernel)
+        assert len(built) == 1 and read and not consulted
         off = HFRolloutEngine(decode_kernel=False).generate(policy, ids, mask, 2, sampling, tok.eos_token_id,
                                                             tok.pad_token_id)
-    layer = model.model.layers[0]
-    assert (512, 512) in on_kernel and tuple(layer.mlp.gate_proj.weight.shape) in on_kernel  # base weights
-    assert kernel_calls == len(on_kernel) > 0  # decode_kernel=False made none
+        assert len(built) == 1  # decode_kernel=False: peft's modules
+    attn = model.model.layers[0].self_attn
+    bases = [attn.q_proj.base_layer.weight, attn.k_proj.base_layer.weight, attn.v_proj.base_layer.weight]
+    assert any(len(w) == 3 and all(a.data_ptr() == b.data_ptr() for a, b in zip(w, bases)) for w in read)
     assert torch.equal(got.completion_ids, off.completion_ids)
     assert _close(got.sampling_logprobs, off.sampling_logprobs, rel=1e-4)
+    base = fast_decode.llama_like(policy.eval())  # generate samples in eval mode (dropout off)
+    with cpu_linear.OneDNNLinear():
+        assert fast_decode.AdapterProjections.applies(base, 4)
+        assert not fast_decode.AdapterProjections.applies(base, 4, kernel=False)
+        assert not fast_decode.AdapterProjections.applies(base, 17)  # more rows than the kernel takes
+        with policy.disable_adapter():
+            assert not fast_decode.AdapterProjections.applies(base, 4)
+        attn.q_proj.merge()
+        assert not fast_decode.AdapterProjections.applies(base, 4)
+        attn.q_proj.unmerge()
+    assert not fast_decode.AdapterProjections.applies(base, 4)  # outside oneDNN's mode
 
 
 def _gqa_model(**config):

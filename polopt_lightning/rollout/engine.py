@@ -16,7 +16,14 @@ from .. import cpu_linear
 from .._hf import cache_argument, last_positions, output_cache, positions_from_mask, preallocated_cache
 from ..models import float_dtype, frozen_copy, is_quantized, resolve_dtype
 from . import rowdot
-from .fast_decode import PackedProjections, decode_step, llama_like, shared_prompt_decode_step, static_decode_step
+from .fast_decode import (
+    AdapterProjections,
+    PackedProjections,
+    decode_step,
+    llama_like,
+    shared_prompt_decode_step,
+    static_decode_step,
+)
 
 log = logging.getLogger(__name__)
 
@@ -308,11 +315,14 @@ class HFRolloutEngine(RolloutEngine):
         reread = (N - P) * k.shape[1] * Lp * k.shape[3] * k.element_size() * 2  # bytes per layer and token
         return k.is_cpu and k.dtype == torch.float32 and reread >= 2**20
 
-    def _packed_projections(self, base: nn.Module, rows: int) -> PackedProjections | None:
-        """Prepacked products for this rollout, or ``None`` (off, not applicable, or the math library refused once:
+    def _packed_projections(self, base: nn.Module, rows: int) -> PackedProjections | AdapterProjections | None:
+        """Prepacked products for this rollout (a LoRA policy on plain float32 weights: its base products on the
+        kernel, its adapters added), or ``None`` (off, not applicable, or the math library refused once:
         then the modules run from here on, with a warning)."""
         if not self.packed_weights:
             return None
+        if AdapterProjections.applies(base, rows, self.decode_kernel):  # LoRA on plain weights: no copy either
+            return AdapterProjections(base)
         if not PackedProjections.supported(base):
             if not self._said_unpacked:
                 log.info("packed decoding weights are off for this model (adapter or quantized layers, or another "
