@@ -163,6 +163,8 @@ def test_adapter_decoding_runs_its_frozen_base_products_on_the_kernel(monkeypatc
         assert fast_decode.AdapterProjections.applies(base, 4)
         assert not fast_decode.AdapterProjections.applies(base, 4, kernel=False)
         assert not fast_decode.AdapterProjections.applies(base, 17)  # more rows than the kernel takes
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert not fast_decode.AdapterProjections.applies(base, 4)
         with policy.disable_adapter():
             assert not fast_decode.AdapterProjections.applies(base, 4)
         attn.q_proj.merge()
