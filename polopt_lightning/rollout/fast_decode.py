@@ -229,7 +229,6 @@ class PackedProjections(Projections):
         return self.head(x) if self.packed_head is None else self.packed_head(x)
 
 
-
 def _lora_parts(module: nn.Module) -> tuple[nn.Linear, list[tuple[Tensor, Tensor, Tensor | None, float]]] | None:
     """``(base layer, [(A, B, B's bias, scaling) per active adapter])`` of a plain float32 ``nn.Linear`` (no adapters)
     or of a peft LoRA ``Linear`` in the state its forward adds ``B(A(x)) * scaling`` in (unmerged, adapters on, plain
