@@ -45,6 +45,7 @@ def stream(model, rounds: int) -> dict[str, list[float]] | str:
     import torch
 
     from polopt_lightning.rollout import rowdot
+    from polopt_lightning.rollout.fast_decode import _groups
 
     if rowdot.load() is None:
         return f"the decoding kernel does not run here: {rowdot.why_not()}"
@@ -56,12 +57,8 @@ def stream(model, rounds: int) -> dict[str, list[float]] | str:
             raise TypeError(type(linears[0]).__name__)
         return rowdot.RowDot(linears)
 
-    calls = []
     try:
-        for layer in base.model.layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            calls += [plain(attn.q_proj, attn.k_proj, attn.v_proj), plain(attn.o_proj),
-                      plain(mlp.gate_proj, mlp.up_proj), plain(mlp.down_proj)]
+        calls = [plain(*group) for layer in base.model.layers for group in _groups(layer)]
         calls.append(plain(base.lm_head))
     except TypeError as err:
         return f"the model's layers are not plain float32 weights the kernel reads ({err})"
@@ -77,10 +74,10 @@ def stream(model, rounds: int) -> dict[str, list[float]] | str:
         t = time.perf_counter()
         for w in weights:
             w.sum()
-        plain = time.perf_counter() - t
+        summed = time.perf_counter() - t
         if r:
             rates["kernel"].append(total / kernel / 1e9)
-            rates["sum"].append(total / plain / 1e9)
+            rates["sum"].append(total / summed / 1e9)
     return rates
 
 

@@ -92,6 +92,50 @@ class Projections:
         return self.head(x)
 
 
+def _groups(layer: nn.Module) -> tuple[list[nn.Module], ...]:
+    """A decoder layer's projections as the step multiplies them, those sharing an input together: q/k/v, o,
+    gate/up, down."""
+    attn, mlp = layer.self_attn, layer.mlp
+    return [attn.q_proj, attn.k_proj, attn.v_proj], [attn.o_proj], [mlp.gate_proj, mlp.up_proj], [mlp.down_proj]
+
+
+def _projections(base: nn.Module) -> list[nn.Module] | None:
+    """Every layer's seven projections in :func:`_groups`' order, or ``None`` where a layer's MLP is not gated
+    (``gate_proj``, ``up_proj``, ``down_proj`` and ``act_fn``)."""
+    modules = []
+    for layer in base.model.layers:
+        if not all(hasattr(layer.mlp, name) for name in ("gate_proj", "up_proj", "down_proj", "act_fn")):
+            return None
+        modules += [m for group in _groups(layer) for m in group]
+    return modules
+
+
+class _GroupedProjections(Projections):
+    """Products run group by group (:func:`_groups`) by callables built once per rollout, none of them a module of
+    the model: the step skips torch-function dispatch."""
+
+    prepacked = True
+
+    def __init__(self, base: nn.Module) -> None:
+        super().__init__(base)
+        self.act = [layer.mlp.act_fn for layer in self.layers]
+        self.packed_qkv, self.packed_o, self.packed_gate_up, self.packed_down = [], [], [], []
+        self.packed_head = None
+
+    def qkv(self, i: int, h: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        return self.packed_qkv[i](h)
+
+    def o(self, i: int, x: Tensor) -> Tensor:
+        return self.packed_o[i](x)
+
+    def mlp(self, i: int, h: Tensor) -> Tensor:
+        gate, up = self.packed_gate_up[i](h)
+        return self.packed_down[i](self.act[i](gate) * up)
+
+    def lm_head(self, x: Tensor) -> Tensor:
+        return self.head(x) if self.packed_head is None else self.packed_head(x)
+
+
 class _Packed:
     """One or more ``nn.Linear`` sharing an input, as one product on a prepacked weight (outputs split back)."""
 
@@ -127,7 +171,7 @@ class _Each:
         return tuple(part(x) for part in self.parts)
 
 
-class PackedProjections(Projections):
+class PackedProjections(_GroupedProjections):
     """The decoding step's products on CPU weights prepacked for ``rows``-row inputs: MKL's packed GEMM for float32,
     oneDNN's blocked layout for bfloat16, q/k/v as one product and gate/up as another (float32 inside oneDNN's mode:
     below).
@@ -148,13 +192,9 @@ class PackedProjections(Projections):
     step's peak 10.84-11.01 GiB against 10.76).
     """
 
-    prepacked = True  # the step needs no torch-function dispatch
-
     def __init__(self, base: nn.Module, rows: int, kernel: bool | None = None, fused: bool | None = None) -> None:
         super().__init__(base)
         onednn = self.onednn_float32(base)
-        self.act = [layer.mlp.act_fn for layer in self.layers]
-        self.packed_qkv, self.packed_o, self.packed_gate_up, self.packed_down = [], [], [], []
         self.kernel = onednn and self.kernel_fits(base, rows, kernel)
         if self.kernel:  # rowdot.c on the weights as they are: no copy; layers sharing an input in one call
             together = single = RowDot
@@ -165,11 +205,11 @@ class PackedProjections(Projections):
             together = partial(_Packed if not onednn else _Each, rows=rows, onednn=onednn)
             single = partial(_Packed, rows=rows, onednn=onednn)
         for layer in self.layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            self.packed_qkv.append(together([attn.q_proj, attn.k_proj, attn.v_proj]))
-            self.packed_o.append(single([attn.o_proj]))
-            self.packed_gate_up.append(together([mlp.gate_proj, mlp.up_proj]))
-            self.packed_down.append(single([mlp.down_proj]))
+            qkv, o, gate_up, down = _groups(layer)
+            self.packed_qkv.append(together(qkv))
+            self.packed_o.append(single(o))
+            self.packed_gate_up.append(together(gate_up))
+            self.packed_down.append(single(down))
         self.packed_head = RowDot([base.lm_head]) if self.kernel else None if onednn else _Packed([base.lm_head], rows)
         # the whole step in one C call where the products run on the kernel and the model's layers allow it
         use_fused = self.kernel and fused is not False and FusedStep.fits(base)
@@ -194,12 +234,10 @@ class PackedProjections(Projections):
     def supported(base: nn.Module) -> bool:
         """Whether every projection is a plain CPU ``nn.Linear`` in a dtype this PyTorch build can prepack, with
         autocast off (the packed products would bypass it)."""
-        linears = [base.lm_head]
-        for layer in base.model.layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            if not all(hasattr(mlp, name) for name in ("gate_proj", "up_proj", "down_proj", "act_fn")):
-                return False
-            linears += [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj]
+        modules = _projections(base)
+        if modules is None:
+            return False
+        linears = [base.lm_head, *modules]
         if not all(type(m) is nn.Linear for m in linears):  # LoRA wrappers, quantized layers (Linear subclasses)
             return False
         dtypes = {m.weight.dtype for m in linears}
@@ -214,19 +252,6 @@ class PackedProjections(Projections):
             bf16_ok = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
             return torch.backends.mkldnn.is_available() and bf16_ok is not None and bool(bf16_ok())
         return False
-
-    def qkv(self, i: int, h: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        return self.packed_qkv[i](h)
-
-    def o(self, i: int, x: Tensor) -> Tensor:
-        return self.packed_o[i](x)
-
-    def mlp(self, i: int, h: Tensor) -> Tensor:
-        gate, up = self.packed_gate_up[i](h)
-        return self.packed_down[i](self.act[i](gate) * up)
-
-    def lm_head(self, x: Tensor) -> Tensor:
-        return self.head(x) if self.packed_head is None else self.packed_head(x)
 
 
 def _lora_parts(module: nn.Module) -> tuple[nn.Linear, list[tuple[Tensor, Tensor, Tensor | None, float]]] | None:
@@ -251,7 +276,25 @@ def _lora_parts(module: nn.Module) -> tuple[nn.Linear, list[tuple[Tensor, Tensor
     return base, parts
 
 
-class AdapterProjections(Projections):
+class _Adapted:
+    """Layers sharing an input (plain float32 ``nn.Linear`` or LoRA layers over them, :func:`_lora_parts`) as one
+    kernel call on their base weights, each active adapter's ``B(A(x)) * scaling`` then added in peft's order and
+    arithmetic; outputs as :class:`RowDot` returns them."""
+
+    def __init__(self, modules: list[nn.Module]) -> None:
+        parts = [_lora_parts(m) for m in modules]
+        self.kernel, self.adapters = RowDot([linear for linear, _ in parts]), [adapters for _, adapters in parts]
+
+    def __call__(self, x: Tensor) -> Tensor | tuple[Tensor, ...]:
+        outs = self.kernel(x)
+        outs = list(outs) if isinstance(outs, tuple) else [outs]
+        for j, parts in enumerate(self.adapters):
+            for A, B, bias, scaling in parts:
+                outs[j] = outs[j] + F.linear(F.linear(x, A), B, bias) * scaling
+        return tuple(outs) if len(outs) > 1 else outs[0]
+
+
+class AdapterProjections(_GroupedProjections):
     """The decoding step's products for a LoRA policy whose frozen base layers the few-row kernel reads: the base
     products as :class:`PackedProjections` runs them (q/k/v in one kernel call, gate/up in another, on the weights
     as they are), each adapter's two small products added as peft's ``Linear`` adds them (``B(A(x)) * scaling``),
@@ -260,23 +303,15 @@ class AdapterProjections(Projections):
     to the kernel; tested). Qwen2.5-0.5B shape, LoRA r 16 on the 7 projections, AMD EPYC, 2 threads: rollout 1.27 s
     against 1.46 through the modules, its 15 decoding steps 0.99 against 1.21 (12 rollouts each, alternating)."""
 
-    prepacked = True  # the step needs no torch-function dispatch
-
     def __init__(self, base: nn.Module) -> None:
         super().__init__(base)
-        self.groups = []
         for layer in self.layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            self.groups.append([self._group(mods) for mods in ([attn.q_proj, attn.k_proj, attn.v_proj],
-                                                                [attn.o_proj], [mlp.gate_proj, mlp.up_proj],
-                                                                [mlp.down_proj])])
-        self.act = [layer.mlp.act_fn for layer in self.layers]
+            qkv, o, gate_up, down = (_Adapted(group) for group in _groups(layer))
+            self.packed_qkv.append(qkv)
+            self.packed_o.append(o)
+            self.packed_gate_up.append(gate_up)
+            self.packed_down.append(down)
         self.packed_head = RowDot([base.lm_head])
-
-    @staticmethod
-    def _group(modules: list[nn.Module]):
-        parts = [_lora_parts(m) for m in modules]
-        return RowDot([base for base, _ in parts]), [adapters for _, adapters in parts]
 
     @staticmethod
     def applies(base: nn.Module, rows: int, kernel: bool | None = None) -> bool:
@@ -286,40 +321,13 @@ class AdapterProjections(Projections):
         if (kernel is False or rows > KERNEL_MAX_ROWS or not cpu_linear.applies(base) or rowdot.load() is None
                 or torch.is_autocast_enabled("cpu")):  # the kernel's products would bypass autocast
             return False
-        modules = []
-        for layer in base.model.layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            if not all(hasattr(mlp, name) for name in ("gate_proj", "up_proj", "down_proj", "act_fn")):
-                return False
-            modules += [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj]
+        modules = _projections(base)
+        if modules is None:
+            return False
         parts = [_lora_parts(m) for m in modules]
         if any(p is None for p in parts) or not any(adapters for _, adapters in parts):
             return False
         return type(base.lm_head) is nn.Linear and rowdot.fits([base.lm_head] + [linear for linear, _ in parts])
-
-    @staticmethod
-    def _run(group, x: Tensor) -> list[Tensor]:
-        kernel, adapters = group
-        outs = kernel(x)
-        outs = list(outs) if isinstance(outs, tuple) else [outs]
-        for j, parts in enumerate(adapters):
-            for A, B, bias, scaling in parts:  # in peft's order and arithmetic
-                outs[j] = outs[j] + F.linear(F.linear(x, A), B, bias) * scaling
-        return outs
-
-    def qkv(self, i: int, h: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        q, k, v = self._run(self.groups[i][0], h)
-        return q, k, v
-
-    def o(self, i: int, x: Tensor) -> Tensor:
-        return self._run(self.groups[i][1], x)[0]
-
-    def mlp(self, i: int, h: Tensor) -> Tensor:
-        gate, up = self._run(self.groups[i][2], h)
-        return self._run(self.groups[i][3], self.act[i](gate) * up)[0]
-
-    def lm_head(self, x: Tensor) -> Tensor:
-        return self.packed_head(x)
 
 
 class FusedStep:
