@@ -128,7 +128,7 @@ def test_adapter_decoding_runs_its_frozen_base_products_on_the_kernel(monkeypatc
     mode: its frozen base weights themselves on the kernel (q/k/v in one call, gate/up in another), each adapter's
     ``B(A(x)) * scaling`` added, no peft module and no mode dispatch inside the step; the tokens and log-probs of
     ``decode_kernel=False`` (peft's modules on oneDNN's products). A merged or disabled adapter goes back to the
-    modules."""
+    modules. (The step in PyTorch: ``fused_step=False``; the fused C step below.)"""
     _needs_kernel()
     from polopt_lightning.models import LLAMA_TARGETS, Adapter, apply_adapter
 
@@ -139,7 +139,8 @@ def test_adapter_decoding_runs_its_frozen_base_products_on_the_kernel(monkeypatc
             torch.nn.init.normal_(p, std=0.05)
     built, read = [], []
     init = fast_decode.AdapterProjections.__init__
-    monkeypatch.setattr(fast_decode.AdapterProjections, "__init__", lambda self, b: built.append(self) or init(self, b))
+    monkeypatch.setattr(fast_decode.AdapterProjections, "__init__",
+                        lambda self, *a: built.append(self) or init(self, *a))
     call = rowdot.RowDot.__call__
     monkeypatch.setattr(rowdot.RowDot, "__call__", lambda self, x: read.append(self.weights) or call(self, x))
     consulted, in_step = [], []
@@ -148,7 +149,8 @@ def test_adapter_decoding_runs_its_frozen_base_products_on_the_kernel(monkeypatc
                         lambda self, *a, **k: (in_step and consulted.append(a[0])) or dispatch(self, *a, **k))
     monkeypatch.setattr(fast_decode, "_layers", lambda *a: in_step.append(1) or (layers(*a), in_step.pop())[0])
     with cpu_linear.OneDNNLinear():
-        got = HFRolloutEngine().generate(policy, ids, mask, 2, sampling, tok.eos_token_id, tok.pad_token_id)
+        got = HFRolloutEngine(fused_step=False).generate(policy, ids, mask, 2, sampling, tok.eos_token_id,
+                                                         tok.pad_token_id)
         assert len(built) == 1 and read and not consulted
         off = HFRolloutEngine(decode_kernel=False).generate(policy, ids, mask, 2, sampling, tok.eos_token_id,
                                                             tok.pad_token_id)
@@ -180,6 +182,19 @@ def _gqa_model(**config):
     return model, tok
 
 
+def _padded_prompts_and_fused_calls(tok, monkeypatch):
+    """Two prompts (the second left-padded), 6 sampled tokens, and a list that records each fused step's call."""
+    ids = torch.tensor([tok("12+34=")["input_ids"], tok("7*8=")["input_ids"] + [tok.pad_token_id] * 2])
+    ids = torch.stack([ids[0], ids[1].roll(2)])
+    mask = (torch.arange(ids.shape[1]) >= torch.tensor([[0], [2]])).long()
+    sampling = SamplingConfig(max_new_tokens=6, min_new_tokens=6, temperature=1.0)
+    calls = []
+    fused_call = fast_decode.FusedStep.__call__
+    monkeypatch.setattr(fast_decode.FusedStep, "__call__", lambda self, *a, **k: calls.append(1) or
+                        fused_call(self, *a, **k))
+    return ids, mask, sampling, calls
+
+
 @pytest.mark.parametrize("architecture", ["qwen2", "llama"])
 @pytest.mark.parametrize("shared", [False, True])
 def test_the_fused_step_samples_what_the_step_in_pytorch_samples(monkeypatch, architecture, shared):
@@ -189,14 +204,7 @@ def test_the_fused_step_samples_what_the_step_in_pytorch_samples(monkeypatch, ar
     logits within float32 tolerance; ``fused_step=False`` never calls it."""
     _needs_kernel()
     model, tok = _gqa_model(architecture=architecture)
-    ids = torch.tensor([tok("12+34=")["input_ids"], tok("7*8=")["input_ids"] + [tok.pad_token_id] * 2])
-    ids = torch.stack([ids[0], ids[1].roll(2)])  # the second prompt left-padded
-    mask = (torch.arange(ids.shape[1]) >= torch.tensor([[0], [2]])).long()
-    sampling = SamplingConfig(max_new_tokens=6, min_new_tokens=6, temperature=1.0)
-    calls = []
-    fused_call = fast_decode.FusedStep.__call__
-    monkeypatch.setattr(fast_decode.FusedStep, "__call__", lambda self, *a, **k: calls.append(1) or
-                        fused_call(self, *a, **k))
+    ids, mask, sampling, calls = _padded_prompts_and_fused_calls(tok, monkeypatch)
     got = {}
     with cpu_linear.OneDNNLinear():
         for fused in (None, False):
@@ -211,6 +219,71 @@ def test_the_fused_step_samples_what_the_step_in_pytorch_samples(monkeypatch, ar
     assert torch.equal(got[None].completion_ids, got[False].completion_ids)
     assert _close(got[None].sampling_logprobs, got[False].sampling_logprobs, rel=1e-5)
     assert _close(one, two, rel=1e-5)
+
+
+def _lora(model, r: int, targets: list[str], seed: int = 0):
+    """``model`` with LoRA adapters whose B is not zero (so they change the output)."""
+    from polopt_lightning.models import Adapter, apply_adapter
+
+    policy = apply_adapter(model, Adapter(kind="lora", r=r, target_modules=targets))
+    torch.manual_seed(seed)
+    for name, p in policy.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.05)
+    return policy
+
+
+@pytest.mark.parametrize("architecture", ["qwen2", "llama"])
+@pytest.mark.parametrize("shared", [False, True])
+@pytest.mark.parametrize("r, targets", [(20, None), (4, ["q_proj", "v_proj", "down_proj"])])
+def test_the_fused_step_adds_lora_adapters_as_peft_does(monkeypatch, architecture, shared, r, targets):
+    """A LoRA policy on plain float32 weights decodes in the fused C step, each adapter's ``B(A(x)) * scaling`` added
+    to its base product inside it (a rank above the 16 lanes, or some projections without an adapter): the sampled
+    tokens and log-probs of the same step in PyTorch (:class:`fast_decode.AdapterProjections`' products) and of
+    peft's modules (``decode_kernel=False``)."""
+    _needs_kernel()
+    from polopt_lightning.models import LLAMA_TARGETS
+
+    model, tok = _gqa_model(architecture=architecture)
+    policy = _lora(model, r, targets or list(LLAMA_TARGETS))
+    ids, mask, sampling, calls = _padded_prompts_and_fused_calls(tok, monkeypatch)
+    got = {}
+    with cpu_linear.OneDNNLinear():
+        for name, options in (("fused", {}), ("python", {"fused_step": False}), ("peft", {"decode_kernel": False})):
+            got[name] = HFRolloutEngine(shared_prompt_kv=shared, **options).generate(
+                policy, ids, mask, 3, sampling, tok.eos_token_id, tok.pad_token_id,
+                generator=torch.Generator().manual_seed(0))
+            assert len(calls) == (sampling.max_new_tokens - 1 if name == "fused" else len(calls))
+    assert len(calls) == sampling.max_new_tokens - 1  # only the fused engine called it
+    for other in ("python", "peft"):
+        assert torch.equal(got["fused"].completion_ids, got[other].completion_ids)
+        assert _close(got["fused"].sampling_logprobs, got[other].sampling_logprobs, rel=1e-5)
+
+
+def test_the_fused_step_leaves_several_adapters_or_a_biased_b_to_the_step_in_pytorch():
+    """Two active adapters on a layer, or an adapter's B with a bias: no fused step (its C code adds one bias-free
+    adapter a projection); AdapterProjections still decodes them."""
+    _needs_kernel()
+    from peft import LoraConfig
+
+    from polopt_lightning.models import LLAMA_TARGETS
+
+    model, _ = _gqa_model(architecture="llama")
+    policy = _lora(model, 4, list(LLAMA_TARGETS))
+    base = fast_decode.llama_like(policy.eval())
+    assert fast_decode.FusedStep.fits(base)
+    policy.add_adapter("second", LoraConfig(r=4, target_modules=["q_proj"]))
+    policy.eval()  # the new adapter's dropout (an identity) comes in training mode
+    q = base.model.layers[0].self_attn.q_proj
+    q.set_adapter(["default", "second"])
+    assert len(fast_decode._lora_parts(q)[1]) == 2 and not fast_decode.FusedStep.fits(base)
+    q.set_adapter("default")
+    assert fast_decode.FusedStep.fits(base)
+    q.lora_B["default"].bias = torch.nn.Parameter(torch.zeros(q.out_features))
+    assert not fast_decode.FusedStep.fits(base)
+    with cpu_linear.OneDNNLinear():
+        proj = fast_decode.AdapterProjections(base, 4)
+    assert proj.fused is None
 
 
 def test_the_fused_step_steps_aside_for_layers_it_does_not_compute():

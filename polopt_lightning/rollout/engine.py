@@ -322,7 +322,7 @@ class HFRolloutEngine(RolloutEngine):
         if not self.packed_weights:
             return None
         if AdapterProjections.applies(base, rows, self.decode_kernel):  # LoRA on plain weights: no copy either
-            return AdapterProjections(base)
+            return AdapterProjections(base, rows, self.fused_step)
         if not PackedProjections.supported(base):
             if not self._said_unpacked:
                 log.info("packed decoding weights are off for this model (adapter or quantized layers, or another "

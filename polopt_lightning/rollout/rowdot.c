@@ -120,13 +120,43 @@ typedef struct {
     const float *a_bias;
     const float *cos, *sin; /* [N, D]: rotary tables at each row's position */
     float *x, *h, *q, *k, *v, *att, *gate, *up, *tmp, *scores, *logits; /* scratch; scores: [threads, a_len+b_len] */
+    /* LoRA adapters (NULL: none): per layer and projection (index layer * 7 + q, k, v, o, gate, up, down), A [r, in],
+     * B transposed [r, out], scaling and rank r; lora_t: scratch [threads, M, lora_rmax] */
+    const float *const *lora_a, *const *lora_bt;
+    const float *lora_scale;
+    const long *lora_rank;
+    long lora_rmax;
+    float *lora_t;
 } Step;
 
+enum { P_Q, P_K, P_V, P_O, P_GATE, P_UP, P_DOWN, PROJECTIONS };
+
+/* This thread's output rows of y = x w^T (+ b), then LoRA's B(A(x)) * scaling added where projection `which` of layer
+ * L has an adapter: each thread computes A(x) for every row (r x K per row: small) and adds B's part to its own
+ * output rows, vectorized over them on B transposed. */
 static void product(const Step *s, const float *x, long K, const float *w, const float *b, float *y, long N, int t,
-                    int nt) {
+                    int nt, long L, int which) {
     long n0, n1;
     share(N, t, nt, &n0, &n1);
     rows_of(x, s->M, K, w, b, y, N, n0, n1);
+    if (which < 0 || !s->lora_a || !s->lora_a[L * PROJECTIONS + which]) return;
+    long i = L * PROJECTIONS + which;
+    long r = s->lora_rank[i];
+    const float *bt = s->lora_bt[i];
+    float *ax = s->lora_t + (long)t * s->M * s->lora_rmax; /* [M, r] */
+    rows_of(x, s->M, K, s->lora_a[i], NULL, ax, r, 0, r);
+    __m512 scale = _mm512_set1_ps(s->lora_scale[i]);
+    for (long m = 0; m < s->N; m++) {
+        const float *am = ax + m * r;
+        float *ym = y + m * N;
+        for (long n = n0; n < n1; n += 16) {
+            __mmask16 k = n1 - n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n1 - n)) - 1);
+            __m512 acc = _mm512_setzero_ps();
+            for (long j = 0; j < r; j++)
+                acc = _mm512_fmadd_ps(_mm512_set1_ps(am[j]), _mm512_maskz_loadu_ps(k, bt + j * N + n), acc);
+            _mm512_mask_storeu_ps(ym + n, k, _mm512_fmadd_ps(acc, scale, _mm512_maskz_loadu_ps(k, ym + n)));
+        }
+    }
 }
 
 /* out[r] = weight * x[r] / sqrt(mean(x[r]^2) + eps) for rows [r0, r1) */
@@ -220,9 +250,9 @@ void polopt_decode_step(const Step *s, int threads) {
         for (long L = 0; L < s->layers; L++) {
             rms_rows(s->x, s->in_norm[L], s->h, H, s->eps, r0, r1);
             #pragma omp barrier
-            product(s, s->h, H, s->wq[L], s->bq[L], s->q, QW, t, nt);
-            product(s, s->h, H, s->wk[L], s->bk[L], s->k, KW, t, nt);
-            product(s, s->h, H, s->wv[L], s->bv[L], s->v, KW, t, nt);
+            product(s, s->h, H, s->wq[L], s->bq[L], s->q, QW, t, nt, L, P_Q);
+            product(s, s->h, H, s->wk[L], s->bk[L], s->k, KW, t, nt, L, P_K);
+            product(s, s->h, H, s->wv[L], s->bv[L], s->v, KW, t, nt, L, P_V);
             #pragma omp barrier
             for (long r = r0; r < r1 && r < s->N; r++) { /* rotary on q and k; the new key/value into the cache */
                 const float *c = s->cos + r * D, *sn = s->sin + r * D;
@@ -246,13 +276,13 @@ void polopt_decode_step(const Step *s, int threads) {
             for (long r = r0 > s->N ? r0 : s->N; r < r1; r++) /* padding rows attend to nothing */
                 for (long i = 0; i < QW; i++) s->att[r * QW + i] = 0.f;
             #pragma omp barrier
-            product(s, s->att, QW, s->wo[L], s->bo[L], s->tmp, H, t, nt);
+            product(s, s->att, QW, s->wo[L], s->bo[L], s->tmp, H, t, nt, L, P_O);
             #pragma omp barrier
             add_rows(s->x, s->tmp, H, r0, r1);
             rms_rows(s->x, s->post_norm[L], s->h, H, s->eps, r0, r1);
             #pragma omp barrier
-            product(s, s->h, H, s->wg[L], NULL, s->gate, s->I, t, nt);
-            product(s, s->h, H, s->wu[L], NULL, s->up, s->I, t, nt);
+            product(s, s->h, H, s->wg[L], NULL, s->gate, s->I, t, nt, L, P_GATE);
+            product(s, s->h, H, s->wu[L], NULL, s->up, s->I, t, nt, L, P_UP);
             #pragma omp barrier
             for (long r = r0; r < r1; r++) /* silu(gate) * up, into gate */
                 for (long i = 0; i < s->I; i += 16) {
@@ -262,13 +292,13 @@ void polopt_decode_step(const Step *s, int threads) {
                     _mm512_storeu_ps(s->gate + r * s->I + i, _mm512_mul_ps(a, _mm512_loadu_ps(s->up + r * s->I + i)));
                 }
             #pragma omp barrier
-            product(s, s->gate, s->I, s->wd[L], NULL, s->tmp, H, t, nt);
+            product(s, s->gate, s->I, s->wd[L], NULL, s->tmp, H, t, nt, L, P_DOWN);
             #pragma omp barrier
             add_rows(s->x, s->tmp, H, r0, r1);
             #pragma omp barrier
         }
         rms_rows(s->x, s->final_norm, s->h, H, s->eps, r0, r1);
         #pragma omp barrier
-        product(s, s->h, H, s->head, NULL, s->logits, s->V, t, nt);
+        product(s, s->h, H, s->head, NULL, s->logits, s->V, t, nt, 0, -1);
     }
 }

@@ -123,7 +123,9 @@ class Step(ctypes.Structure):
                                                       "b_len", "slot", "bias_row")]
                 + [("write_b", ctypes.c_int), ("a_bias", _P), ("cos", _P), ("sin", _P)]
                 + [(name, _P) for name in ("x", "h", "q", "k", "v", "att", "gate", "up", "tmp", "scores",
-                                           "logits")])
+                                           "logits")]
+                + [(name, _PP) for name in ("lora_a", "lora_bt")]
+                + [("lora_scale", _P), ("lora_rank", _P), ("lora_rmax", ctypes.c_long), ("lora_t", _P)])
 
 
 def pointers(tensors: list[Tensor | None]) -> ctypes.Array:
