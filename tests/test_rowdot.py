@@ -309,3 +309,86 @@ def test_the_fused_step_steps_aside_for_layers_it_does_not_compute():
                                                               tok.eos_token_id, tok.pad_token_id)
         assert proj.kernel and proj.fused is None
         assert torch.equal(got.completion_ids, want.completion_ids)
+
+
+def _four_bit_layers(quant_type: str, nested: bool, widths=((100, True), (7, False), (640, True)), K: int = 512):
+    """bitsandbytes 4-bit layers with float32 compute, quantized from random float32 weights (out widths leaving 1 and
+    2 rows after the blocks of 3), bitsandbytes' CPU repacking off as :func:`models.prepare_policy` leaves it."""
+    bnb = pytest.importorskip("bitsandbytes", reason="bitsandbytes is a runtime dependency; this test needs it")
+    layers = []
+    for n, bias in widths:
+        plain = torch.nn.Linear(K, n, bias=bias)
+        layer = bnb.nn.Linear4bit(K, n, bias=bias, compute_dtype=torch.float32, compress_statistics=nested,
+                                  quant_type=quant_type)
+        layer.load_state_dict(plain.state_dict())
+        layer = layer.to("cpu")  # quantizes the weight
+        layer.support_avx512bf16_for_cpu = False
+        layers.append(layer)
+    return layers
+
+
+@pytest.mark.parametrize("quant_type, nested", [("nf4", True), ("nf4", False), ("fp4", True)])
+@pytest.mark.parametrize("rows", [1, 8, 11])
+def test_the_four_bit_kernel_computes_what_the_layers_compute(quant_type, nested, rows):
+    """bitsandbytes 4-bit layers sharing an input, as one call on their 4-bit codes: the layers' own outputs within
+    float32 tolerance (the same dequantized weights, summed in another order)."""
+    _needs_kernel()
+    torch.manual_seed(rows)
+    layers = _four_bit_layers(quant_type, nested)
+    x = torch.randn(rows, 512)
+    assert rowdot.four_bit_fits(layers) and rowdot.takes_together(layers)
+    got = rowdot.products(layers)(x)
+    assert isinstance(got, tuple) and len(got) == len(layers)
+    with torch.no_grad():
+        for layer, y in zip(layers, got):
+            torch.testing.assert_close(y, layer(x), rtol=1e-5, atol=1e-5)
+
+
+def test_the_four_bit_kernel_refuses_what_it_does_not_compute():
+    """bfloat16 compute, bitsandbytes' CPU repacking, an input width that is not a multiple of 16, or a mixed group:
+    not taken (the layers run as they are)."""
+    _needs_kernel()
+    bf16, packed, plain = (_four_bit_layers("nf4", True, widths=((48, False),)) for _ in range(3))
+    bf16[0].compute_dtype = torch.bfloat16
+    packed[0].weight.quant_state.packing_format_for_cpu = True
+    narrow = _four_bit_layers("nf4", True, widths=((48, False),), K=40)
+    for layers in (bf16, packed, narrow, plain + [torch.nn.Linear(512, 8)]):
+        assert not rowdot.takes_together(layers)
+    with pytest.raises(ValueError, match="4-bit layers"):
+        rowdot.FourBitRowDot(bf16)
+
+
+@pytest.mark.parametrize("mode", ["nf4", "fp4"])
+def test_four_bit_lora_policies_decode_on_their_codes_with_the_modules_tokens(monkeypatch, tmp_path, mode):
+    """A QLoRA policy (4-bit base, LoRA adapters) decodes through :class:`fast_decode.AdapterProjections` with its
+    base products on the 4-bit kernel: the sampled tokens and log-probs of peft's and bitsandbytes' modules
+    (``decode_kernel=False``); no fused C step (it takes float32 weights only)."""
+    _needs_kernel()
+    pytest.importorskip("bitsandbytes", reason="bitsandbytes is a runtime dependency; this test needs it")
+    from polopt_lightning.models import LLAMA_TARGETS, Adapter, Quantization, prepare_policy
+
+    model, tok = _gqa_model(architecture="qwen2")
+    policy = prepare_policy(model, Quantization(mode=mode), Adapter(kind="lora", r=4, alpha=8,
+                                                                   target_modules=list(LLAMA_TARGETS)), tmp_path)
+    torch.manual_seed(0)
+    for name, p in policy.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.05)
+    # the tiny vocabulary's head is below the mode's size: lower it, so the mode is on as for a real head
+    monkeypatch.setattr(cpu_linear, "MIN_WEIGHT_ELEMENTS", 2**10)
+    ids, mask, sampling, calls = _padded_prompts_and_fused_calls(tok, monkeypatch)
+    four = []
+    call = rowdot.FourBitRowDot.__call__
+    monkeypatch.setattr(rowdot.FourBitRowDot, "__call__", lambda self, x: four.append(1) or call(self, x))
+    got = {}
+    with cpu_linear.OneDNNLinear():
+        for kernel in (None, False):
+            got[kernel] = HFRolloutEngine(decode_kernel=kernel).generate(
+                policy, ids, mask, 3, sampling, tok.eos_token_id, tok.pad_token_id,
+                generator=torch.Generator().manual_seed(0))
+            if kernel is None:
+                # 4 calls a layer (q/k/v, o, gate/up, down) for each token after the prefill's
+                assert len(four) == 4 * len(model.model.layers) * (sampling.max_new_tokens - 1)
+    assert len(four) == 4 * len(model.model.layers) * (sampling.max_new_tokens - 1) and not calls
+    assert torch.equal(got[None].completion_ids, got[False].completion_ids)
+    assert _close(got[None].sampling_logprobs, got[False].sampling_logprobs, rel=1e-5)

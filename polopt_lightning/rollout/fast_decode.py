@@ -254,14 +254,21 @@ class PackedProjections(_GroupedProjections):
         return False
 
 
-def _lora_parts(module: nn.Module) -> tuple[nn.Linear, list[tuple[Tensor, Tensor, Tensor | None, float]]] | None:
-    """``(base layer, [(A, B, B's bias, scaling) per active adapter])`` of a plain float32 ``nn.Linear`` (no adapters)
-    or of a peft LoRA ``Linear`` in the state its forward adds ``B(A(x)) * scaling`` in (unmerged, adapters on, plain
-    LoRA without a variant such as DoRA, dropout off, float32 adapters); ``None`` for anything else."""
-    if type(module) is nn.Linear:
+def _kernel_layer(module: nn.Module | None) -> bool:
+    """A layer whose product :mod:`.rowdot` computes: a plain ``nn.Linear`` (float32 checked by the caller) or a
+    bitsandbytes 4-bit layer its 4-bit kernel takes."""
+    return type(module) is nn.Linear or (module is not None and rowdot._four_bit_state(module) is not None)
+
+
+def _lora_parts(module: nn.Module) -> tuple[nn.Module, list[tuple[Tensor, Tensor, Tensor | None, float]]] | None:
+    """``(base layer, [(A, B, B's bias, scaling) per active adapter])`` of a plain ``nn.Linear`` or bitsandbytes 4-bit
+    layer (:func:`_kernel_layer`; no adapters) or of a peft LoRA layer over one in the state its forward adds
+    ``B(A(x)) * scaling`` in (unmerged, adapters on, plain LoRA without a variant such as DoRA, dropout off, float32
+    adapters); ``None`` for anything else."""
+    if _kernel_layer(module) and not hasattr(module, "base_layer"):
         return module, []
     base = getattr(module, "base_layer", None)
-    if (type(base) is not nn.Linear or not hasattr(module, "lora_A") or getattr(module, "merged", True)
+    if (not _kernel_layer(base) or not hasattr(module, "lora_A") or getattr(module, "merged", True)
             or getattr(module, "disable_adapters", True) or getattr(module, "lora_variant", None)):
         return None
     parts = []
@@ -277,13 +284,13 @@ def _lora_parts(module: nn.Module) -> tuple[nn.Linear, list[tuple[Tensor, Tensor
 
 
 class _Adapted:
-    """Layers sharing an input (plain float32 ``nn.Linear`` or LoRA layers over them, :func:`_lora_parts`) as one
-    kernel call on their base weights, each active adapter's ``B(A(x)) * scaling`` then added in peft's order and
-    arithmetic; outputs as :class:`RowDot` returns them."""
+    """Layers sharing an input (plain float32 ``nn.Linear``, bitsandbytes 4-bit layers, or LoRA layers over them,
+    :func:`_lora_parts`) as one kernel call on their base weights (:func:`rowdot.products`), each active adapter's
+    ``B(A(x)) * scaling`` then added in peft's order and arithmetic; outputs as :class:`RowDot` returns them."""
 
     def __init__(self, modules: list[nn.Module]) -> None:
         parts = [_lora_parts(m) for m in modules]
-        self.kernel, self.adapters = RowDot([linear for linear, _ in parts]), [adapters for _, adapters in parts]
+        self.kernel, self.adapters = rowdot.products([linear for linear, _ in parts]), [a for _, a in parts]
 
     def __call__(self, x: Tensor) -> Tensor | tuple[Tensor, ...]:
         outs = self.kernel(x)
@@ -295,9 +302,10 @@ class _Adapted:
 
 
 class AdapterProjections(_GroupedProjections):
-    """The decoding step's products for a LoRA policy whose frozen base layers the few-row kernel reads: the base
-    products as :class:`PackedProjections` runs them (q/k/v in one kernel call, gate/up in another, on the weights
-    as they are), each adapter's two small products added as peft's ``Linear`` adds them (``B(A(x)) * scaling``),
+    """The decoding step's products for a LoRA policy whose frozen base layers the few-row kernel reads (plain float32
+    weights, or bitsandbytes 4-bit ones on :class:`rowdot.FourBitRowDot`): the base products as
+    :class:`PackedProjections` runs them (q/k/v in one kernel call, gate/up in another, on the weights as they
+    are), each adapter's two small products added as peft's ``Linear`` adds them (``B(A(x)) * scaling``),
     without peft's per-module dispatch and the oneDNN mode's (the step's ~1,300 operations). The tokens peft's
     modules decode, log-probs within float32 tolerance (the k/v base products, below the mode's size, move from MKL
     to the kernel; tested). Qwen2.5-0.5B shape, LoRA r 16 on the 7 projections, AMD EPYC, 2 threads: rollout 1.27 s
@@ -318,18 +326,23 @@ class AdapterProjections(_GroupedProjections):
     @staticmethod
     def applies(base: nn.Module, rows: int, kernel: bool | None = None) -> bool:
         """Inside oneDNN's mode, where the kernel runs here (``kernel`` not ``False``, at most
-        :data:`KERNEL_MAX_ROWS` rows, autocast off): every projection a plain float32 ``nn.Linear`` or a LoRA layer
-        of one (:func:`_lora_parts`), at least one of them adapted, a plain head, the MLPs gated with ``act_fn``."""
+        :data:`KERNEL_MAX_ROWS` rows, autocast off): every projection a plain float32 ``nn.Linear``, a bitsandbytes
+        4-bit layer with float32 compute (:func:`rowdot.four_bit_fits`) or a LoRA layer over one (:func:`_lora_parts`),
+        at least one of them adapted or quantized, layers sharing an input of one kind, a plain head, the MLPs gated
+        with ``act_fn``."""
         if (kernel is False or rows > KERNEL_MAX_ROWS or not cpu_linear.applies(base) or rowdot.load() is None
                 or torch.is_autocast_enabled("cpu")):  # the kernel's products would bypass autocast
             return False
-        modules = _projections(base)
-        if modules is None:
+        if _projections(base) is None:
             return False
-        parts = [_lora_parts(m) for m in modules]
-        if any(p is None for p in parts) or not any(adapters for _, adapters in parts):
+        groups = [[_lora_parts(m) for m in group] for layer in base.model.layers for group in _groups(layer)]
+        parts = [p for group in groups for p in group]
+        if any(p is None for p in parts):
             return False
-        return type(base.lm_head) is nn.Linear and rowdot.fits([base.lm_head] + [linear for linear, _ in parts])
+        if not any(adapters for _, adapters in parts) and all(type(linear) is nn.Linear for linear, _ in parts):
+            return False  # a plain model: PackedProjections
+        return (type(base.lm_head) is nn.Linear and rowdot.fits([base.lm_head])
+                and all(rowdot.takes_together([linear for linear, _ in group]) for group in groups))
 
 
 class FusedStep:
@@ -418,7 +431,8 @@ class FusedStep:
             return False
         modules = _projections(base)
         parts = [_lora_parts(m) for m in modules] if modules is not None else [None]
-        if any(p is None or len(p[1]) > 1 or any(bias is not None for _, _, bias, _ in p[1]) for p in parts):
+        if any(p is None or type(p[0]) is not nn.Linear or len(p[1]) > 1 or any(b is not None for _, _, b, _ in p[1])
+               for p in parts):
             return False  # a layer other than nn.Linear or a LoRA one over it, several adapters, or B with a bias
         if base.lm_head.bias is not None or config.hidden_size % 16:
             return False

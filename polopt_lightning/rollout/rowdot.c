@@ -28,35 +28,82 @@
 #define STORE3(m) { float *o = yb + (m) * ldy + n; o[0] = _mm512_reduce_add_ps(c##m##0) + b0; \
     o[1] = _mm512_reduce_add_ps(c##m##1) + b1; o[2] = _mm512_reduce_add_ps(c##m##2) + b2; }
 
+/* Output rows n, n+1, n+2 (weight rows w0, w1, w2) for input rows [0, M); with `prefetch` (a constant where it is
+ * inlined), the weights read next are prefetched from `ahead` on (3 lines an iteration). */
+static inline __attribute__((always_inline)) void three_rows(const float *x, long M, long K, const float *w0,
+                                                             const float *w1, const float *w2, const float *bias,
+                                                             long n, float *y, long ldy, int prefetch,
+                                                             const char *ahead) {
+    float b0 = bias ? bias[n] : 0.f, b1 = bias ? bias[n + 1] : 0.f, b2 = bias ? bias[n + 2] : 0.f;
+    for (long m0 = 0; m0 < M; m0 += 8) { /* later row blocks find the three weight rows in L1 */
+        const float *xb = x + m0 * K;
+        float *yb = y + m0 * ldy;
+        ZERO3(0) ZERO3(1) ZERO3(2) ZERO3(3) ZERO3(4) ZERO3(5) ZERO3(6) ZERO3(7)
+        for (long k = 0; k < K; k += 16) {
+            if (prefetch) {
+                _mm_prefetch(ahead + 3 * 4 * k, _MM_HINT_T0);
+                _mm_prefetch(ahead + 3 * 4 * k + 64, _MM_HINT_T0);
+                _mm_prefetch(ahead + 3 * 4 * k + 128, _MM_HINT_T0);
+            }
+            __m512 a0 = _mm512_loadu_ps(w0 + k), a1 = _mm512_loadu_ps(w1 + k), a2 = _mm512_loadu_ps(w2 + k);
+            FMA3(0) FMA3(1) FMA3(2) FMA3(3) FMA3(4) FMA3(5) FMA3(6) FMA3(7)
+        }
+        STORE3(0) STORE3(1) STORE3(2) STORE3(3) STORE3(4) STORE3(5) STORE3(6) STORE3(7)
+    }
+}
+
+/* Output row n (weight row wn) for input rows [0, M) */
+static void one_row(const float *x, long M, long K, const float *wn, const float *bias, long n, float *y, long ldy) {
+    for (long m = 0; m < M; m++) {
+        __m512 acc = _mm512_setzero_ps();
+        for (long k = 0; k < K; k += 16)
+            acc = _mm512_fmadd_ps(_mm512_loadu_ps(x + m * K + k), _mm512_loadu_ps(wn + k), acc);
+        y[m * ldy + n] = _mm512_reduce_add_ps(acc) + (bias ? bias[n] : 0.f);
+    }
+}
+
 /* Output rows [n0, n1) of one weight for input rows [0, M). */
 static void rows_of(const float *x, long M, long K, const float *w, const float *bias, float *y, long ldy,
                     long n0, long n1) {
     long n = n0;
     for (; n + 3 <= n1; n += 3) {
-        const float *w0 = w + n * K, *w1 = w0 + K, *w2 = w1 + K;
-        float b0 = bias ? bias[n] : 0.f, b1 = bias ? bias[n + 1] : 0.f, b2 = bias ? bias[n + 2] : 0.f;
-        for (long m0 = 0; m0 < M; m0 += 8) { /* later row blocks find the three weight rows in L1 */
-            const float *xb = x + m0 * K;
-            float *yb = y + m0 * ldy;
-            ZERO3(0) ZERO3(1) ZERO3(2) ZERO3(3) ZERO3(4) ZERO3(5) ZERO3(6) ZERO3(7)
-            for (long k = 0; k < K; k += 16) {
-                const char *ahead = (const char *)(w0 + 3 * K + PREFETCH_FLOATS) + 3 * 4 * k;
-                _mm_prefetch(ahead, _MM_HINT_T0);
-                _mm_prefetch(ahead + 64, _MM_HINT_T0);
-                _mm_prefetch(ahead + 128, _MM_HINT_T0);
-                __m512 a0 = _mm512_loadu_ps(w0 + k), a1 = _mm512_loadu_ps(w1 + k), a2 = _mm512_loadu_ps(w2 + k);
-                FMA3(0) FMA3(1) FMA3(2) FMA3(3) FMA3(4) FMA3(5) FMA3(6) FMA3(7)
-            }
-            STORE3(0) STORE3(1) STORE3(2) STORE3(3) STORE3(4) STORE3(5) STORE3(6) STORE3(7)
-        }
+        const float *w0 = w + n * K;
+        three_rows(x, M, K, w0, w0 + K, w0 + 2 * K, bias, n, y, ldy, 1, (const char *)(w0 + 3 * K + PREFETCH_FLOATS));
     }
-    for (; n < n1; n++) { /* at most two rows left */
-        for (long m = 0; m < M; m++) {
-            __m512 acc = _mm512_setzero_ps();
-            for (long k = 0; k < K; k += 16)
-                acc = _mm512_fmadd_ps(_mm512_loadu_ps(x + m * K + k), _mm512_loadu_ps(w + n * K + k), acc);
-            y[m * ldy + n] = _mm512_reduce_add_ps(acc) + (bias ? bias[n] : 0.f);
-        }
+    for (; n < n1; n++) one_row(x, M, K, w + n * K, bias, n, y, ldy); /* at most two rows left */
+}
+
+/* ---- 4-bit weights (bitsandbytes' nf4/fp4 layout) ------------------------------------------------------------------
+ * codes: two 4-bit codes a byte over the weight [N, K] flattened, the first in the high half; absmax: one float32 scale
+ * a block of `blocksize` consecutive codes (nested scales dequantized by the caller); table: the 16 values a code
+ * stands for. A weight is table[code] * absmax[block], as bitsandbytes dequantizes it. Each thread dequantizes three
+ * of its rows into a buffer in cache (64 bytes of codes a 128 weights) and runs the float32 loop on them. */
+static void dequantize_row(const unsigned char *codes, const float *absmax, __m512 table, long blocksize, long K,
+                           long n, float *out) {
+    const __m128i low = _mm_set1_epi8(0x0F);
+    long f0 = n * K;
+    for (long k = 0; k < K; k += 16) {
+        const unsigned char *c = codes + (f0 + k) / 2;
+        if (!(k & 127)) _mm_prefetch((const char *)c + 4096, _MM_HINT_T0);
+        __m128i b = _mm_loadl_epi64((const __m128i *)c);
+        __m128i idx = _mm_unpacklo_epi8(_mm_and_si128(_mm_srli_epi16(b, 4), low), _mm_and_si128(b, low));
+        __m512 w = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(idx), table);
+        _mm512_storeu_ps(out + k, _mm512_mul_ps(w, _mm512_set1_ps(absmax[(f0 + k) / blocksize])));
+    }
+}
+
+static void rows_of_4bit(const float *x, long M, long K, const unsigned char *codes, const float *absmax,
+                         const float *table, long blocksize, const float *bias, float *y, long ldy, long n0, long n1,
+                         float *buf) {
+    __m512 t = _mm512_loadu_ps(table);
+    long n = n0;
+    for (; n + 3 <= n1; n += 3) {
+        for (int i = 0; i < 3; i++) dequantize_row(codes, absmax, t, blocksize, K, n + i, buf + i * K);
+        three_rows(x, M, K, buf, buf + K, buf + 2 * K, bias, n, y, ldy, 0, NULL);
+    }
+    for (; n < n1; n++) {
+        dequantize_row(codes, absmax, t, blocksize, K, n, buf);
+        one_row(x, M, K, buf, bias, n, y, ldy);
     }
 }
 
@@ -76,6 +123,24 @@ void polopt_rowdot(const float *x, long M, long K, int count, const float *const
             long n0, n1;
             share(outs[j], t, nt, &n0, &n1);
             rows_of(x, M, K, weights[j], biases[j], outputs[j], outs[j], n0, n1);
+        }
+    }
+}
+
+/* polopt_rowdot on 4-bit weights: codes[j], absmax[j], tables[j] as rows_of_4bit takes them; K and blocksize
+ * multiples of 16 (16 consecutive codes share a scale); scratch: 3 x K floats a thread. */
+void polopt_rowdot_4bit(const float *x, long M, long K, int count, const unsigned char *const *codes,
+                        const float *const *absmax, const float *const *tables, long blocksize,
+                        const float *const *biases, float *const *outputs, const long *outs, int threads,
+                        float *scratch) {
+    #pragma omp parallel num_threads(threads)
+    {
+        int t = omp_get_thread_num(), nt = omp_get_num_threads();
+        for (int j = 0; j < count; j++) {
+            long n0, n1;
+            share(outs[j], t, nt, &n0, &n1);
+            rows_of_4bit(x, M, K, codes[j], absmax[j], tables[j], blocksize, biases[j], outputs[j], outs[j], n0, n1,
+                         scratch + (long)t * 3 * K);
         }
     }
 }

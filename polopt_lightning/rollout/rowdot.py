@@ -91,7 +91,12 @@ def load():
                 step = lib.polopt_decode_step
                 step.argtypes = [ctypes.POINTER(Step), ctypes.c_int]
                 step.restype = None
-                _state["step"] = step
+                four = lib.polopt_rowdot_4bit
+                four.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_int, ctypes.c_void_p,
+                                 ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p,
+                                 ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
+                four.restype = None
+                _state.update(step=step, four=four)
             except (OSError, RuntimeError, subprocess.SubprocessError) as err:
                 reason = f"building {SOURCE.name} failed: {err}"
     if fn is None:
@@ -192,6 +197,13 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
 def _run(fn, x: Tensor, weights, biases, outs: list[int]) -> tuple[Tensor, ...]:
     """One kernel call: ``x`` ``[..., K]`` against the weights and biases behind the ctypes pointer arrays, one output
     ``[..., outs[j]]`` each (rows padded to a multiple of :data:`ROWS` for the call)."""
+    return _call(lambda rows, padded, K, outputs, counts, threads: fn(
+        rows, padded, K, len(outs), weights, biases, outputs, counts, threads), x, outs)
+
+
+def _call(run, x: Tensor, outs: list[int]) -> tuple[Tensor, ...]:
+    """``run(rows, padded rows, K, outputs, output widths, threads)`` on ``x`` ``[..., K]`` padded to a multiple of
+    :data:`ROWS` rows; the outputs ``[..., outs[j]]``."""
     lead, K = x.shape[:-1], x.shape[-1]
     rows = x.reshape(-1, K)
     M = rows.shape[0]
@@ -199,7 +211,86 @@ def _run(fn, x: Tensor, weights, biases, outs: list[int]) -> tuple[Tensor, ...]:
     if padded != M or not rows.is_contiguous() or rows.dtype != torch.float32:
         rows = torch.cat([rows.float(), rows.new_zeros(padded - M, K, dtype=torch.float32)])
     outputs = [rows.new_empty(padded, n) for n in outs]
-    fn(rows.data_ptr(), padded, K, len(outputs), weights, biases,
-       pointers(outputs), (ctypes.c_long * len(outs))(*outs),
-       torch.get_num_threads())
+    run(rows.data_ptr(), padded, K, pointers(outputs), (ctypes.c_long * len(outs))(*outs), torch.get_num_threads())
     return tuple(y[:M].view(*lead, y.shape[1]) for y in outputs)
+
+
+def _four_bit_state(module: nn.Module):
+    """The quantization state of a bitsandbytes 4-bit layer (``Linear4bit``, nf4 or fp4) whose products the 4-bit
+    kernel computes as the layer does (float32 compute, bitsandbytes' own layout, widths and block size multiples of
+    16, a float32 bias or none), else ``None``."""
+    weight = getattr(module, "weight", None)
+    state = getattr(weight, "quant_state", None)
+    if state is None or not hasattr(module, "compute_dtype") or weight.device.type != "cpu":
+        return None
+    if module.compute_dtype not in (None, torch.float32) or getattr(state, "packing_format_for_cpu", False):
+        return None
+    shape = tuple(state.shape)
+    if (state.quant_type not in ("nf4", "fp4") or shape != (module.out_features, module.in_features)
+            or shape[1] % K_MULTIPLE or state.blocksize % K_MULTIPLE or state.code.numel() != 16):
+        return None
+    if weight.numel() * weight.element_size() * 2 != shape[0] * shape[1]:
+        return None
+    if module.bias is not None and module.bias.dtype != torch.float32:
+        return None
+    return state
+
+
+def takes_together(layers: list[nn.Module]) -> bool:
+    """Whether :func:`products` runs these layers as one call: all plain float32 ``nn.Linear`` the kernel takes
+    (:func:`fits`), or all 4-bit layers (:func:`four_bit_fits`)."""
+    if all(type(m) is nn.Linear for m in layers):
+        return fits(layers)
+    return four_bit_fits(layers)
+
+
+def products(layers: list[nn.Module]) -> RowDot | FourBitRowDot:
+    """Layers sharing an input as one kernel call (:func:`takes_together`): :class:`RowDot` on float32 weights,
+    :class:`FourBitRowDot` on 4-bit ones."""
+    return RowDot(layers) if all(type(m) is nn.Linear for m in layers) else FourBitRowDot(layers)
+
+
+def four_bit_fits(modules: list[nn.Module]) -> bool:
+    """Whether these layers can run on the 4-bit kernel together: each a bitsandbytes 4-bit layer it computes
+    (:func:`_four_bit_state`), one block size."""
+    states = [_four_bit_state(m) for m in modules]
+    return all(s is not None for s in states) and len({s.blocksize for s in states}) == 1
+
+
+class FourBitRowDot:
+    """bitsandbytes 4-bit layers (nf4 or fp4, float32 compute) sharing an input as one kernel call on their 4-bit
+    codes as they are: each thread dequantizes three weight rows at a time into a buffer in cache
+    (``table[code] * absmax[block]``, the weights bitsandbytes' ``dequantize_4bit`` gives, bit for bit; nested scales
+    dequantized here once, as bitsandbytes does at each product) and multiplies them as :class:`RowDot` does.
+    bitsandbytes' own product dequantizes the whole weight to float32 in memory at each call, then multiplies it."""
+
+    def __init__(self, modules: list[nn.Module]) -> None:
+        from bitsandbytes import functional as bnb_f
+
+        self.fn = _state.get("four") if load() is not None else None
+        if self.fn is None:
+            raise RuntimeError(f"the few-row decoding kernel is not available: {why_not()}")
+        if not four_bit_fits(modules):
+            raise ValueError("FourBitRowDot takes bitsandbytes 4-bit layers with float32 compute, widths and block "
+                             "size multiples of 16")
+        states = [_four_bit_state(m) for m in modules]
+        self.codes = [m.weight.data.reshape(-1).view(torch.uint8) for m in modules]
+        self.absmax = [(bnb_f.dequantize_blockwise(s.absmax, s.state2) + s.offset if s.nested else s.absmax).float()
+                       .contiguous() for s in states]
+        self.tables = [s.code.float().contiguous() for s in states]
+        self.biases = [None if m.bias is None else m.bias.detach().contiguous() for m in modules]
+        self.blocksize, self.outs, self.in_features = states[0].blocksize, [m.out_features for m in modules], \
+            modules[0].in_features
+        self._arrays = [pointers(t) for t in (self.codes, self.absmax, self.tables, self.biases)]
+        self.single = len(modules) == 1
+
+    def __call__(self, x: Tensor) -> Tensor | tuple[Tensor, ...]:
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"input width {x.shape[-1]}, the layers take {self.in_features}")
+        K = self.in_features
+        scratch = torch.empty(torch.get_num_threads() * 3 * K)
+        codes, absmax, tables, biases = self._arrays
+        outputs = _call(lambda rows, padded, _, out, counts, threads: self.fn(
+            rows, padded, K, len(self.outs), codes, absmax, tables, self.blocksize, biases, out, counts, threads,
+            scratch.data_ptr()), x, self.outs)
+        return outputs[0] if self.single else outputs
