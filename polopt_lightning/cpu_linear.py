@@ -14,7 +14,9 @@ inside ``transformers`` models and peft's base layers) on plain float32 CPU tens
 :data:`MIN_WEIGHT_ELEMENTS` elements runs forward and backward through oneDNN; everything else (small weights, other
 dtypes, autocast, tensor subclasses such as FSDP's DTensors, compiled code) runs as it would without the mode.
 Products that need no gradient and have at most 16 rows (decoding through a model's own modules) run on
-:mod:`~polopt_lightning.rollout.rowdot`'s few-row kernel instead where it runs (:func:`few_row_kernel`).
+:mod:`~polopt_lightning.rollout.rowdot`'s few-row kernel instead where it runs (:func:`few_row_kernel`), and so do
+bitsandbytes' 4-bit products without gradient of at most 64 rows (a short prompt's prefill; its ``gemm_4bit`` op
+dequantizes the whole weight to float32 first): :func:`~polopt_lightning.rollout.rowdot.four_bit_product`.
 """
 
 from __future__ import annotations
@@ -134,6 +136,14 @@ class OneDNNLinear(TorchFunctionMode):
             bias = args[2] if len(args) > 2 else kwargs.get("bias")
             if _eligible(x, weight, bias):
                 return linear(x, weight, bias)
+        elif (isinstance(func, torch._ops.OpOverload) and str(func) == "bitsandbytes.gemm_4bit.default"
+              and getattr(_kernel, "on", True) and not torch.is_autocast_enabled("cpu")
+              and not torch.compiler.is_compiling()):
+            from .rollout import rowdot
+
+            out = rowdot.four_bit_product(*args, **kwargs)
+            if out is not None:
+                return out
         return func(*args, **kwargs)
 
 

@@ -392,3 +392,36 @@ def test_four_bit_lora_policies_decode_on_their_codes_with_the_modules_tokens(mo
     assert len(four) == 4 * len(model.model.layers) * (sampling.max_new_tokens - 1) and not calls
     assert torch.equal(got[None].completion_ids, got[False].completion_ids)
     assert _close(got[None].sampling_logprobs, got[False].sampling_logprobs, rel=1e-5)
+
+
+@pytest.mark.parametrize("quant_type, nested", [("nf4", True), ("nf4", False), ("fp4", True)])
+def test_a_prefills_four_bit_products_run_on_the_kernel_inside_the_mode(monkeypatch, quant_type, nested):
+    """Inside :class:`cpu_linear.OneDNNLinear` bitsandbytes' 4-bit product without gradient (its ``gemm_4bit`` op)
+    of at most 64 rows runs on the 4-bit kernel: the layers' outputs outside the mode within float32 tolerance. More
+    rows or ``few_row_kernel(False)``: bitsandbytes' own product. Where a gradient is wanted, bitsandbytes' autograd
+    function calls the same op for its forward (on the kernel) and dequantizes for its backward: the same gradient."""
+    _needs_kernel()
+    layers = _four_bit_layers(quant_type, nested)
+    ran = []
+    call = rowdot._four_bit_call
+    monkeypatch.setattr(rowdot, "_four_bit_call", lambda fn, x, *a: ran.append(x.shape[0]) or call(fn, x, *a))
+    torch.manual_seed(0)
+    for rows in (3, 64, 65):
+        x = torch.randn(rows, 512)
+        with torch.no_grad():
+            want = [layer(x) for layer in layers]
+            with cpu_linear.OneDNNLinear():
+                got = [layer(x) for layer in layers]
+                with cpu_linear.few_row_kernel(False):
+                    [layer(x) for layer in layers]
+        for y, w in zip(got, want):
+            torch.testing.assert_close(y, w, rtol=1e-5, atol=1e-5)
+    assert ran == [3] * len(layers) + [64] * len(layers)
+    x = torch.randn(4, 512, requires_grad=True)
+    with cpu_linear.OneDNNLinear():
+        y = layers[0](x)
+    assert len(ran) == 2 * len(layers) + 1
+    y.sum().backward()
+    inside, x.grad = x.grad, None
+    layers[0](x).sum().backward()
+    torch.testing.assert_close(inside, x.grad)

@@ -76,8 +76,10 @@ static void rows_of(const float *x, long M, long K, const float *w, const float 
 /* ---- 4-bit weights (bitsandbytes' nf4/fp4 layout) ------------------------------------------------------------------
  * codes: two 4-bit codes a byte over the weight [N, K] flattened, the first in the high half; absmax: one float32 scale
  * a block of `blocksize` consecutive codes (nested scales dequantized by the caller); table: the 16 values a code
- * stands for. A weight is table[code] * absmax[block], as bitsandbytes dequantizes it. Each thread dequantizes three
- * of its rows into a buffer in cache (64 bytes of codes a 128 weights) and runs the float32 loop on them. */
+ * stands for. A weight is table[code] * absmax[block], as bitsandbytes dequantizes it. Each thread dequantizes a
+ * chunk of its rows (~192 KiB of float32) into a buffer in L2 and runs the float32 loop on it, eight input rows at
+ * a time (they stay in L1: at 64 rows the inputs no longer fit there, and reading them from L2 for every three weight
+ * rows halved the rate). */
 static void dequantize_row(const unsigned char *codes, const float *absmax, __m512 table, long blocksize, long K,
                            long n, float *out) {
     const __m128i low = _mm_set1_epi8(0x0F);
@@ -94,16 +96,21 @@ static void dequantize_row(const unsigned char *codes, const float *absmax, __m5
 
 static void rows_of_4bit(const float *x, long M, long K, const unsigned char *codes, const float *absmax,
                          const float *table, long blocksize, const float *bias, float *y, long ldy, long n0, long n1,
-                         float *buf) {
+                         float *buf, long chunk) {
     __m512 t = _mm512_loadu_ps(table);
-    long n = n0;
-    for (; n + 3 <= n1; n += 3) {
-        for (int i = 0; i < 3; i++) dequantize_row(codes, absmax, t, blocksize, K, n + i, buf + i * K);
-        three_rows(x, M, K, buf, buf + K, buf + 2 * K, bias, n, y, ldy, 0, NULL);
-    }
-    for (; n < n1; n++) {
-        dequantize_row(codes, absmax, t, blocksize, K, n, buf);
-        one_row(x, M, K, buf, bias, n, y, ldy);
+    for (long c0 = n0; c0 < n1; c0 += chunk) { /* `chunk` rows (a multiple of 3) dequantized into buf, in L2 */
+        long c1 = c0 + chunk < n1 ? c0 + chunk : n1;
+        for (long n = c0; n < c1; n++) dequantize_row(codes, absmax, t, blocksize, K, n, buf + (n - c0) * K);
+        for (long m0 = 0; m0 < M; m0 += 8) { /* 8 input rows (in L1) against every row of the chunk */
+            const float *xb = x + m0 * K;
+            float *yb = y + m0 * ldy;
+            long n = c0;
+            for (; n + 3 <= c1; n += 3) {
+                const float *w0 = buf + (n - c0) * K;
+                three_rows(xb, 8, K, w0, w0 + K, w0 + 2 * K, bias, n, yb, ldy, 0, NULL);
+            }
+            for (; n < c1; n++) one_row(xb, 8, K, buf + (n - c0) * K, bias, n, yb, ldy);
+        }
     }
 }
 
@@ -128,11 +135,11 @@ void polopt_rowdot(const float *x, long M, long K, int count, const float *const
 }
 
 /* polopt_rowdot on 4-bit weights: codes[j], absmax[j], tables[j] as rows_of_4bit takes them; K and blocksize
- * multiples of 16 (16 consecutive codes share a scale); scratch: 3 x K floats a thread. */
+ * multiples of 16 (16 consecutive codes share a scale); scratch: chunk x K floats a thread. */
 void polopt_rowdot_4bit(const float *x, long M, long K, int count, const unsigned char *const *codes,
                         const float *const *absmax, const float *const *tables, long blocksize,
                         const float *const *biases, float *const *outputs, const long *outs, int threads,
-                        float *scratch) {
+                        float *scratch, long chunk) {
     #pragma omp parallel num_threads(threads)
     {
         int t = omp_get_thread_num(), nt = omp_get_num_threads();
@@ -140,7 +147,7 @@ void polopt_rowdot_4bit(const float *x, long M, long K, int count, const unsigne
             long n0, n1;
             share(outs[j], t, nt, &n0, &n1);
             rows_of_4bit(x, M, K, codes[j], absmax[j], tables[j], blocksize, biases[j], outputs[j], outs[j], n0, n1,
-                         scratch + (long)t * 3 * K);
+                         scratch + (long)t * chunk * K, chunk);
         }
     }
 }

@@ -94,7 +94,7 @@ def load():
                 four = lib.polopt_rowdot_4bit
                 four.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_int, ctypes.c_void_p,
                                  ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p,
-                                 ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
+                                 ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_long]
                 four.restype = None
                 _state.update(step=step, four=four)
             except (OSError, RuntimeError, subprocess.SubprocessError) as err:
@@ -287,10 +287,53 @@ class FourBitRowDot:
     def __call__(self, x: Tensor) -> Tensor | tuple[Tensor, ...]:
         if x.shape[-1] != self.in_features:
             raise ValueError(f"input width {x.shape[-1]}, the layers take {self.in_features}")
-        K = self.in_features
-        scratch = torch.empty(torch.get_num_threads() * 3 * K)
-        codes, absmax, tables, biases = self._arrays
-        outputs = _call(lambda rows, padded, _, out, counts, threads: self.fn(
-            rows, padded, K, len(self.outs), codes, absmax, tables, self.blocksize, biases, out, counts, threads,
-            scratch.data_ptr()), x, self.outs)
+        outputs = _four_bit_call(self.fn, x, self._arrays, self.blocksize, self.outs)
         return outputs[0] if self.single else outputs
+
+
+def _four_bit_call(fn, x: Tensor, arrays: list, blocksize: int, outs: list[int]) -> tuple[Tensor, ...]:
+    """One call of ``polopt_rowdot_4bit``: ``arrays`` the pointer arrays of the codes, scales, tables and biases."""
+    K = x.shape[-1]
+    chunk = max(3, FOUR_BIT_CHUNK_BYTES // (4 * K) // 3 * 3)  # dequantized weight rows a thread holds at a time
+    scratch = torch.empty(torch.get_num_threads() * chunk * K)
+    codes, absmax, tables, biases = arrays
+    return _call(lambda rows, padded, _, out, counts, threads: fn(
+        rows, padded, K, len(outs), codes, absmax, tables, blocksize, biases, out, counts, threads,
+        scratch.data_ptr(), chunk), x, outs)
+
+
+FOUR_BIT_CHUNK_BYTES = 192 * 1024  # a thread's dequantized rows: in its L2 beside the inputs
+
+
+FOUR_BIT_MAX_ROWS = 64  # a 4-bit product of up to this many rows runs on the kernel (a prefill's; the inputs in L2)
+_tables: dict[str, Tensor] = {}
+
+
+def four_bit_product(A: Tensor, B: Tensor, shapeB, absmax: Tensor, blocksize: int, quant_type: str,
+                     bias: Tensor | None = None, absmax_8bit: Tensor | None = None, absmax_code: Tensor | None = None,
+                     absmax_offset: Tensor | None = None) -> Tensor | None:
+    """bitsandbytes' ``gemm_4bit`` op (its product where no gradient is needed; the same arguments) on the 4-bit
+    kernel: the weights its default implementation dequantizes (``table[code] * absmax[block]``, nested scales
+    dequantized as it does), multiplied without a float32 copy of the weight; ``None`` where the kernel does not
+    take it (more than :data:`FOUR_BIT_MAX_ROWS` rows, not float32, widths or block size not multiples of 16, the
+    kernel not built here)."""
+    N, K = int(shapeB[0]), int(shapeB[1])
+    rows = A.numel() // K if K and A.shape[-1] == K else 0
+    if (not 0 < rows <= FOUR_BIT_MAX_ROWS or A.dtype != torch.float32 or not A.is_cpu or K % K_MULTIPLE
+            or blocksize % K_MULTIPLE or quant_type not in ("nf4", "fp4") or not B.is_contiguous()
+            or B.numel() * B.element_size() * 2 != N * K or (bias is not None and bias.dtype != torch.float32)
+            or load() is None):
+        return None
+    if absmax_8bit is not None:  # nested: as bitsandbytes' default gemm_4bit dequantizes them
+        absmax = torch.ops.bitsandbytes.dequantize_blockwise.default(absmax_8bit, absmax, absmax_code, 256,
+                                                                     torch.float32) + absmax_offset
+    absmax = absmax.float().contiguous()
+    if absmax.numel() * blocksize < N * K:
+        return None
+    if quant_type not in _tables:
+        from bitsandbytes.functional import get_4bit_type
+
+        _tables[quant_type] = get_4bit_type(quant_type, device="cpu").float().contiguous()
+    keep = [[B.reshape(-1).view(torch.uint8)], [absmax], [_tables[quant_type]],
+            [None if bias is None else bias.contiguous()]]
+    return _four_bit_call(_state["four"], A, [pointers(t) for t in keep], blocksize, [N])[0]
