@@ -398,13 +398,18 @@ def test_four_bit_lora_policies_decode_on_their_codes_with_the_modules_tokens(mo
 def test_a_prefills_four_bit_products_run_on_the_kernel_inside_the_mode(monkeypatch, quant_type, nested):
     """Inside :class:`cpu_linear.OneDNNLinear` bitsandbytes' 4-bit product without gradient (its ``gemm_4bit`` op)
     of at most 64 rows runs on the 4-bit kernel: the layers' outputs outside the mode within float32 tolerance. More
-    rows or ``few_row_kernel(False)``: bitsandbytes' own product. Where a gradient is wanted, bitsandbytes' autograd
-    function calls the same op for its forward (on the kernel) and dequantizes for its backward: the same gradient."""
+    rows or ``few_row_kernel(False)``: bitsandbytes' dequantization with oneDNN's product in place of MKL's (weights of
+    the mode's size only). Where a gradient is wanted, bitsandbytes' autograd function calls the same op for its
+    forward (on the kernel) and dequantizes for its backward: the same gradient."""
     _needs_kernel()
     layers = _four_bit_layers(quant_type, nested)
-    ran = []
+    ran, onednn = [], []
     call = rowdot._four_bit_call
     monkeypatch.setattr(rowdot, "_four_bit_call", lambda fn, x, *a: ran.append(x.shape[0]) or call(fn, x, *a))
+    product = cpu_linear._four_bit_on_onednn
+    monkeypatch.setattr(cpu_linear, "_four_bit_on_onednn",
+                        lambda A, *a, **k: (lambda out: onednn.append(A.shape[0]) if out is not None else None)(
+                            out := product(A, *a, **k)) or out)
     torch.manual_seed(0)
     for rows in (3, 64, 65):
         x = torch.randn(rows, 512)
@@ -417,6 +422,8 @@ def test_a_prefills_four_bit_products_run_on_the_kernel_inside_the_mode(monkeypa
         for y, w in zip(got, want):
             torch.testing.assert_close(y, w, rtol=1e-5, atol=1e-5)
     assert ran == [3] * len(layers) + [64] * len(layers)
+    # the 640 x 512 weight (the mode's size) under few_row_kernel(False) and at 65 rows: oneDNN's product
+    assert onednn == [3, 64, 65, 65]
     x = torch.randn(4, 512, requires_grad=True)
     with cpu_linear.OneDNNLinear():
         y = layers[0](x)

@@ -305,6 +305,16 @@ def _four_bit_call(fn, x: Tensor, arrays: list, blocksize: int, outs: list[int])
 FOUR_BIT_CHUNK_BYTES = 192 * 1024  # a thread's dequantized rows: in its L2 beside the inputs
 
 
+def four_bit_scales(absmax: Tensor, absmax_8bit: Tensor | None = None, absmax_code: Tensor | None = None,
+                    absmax_offset: Tensor | None = None) -> Tensor:
+    """A 4-bit weight's block scales from ``gemm_4bit``'s arguments: ``absmax`` itself, or the nested 8-bit ones
+    dequantized as bitsandbytes' default ``gemm_4bit`` dequantizes them."""
+    if absmax_8bit is None:
+        return absmax
+    return torch.ops.bitsandbytes.dequantize_blockwise.default(absmax_8bit, absmax, absmax_code, 256,
+                                                               torch.float32) + absmax_offset
+
+
 FOUR_BIT_MAX_ROWS = 64  # a 4-bit product of up to this many rows runs on the kernel (a prefill's; the inputs in L2)
 _tables: dict[str, Tensor] = {}
 
@@ -324,10 +334,7 @@ def four_bit_product(A: Tensor, B: Tensor, shapeB, absmax: Tensor, blocksize: in
             or B.numel() * B.element_size() * 2 != N * K or (bias is not None and bias.dtype != torch.float32)
             or load() is None):
         return None
-    if absmax_8bit is not None:  # nested: as bitsandbytes' default gemm_4bit dequantizes them
-        absmax = torch.ops.bitsandbytes.dequantize_blockwise.default(absmax_8bit, absmax, absmax_code, 256,
-                                                                     torch.float32) + absmax_offset
-    absmax = absmax.float().contiguous()
+    absmax = four_bit_scales(absmax, absmax_8bit, absmax_code, absmax_offset).float().contiguous()
     if absmax.numel() * blocksize < N * K:
         return None
     if quant_type not in _tables:
