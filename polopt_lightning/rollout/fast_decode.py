@@ -312,6 +312,10 @@ class AdapterProjections(_GroupedProjections):
     against 1.46 through the modules, its 15 decoding steps 0.99 against 1.21 (12 rollouts each, alternating)."""
 
     def __init__(self, base: nn.Module, rows: int, fused: bool | None = None) -> None:
+        with _without_torch_function():  # no tensor access below needs the mode (its dispatch: ~1/3 of the time)
+            self._build(base, rows, fused)
+
+    def _build(self, base: nn.Module, rows: int, fused: bool | None) -> None:
         super().__init__(base)
         for layer in self.layers:
             qkv, o, gate_up, down = (_Adapted(group) for group in _groups(layer))
@@ -366,7 +370,8 @@ class FusedStep:
         layers = inner.layers
         heads, kv_heads, D = config.num_attention_heads, config.num_key_value_heads, _head_dim(config)
         H, V = config.hidden_size, base.lm_head.out_features
-        inner_width = _lora_parts(layers[0].mlp.gate_proj)[0].out_features
+        parts = [_lora_parts(m) for m in _projections(base)]  # 7 a layer: q, k, v, o, gate, up, down
+        inner_width = parts[4][0].out_features
         M = -(-rows // rowdot.ROWS) * rowdot.ROWS
         self.M, self.D = M, D
         self.keep: list = []  # tensors and C arrays the struct points into
@@ -374,11 +379,8 @@ class FusedStep:
         def each(get) -> ctypes.Array:
             return self._pointers([get(layer) for layer in layers])
 
-        def attn(name: str, part: str):
-            return lambda layer: getattr(_lora_parts(getattr(layer.self_attn, name))[0], part)
-
-        def mlp(name: str):
-            return lambda layer: _lora_parts(getattr(layer.mlp, name))[0].weight
+        def proj(j: int, part: str = "weight") -> ctypes.Array:  # the j-th projection's base weight or bias
+            return self._pointers([getattr(parts[7 * i + j][0], part) for i in range(len(layers))])
 
         scratch = {name: torch.zeros(M, width) for name, width in
                    (("x", H), ("h", H), ("q", heads * D), ("k", kv_heads * D), ("v", kv_heads * D),
@@ -389,13 +391,11 @@ class FusedStep:
             eps=_norm_eps(inner.norm), scale=layers[0].self_attn.scaling,
             in_norm=each(lambda layer: layer.input_layernorm.weight),
             post_norm=each(lambda layer: layer.post_attention_layernorm.weight),
-            wq=each(attn("q_proj", "weight")), wk=each(attn("k_proj", "weight")), wv=each(attn("v_proj", "weight")),
-            bq=each(attn("q_proj", "bias")), bk=each(attn("k_proj", "bias")), bv=each(attn("v_proj", "bias")),
-            wo=each(attn("o_proj", "weight")), bo=each(attn("o_proj", "bias")),
-            wg=each(mlp("gate_proj")), wu=each(mlp("up_proj")), wd=each(mlp("down_proj")),
+            wq=proj(0), wk=proj(1), wv=proj(2), bq=proj(0, "bias"), bk=proj(1, "bias"), bv=proj(2, "bias"),
+            wo=proj(3), bo=proj(3, "bias"), wg=proj(4), wu=proj(5), wd=proj(6),
             final_norm=inner.norm.weight.data_ptr(), head=base.lm_head.weight.data_ptr(),
             **{name: t.data_ptr() for name, t in scratch.items()})
-        self._adapters(_projections(base))
+        self._adapters([adapters for _, adapters in parts])
 
     def _pointers(self, tensors: list[Tensor | None]) -> ctypes.Array:
         """A C array of the tensors' pointers, the tensors and the array kept alive with the step."""
@@ -404,10 +404,10 @@ class FusedStep:
         self.keep += [tensors, array]
         return ctypes.cast(array, rowdot._PP)
 
-    def _adapters(self, modules: list[nn.Module]) -> None:
+    def _adapters(self, adapters: list[list[tuple]]) -> None:
         """LoRA's A, B transposed (a copy of B, [r, out], for products vectorized over the outputs), scaling and
-        rank per projection, in the C step's order (:func:`_projections`'), where any projection has an adapter."""
-        adapters = [_lora_parts(m)[1] for m in modules]
+        rank per projection (``adapters``: :func:`_lora_parts`' in :func:`_projections`' order), where any
+        projection has an adapter."""
         self.rmax = max((A.shape[0] for parts in adapters for A, *_ in parts), default=0)
         if not self.rmax:
             return
