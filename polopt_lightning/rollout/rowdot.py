@@ -259,9 +259,10 @@ def four_bit_fits(modules: list[nn.Module]) -> bool:
 
 class FourBitRowDot:
     """bitsandbytes 4-bit layers (nf4 or fp4, float32 compute) sharing an input as one kernel call on their 4-bit
-    codes as they are: each thread dequantizes three weight rows at a time into a buffer in cache
-    (``table[code] * absmax[block]``, the weights bitsandbytes' ``dequantize_4bit`` gives, bit for bit; nested scales
-    dequantized here once, as bitsandbytes does at each product) and multiplies them as :class:`RowDot` does.
+    codes as they are: each thread dequantizes a chunk of its weight rows (:data:`FOUR_BIT_CHUNK_BYTES`) into a buffer
+    in L2 (``table[code] * absmax[block]``, the weights bitsandbytes' ``dequantize_4bit`` gives, bit for bit; nested
+    scales dequantized here once, as bitsandbytes does at each product) and multiplies them as :class:`RowDot` does,
+    eight input rows at a time.
     bitsandbytes' own product dequantizes the whole weight to float32 in memory at each call, then multiplies it."""
 
     def __init__(self, modules: list[nn.Module]) -> None:
@@ -329,7 +330,8 @@ def four_bit_product(A: Tensor, B: Tensor, shapeB, absmax: Tensor, blocksize: in
     kernel not built here)."""
     N, K = int(shapeB[0]), int(shapeB[1])
     rows = A.numel() // K if K and A.shape[-1] == K else 0
-    if (not 0 < rows <= FOUR_BIT_MAX_ROWS or A.dtype != torch.float32 or not A.is_cpu or K % K_MULTIPLE
+    if (not 0 < rows <= FOUR_BIT_MAX_ROWS or type(A) not in (Tensor, nn.Parameter) or A.dtype != torch.float32
+            or not A.is_cpu or K % K_MULTIPLE
             or blocksize % K_MULTIPLE or quant_type not in ("nf4", "fp4") or not B.is_contiguous()
             or B.numel() * B.element_size() * 2 != N * K or (bias is not None and bias.dtype != torch.float32)
             or load() is None):
