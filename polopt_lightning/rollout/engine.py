@@ -316,12 +316,12 @@ class HFRolloutEngine(RolloutEngine):
         return k.is_cpu and k.dtype == torch.float32 and reread >= 2**20
 
     def _packed_projections(self, base: nn.Module, rows: int) -> PackedProjections | AdapterProjections | None:
-        """Prepacked products for this rollout (a LoRA policy on plain float32 weights: its base products on the
-        kernel, its adapters added), or ``None`` (off, not applicable, or the math library refused once:
+        """Prepacked products for this rollout (a LoRA policy on plain float32 or bitsandbytes 4-bit weights: its
+        base products on the kernel, its adapters added), or ``None`` (off, not applicable, or the math library refused once:
         then the modules run from here on, with a warning)."""
         if not self.packed_weights:
             return None
-        if AdapterProjections.applies(base, rows, self.decode_kernel):  # LoRA on plain weights: no copy either
+        if AdapterProjections.applies(base, rows, self.decode_kernel):  # LoRA or 4-bit bases: no copy either
             return AdapterProjections(base, rows, self.fused_step)
         if not PackedProjections.supported(base):
             if not self._said_unpacked:

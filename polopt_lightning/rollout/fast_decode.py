@@ -442,8 +442,8 @@ class FusedStep:
                    and n.weight.is_contiguous() and not hasattr(n, "bias") and _norm_eps(n) == _norm_eps(inner.norm)
                    for n in norms):  # one epsilon for all (the C step takes one)
             return False
-        for layer in inner.layers:
-            mlp = [_lora_parts(getattr(layer.mlp, name))[0] for name in ("gate_proj", "up_proj", "down_proj")]
+        for i, layer in enumerate(inner.layers):
+            mlp = [linear for linear, _ in parts[7 * i + 4:7 * i + 7]]  # gate, up, down (:func:`_projections`)
             if any(linear.bias is not None for linear in mlp):
                 return False
             if mlp[0].out_features % 16 or layer.self_attn.scaling != inner.layers[0].self_attn.scaling:

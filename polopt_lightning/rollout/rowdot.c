@@ -78,8 +78,8 @@ static void rows_of(const float *x, long M, long K, const float *w, const float 
  * a block of `blocksize` consecutive codes (nested scales dequantized by the caller); table: the 16 values a code
  * stands for. A weight is table[code] * absmax[block], as bitsandbytes dequantizes it. Each thread dequantizes a
  * chunk of its rows (~192 KiB of float32) into a buffer in L2 and runs the float32 loop on it, eight input rows at
- * a time (they stay in L1: at 64 rows the inputs no longer fit there, and reading them from L2 for every three weight
- * rows halved the rate). */
+ * a time (they stay in L1; at 64 rows, three weight rows at a time against every input row read from L2: 217
+ * against 292 GFLOP/s). */
 static void dequantize_row(const unsigned char *codes, const float *absmax, __m512 table, long blocksize, long K,
                            long n, float *out) {
     const __m128i low = _mm_set1_epi8(0x0F);

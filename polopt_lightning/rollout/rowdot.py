@@ -266,8 +266,6 @@ class FourBitRowDot:
     bitsandbytes' own product dequantizes the whole weight to float32 in memory at each call, then multiplies it."""
 
     def __init__(self, modules: list[nn.Module]) -> None:
-        from bitsandbytes import functional as bnb_f
-
         self.fn = _state.get("four") if load() is not None else None
         if self.fn is None:
             raise RuntimeError(f"the few-row decoding kernel is not available: {why_not()}")
@@ -276,8 +274,8 @@ class FourBitRowDot:
                              "size multiples of 16")
         states = [_four_bit_state(m) for m in modules]
         self.codes = [m.weight.data.reshape(-1).view(torch.uint8) for m in modules]
-        self.absmax = [(bnb_f.dequantize_blockwise(s.absmax, s.state2) + s.offset if s.nested else s.absmax).float()
-                       .contiguous() for s in states]
+        self.absmax = [(four_bit_scales(s.state2.absmax, s.absmax, s.state2.code, s.offset, s.state2.blocksize)
+                        if s.nested else s.absmax).float().contiguous() for s in states]
         self.tables = [s.code.float().contiguous() for s in states]
         self.biases = [None if m.bias is None else m.bias.detach().contiguous() for m in modules]
         self.blocksize, self.outs, self.in_features = states[0].blocksize, [m.out_features for m in modules], \
@@ -307,12 +305,12 @@ FOUR_BIT_CHUNK_BYTES = 192 * 1024  # a thread's dequantized rows: in its L2 besi
 
 
 def four_bit_scales(absmax: Tensor, absmax_8bit: Tensor | None = None, absmax_code: Tensor | None = None,
-                    absmax_offset: Tensor | None = None) -> Tensor:
+                    absmax_offset: Tensor | None = None, nested_blocksize: int = 256) -> Tensor:
     """A 4-bit weight's block scales from ``gemm_4bit``'s arguments: ``absmax`` itself, or the nested 8-bit ones
-    dequantized as bitsandbytes' default ``gemm_4bit`` dequantizes them."""
+    dequantized as bitsandbytes dequantizes them (its default ``gemm_4bit`` takes nested blocks of 256 only)."""
     if absmax_8bit is None:
         return absmax
-    return torch.ops.bitsandbytes.dequantize_blockwise.default(absmax_8bit, absmax, absmax_code, 256,
+    return torch.ops.bitsandbytes.dequantize_blockwise.default(absmax_8bit, absmax, absmax_code, nested_blocksize,
                                                                torch.float32) + absmax_offset
 
 
