@@ -133,10 +133,7 @@ def test_adapter_decoding_runs_its_frozen_base_products_on_the_kernel(monkeypatc
     from polopt_lightning.models import LLAMA_TARGETS, Adapter, apply_adapter
 
     model, tok, ids, mask, sampling, _ = _greedy_on_the_modules()
-    policy = apply_adapter(model, Adapter(kind="lora", r=4, target_modules=list(LLAMA_TARGETS)))
-    for name, p in policy.named_parameters():  # adapters that change the output (B starts at zero)
-        if "lora_B" in name:
-            torch.nn.init.normal_(p, std=0.05)
+    policy = _nonzero_b(apply_adapter(model, Adapter(kind="lora", r=4, target_modules=list(LLAMA_TARGETS))))
     built, read = [], []
     init = fast_decode.AdapterProjections.__init__
     monkeypatch.setattr(fast_decode.AdapterProjections, "__init__",
@@ -225,7 +222,11 @@ def _lora(model, r: int, targets: list[str], seed: int = 0):
     """``model`` with LoRA adapters whose B is not zero (so they change the output)."""
     from polopt_lightning.models import Adapter, apply_adapter
 
-    policy = apply_adapter(model, Adapter(kind="lora", r=r, target_modules=targets))
+    return _nonzero_b(apply_adapter(model, Adapter(kind="lora", r=r, target_modules=targets)), seed)
+
+
+def _nonzero_b(policy, seed: int = 0):
+    """``policy`` with its LoRA B matrices drawn at random (they start at zero: adapters that change the output)."""
     torch.manual_seed(seed)
     for name, p in policy.named_parameters():
         if "lora_B" in name:
@@ -368,12 +369,8 @@ def test_four_bit_lora_policies_decode_on_their_codes_with_the_modules_tokens(mo
     from polopt_lightning.models import LLAMA_TARGETS, Adapter, Quantization, prepare_policy
 
     model, tok = _gqa_model(architecture="qwen2")
-    policy = prepare_policy(model, Quantization(mode=mode), Adapter(kind="lora", r=4, alpha=8,
-                                                                   target_modules=list(LLAMA_TARGETS)), tmp_path)
-    torch.manual_seed(0)
-    for name, p in policy.named_parameters():
-        if "lora_B" in name:
-            torch.nn.init.normal_(p, std=0.05)
+    policy = _nonzero_b(prepare_policy(model, Quantization(mode=mode), Adapter(kind="lora", r=4, alpha=8,
+                                       target_modules=list(LLAMA_TARGETS)), tmp_path))
     # the tiny vocabulary's head is below the mode's size: lower it, so the mode is on as for a real head
     monkeypatch.setattr(cpu_linear, "MIN_WEIGHT_ELEMENTS", 2**10)
     ids, mask, sampling, calls = _padded_prompts_and_fused_calls(tok, monkeypatch)
