@@ -18,11 +18,13 @@ Products that need no gradient and have at most 16 rows (decoding through a mode
 bitsandbytes' 4-bit products without gradient of at most 64 rows (a short prompt's prefill; its ``gemm_4bit`` op
 dequantizes the whole weight to float32 first): :func:`~polopt_lightning.rollout.rowdot.four_bit_product`. Larger
 ones (the passes' forward) keep bitsandbytes' dequantization and take oneDNN's product in place of the MKL one the
-op would run.
+op would run. Given a model (``OneDNNLinear(model)``, as the module gives its policy), the input gradients of its
+frozen 4-bit layers go through oneDNN too (:func:`four_bit_input_gradients`).
 """
 
 from __future__ import annotations
 
+import functools
 import threading
 from contextlib import contextmanager
 
@@ -120,16 +122,33 @@ _open = threading.local()  # how many OneDNNLinear contexts this thread has open
 
 
 class OneDNNLinear(TorchFunctionMode):
-    """Inside this context, eligible ``F.linear`` calls run through oneDNN (see the module's docstring)."""
+    """Inside this context, eligible ``F.linear`` calls run through oneDNN (see the module's docstring).
+
+    ``model``: also the input gradients of its frozen bitsandbytes 4-bit layers (:func:`four_bit_input_gradients`),
+    which the mode cannot reach otherwise: bitsandbytes computes them in its autograd function's backward, where no
+    torch-function mode is active."""
+
+    def __init__(self, model: nn.Module | None = None):
+        super().__init__()
+        self._model = model
+        self._four_bit = None
 
     def __enter__(self):
+        if self._model is not None:
+            self._four_bit = four_bit_input_gradients(self._model)
+            self._four_bit.__enter__()
         mode = super().__enter__()
         _open.depth = getattr(_open, "depth", 0) + 1
         return mode
 
     def __exit__(self, *exc):
         _open.depth -= 1
-        return super().__exit__(*exc)
+        try:
+            return super().__exit__(*exc)
+        finally:
+            if self._four_bit is not None:
+                self._four_bit, four_bit = None, self._four_bit
+                four_bit.__exit__(None, None, None)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -166,6 +185,64 @@ def _four_bit_on_onednn(A: Tensor, B: Tensor, shapeB, absmax: Tensor, blocksize:
     absmax = rowdot.four_bit_scales(absmax, absmax_8bit, absmax_code, absmax_offset)
     weight = torch.ops.bitsandbytes.dequantize_4bit.default(B, absmax, blocksize, quant_type, shapeB, A.dtype)
     return _product(A, weight, bias)
+
+
+def _frozen_four_bit(layer: nn.Module) -> bool:
+    """Whether ``layer`` is a bitsandbytes 4-bit layer on the CPU with float32 compute and frozen weights (a QLoRA
+    base), in bitsandbytes' own layout, of the mode's size (:data:`MIN_WEIGHT_ELEMENTS`)."""
+    weight = getattr(layer, "weight", None)
+    state = getattr(weight, "quant_state", None)
+    return (state is not None and hasattr(layer, "compute_dtype") and weight.device.type == "cpu"
+            and layer.compute_dtype in (None, torch.float32) and not weight.requires_grad
+            and not getattr(state, "packing_format_for_cpu", False) and len(state.shape) == 2
+            and int(state.shape[0]) * int(state.shape[1]) >= MIN_WEIGHT_ELEMENTS
+            and (layer.bias is None or not layer.bias.requires_grad))
+
+
+class _FourBitLinear(torch.autograd.Function):
+    """A frozen 4-bit layer's forward as the layer computes it (inside :class:`OneDNNLinear` its ``gemm_4bit`` op runs
+    through oneDNN), with the input gradient ``grad @ W`` through oneDNN on the weight dequantized as bitsandbytes'
+    own backward dequantizes it (there: ``torch.matmul``, on MKL)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, layer: nn.Module) -> Tensor:
+        ctx.layer = layer
+        return type(layer).forward(layer, x)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad: Tensor):
+        from bitsandbytes.functional import dequantize_4bit
+
+        weight = ctx.layer.weight
+        dense = dequantize_4bit(weight.data, weight.quant_state).to(torch.float32)  # [out, in]
+        g = grad.reshape(-1, grad.shape[-1]).contiguous()
+        return _product(g, dense.t()).reshape(*grad.shape[:-1], dense.shape[1]), None
+
+
+def _four_bit_forward(layer: nn.Module, x: Tensor, *args, **kwargs) -> Tensor:
+    if (not args and not kwargs and torch.is_grad_enabled() and x.requires_grad and type(x) in _PLAIN
+            and x.dtype == torch.float32 and x.device.type == "cpu" and active() and _frozen_four_bit(layer)
+            and not torch.is_autocast_enabled("cpu") and not torch.compiler.is_compiling()):
+        return _FourBitLinear.apply(x, layer)
+    return type(layer).forward(layer, x, *args, **kwargs)
+
+
+@contextmanager
+def four_bit_input_gradients(model: nn.Module):
+    """Context in which ``model``'s frozen bitsandbytes 4-bit layers (float32 compute, on the CPU) compute their input
+    gradient through oneDNN while an :class:`OneDNNLinear` context is open in the thread: bitsandbytes' backward
+    multiplies the dequantized weight on MKL (the 0.5B nf4 QLoRA training pass: 0.77 s of 1.88 in those products).
+    The forward is the layer's own; the gradient is the same product in another summation order (float32
+    tolerance). Each such layer's ``forward`` is an instance attribute for the context's span, removed after it."""
+    layers = [m for m in model.modules() if _frozen_four_bit(m) and "forward" not in vars(m)]
+    for layer in layers:
+        layer.forward = functools.partial(_four_bit_forward, layer)
+    try:
+        yield
+    finally:
+        for layer in layers:
+            vars(layer).pop("forward", None)
 
 
 def active() -> bool:

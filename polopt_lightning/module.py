@@ -93,7 +93,9 @@ class PolicyOptimizationModule(L.LightningModule):
         onednn_linear: on the CPU, run every float32 linear layer with a weight of at least 2**18 elements (the
             policy's and the reference's, in sampling, the reference pass and the training pass, forward and
             backward) through oneDNN's products instead of the BLAS behind ``F.linear``
-            (:mod:`polopt_lightning.cpu_linear`: the same float32 arithmetic, rounded in another order). ``None``
+            (:mod:`polopt_lightning.cpu_linear`: the same float32 arithmetic, rounded in another order), also the
+            products of the policy's frozen bitsandbytes 4-bit layers with float32 compute (QLoRA), their input
+            gradients included. ``None``
             decides: on where the policy has such a weight on the CPU (Qwen2.5-0.5B shape, AMD EPYC, 2 threads:
             decoding's 8-row products 3-5x faster, training's 1.5-2.5x); a model whose weights are all smaller (the
             default tiny model) computes as before.
@@ -572,7 +574,7 @@ class PolicyOptimizationModule(L.LightningModule):
         use = self.onednn_linear
         if use is None:
             use = self.device.type == "cpu" and cpu_linear.pays_for(self.policy)
-        return cpu_linear.OneDNNLinear() if use else nullcontext()
+        return cpu_linear.OneDNNLinear(self.policy) if use else nullcontext()
 
     def training_step(self, batch: Mapping[str, Any], batch_idx: int) -> None:
         with self._linear_mode():

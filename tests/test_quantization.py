@@ -125,6 +125,43 @@ def test_lora_without_quantization_shares_the_reference_and_keeps_the_base(tmp_p
     assert all(torch.equal(v, policy.state_dict()[k]) for k, v in base.items())
 
 
+def test_the_modules_cpu_context_takes_the_four_bit_input_gradients_the_lora_gradients_unchanged(monkeypatch, tmp_path):
+    """On the CPU the module's oneDNN context (``onednn_linear``) is given its policy: a QLoRA policy's frozen nf4
+    layers compute their input gradients through oneDNN (bitsandbytes' own backward: MKL). The adapter's gradients of
+    a pass outside the context within float32 tolerance; the layers as before after it."""
+    from polopt_lightning import cpu_linear
+
+    monkeypatch.setattr(cpu_linear, "MIN_WEIGHT_ELEMENTS", 2**10)  # the tiny model's 64 x 64 weights count
+    policy, tok, _ = qlora("nf4", tmp_path)
+    with torch.no_grad():  # a non-zero adapter, so every layer's input gradient reaches a LoRA weight
+        for name, p in policy.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.1)
+    module = module_for(policy, tok, onednn_linear=True)
+    ran = []
+    backward = cpu_linear._FourBitLinear.backward
+    monkeypatch.setattr(cpu_linear._FourBitLinear, "backward", lambda ctx, g: ran.append(1) or backward(ctx, g))
+    ids = tok(["1+2=", "3+4="], return_tensors="pt", padding=True)
+    completions = torch.randint(3, 40, (2, 5))
+    grads = []
+    for context in (module._linear_mode, lambda: torch.enable_grad()):
+        policy.zero_grad(set_to_none=True)
+        with context():
+            logprobs = completion_logprobs(policy, ids["input_ids"], ids["attention_mask"], completions,
+                                           torch.ones_like(completions))[0]
+            logprobs.sum().backward()
+        grads.append({n: p.grad.clone() for n, p in policy.named_parameters() if p.grad is not None})
+    import bitsandbytes as bnb
+
+    layers = [m for m in policy.modules() if isinstance(m, bnb.nn.Linear4bit)]
+    assert len(layers) == 14 and all(cpu_linear._frozen_four_bit(m) for m in layers)
+    assert len(ran) == len(layers) - 3  # all but the first block's q/k/v, whose input wants no gradient
+    assert not any("forward" in vars(m) for m in layers)
+    assert grads[0].keys() == grads[1].keys() and all("lora_" in n for n in grads[0])
+    for name, grad in grads[1].items():
+        torch.testing.assert_close(grads[0][name], grad, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("mode", ["nf4", "int8"])
 def test_shared_prompt_passes_equal_the_plain_pass_on_quantized_lora(mode, tmp_path):
     policy, tok, _ = qlora(mode, tmp_path)

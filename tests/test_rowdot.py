@@ -429,3 +429,42 @@ def test_a_prefills_four_bit_products_run_on_the_kernel_inside_the_mode(monkeypa
     inside, x.grad = x.grad, None
     layers[0](x).sum().backward()
     torch.testing.assert_close(inside, x.grad)
+
+
+@pytest.mark.parametrize("quant_type, nested", [("nf4", True), ("fp4", False)])
+def test_frozen_four_bit_layers_take_their_input_gradients_through_onednn_for_the_modes_model(monkeypatch, quant_type,
+                                                                                               nested):
+    """``OneDNNLinear(model)``: the frozen 4-bit layers of ``model`` of the mode's size compute ``grad @ W`` through
+    oneDNN instead of bitsandbytes' backward (MKL, where no mode reaches): the outputs and input gradients of the
+    layers outside the mode within float32 tolerance. A trainable bias, bfloat16 compute, a layer below the mode's
+    size and a model not given to the mode stay with bitsandbytes; after the context the layers are as before."""
+    layers = _four_bit_layers(quant_type, nested)  # out widths 100, 7 and 640 over 512: only the 640 one is large
+    for layer in layers:
+        layer.requires_grad_(False)
+    trainable, bf16, other = (_four_bit_layers(quant_type, nested, widths=((640, True),))[0] for _ in range(3))
+    trainable.weight.requires_grad_(False)
+    bf16.requires_grad_(False)
+    bf16.compute_dtype = torch.bfloat16
+    other.requires_grad_(False)
+    model = torch.nn.ModuleList(layers + [trainable, bf16])
+    backward = cpu_linear._FourBitLinear.backward
+    ran = []
+    monkeypatch.setattr(cpu_linear._FourBitLinear, "backward",
+                        lambda ctx, grad: ran.append(tuple(ctx.layer.weight.quant_state.shape)) or backward(ctx, grad))
+    torch.manual_seed(0)
+    x = torch.randn(3, 5, 512, requires_grad=True)
+
+    def run(layer):
+        y = layer(x)
+        (y.float().square() * torch.linspace(-1, 1, y.shape[-1])).sum().backward()
+        grad, x.grad = x.grad, None
+        return y.detach().float(), grad
+
+    for layer in [*model, other]:
+        want = run(layer)
+        with cpu_linear.OneDNNLinear(model):
+            got = run(layer)
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+    assert ran == [(640, 512)]
+    assert not any("forward" in vars(layer) for layer in [*model, other])
