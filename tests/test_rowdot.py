@@ -360,10 +360,12 @@ def test_the_four_bit_kernel_refuses_what_it_does_not_compute():
 
 
 @pytest.mark.parametrize("mode", ["nf4", "fp4"])
-def test_four_bit_lora_policies_decode_on_their_codes_with_the_modules_tokens(monkeypatch, tmp_path, mode):
-    """A QLoRA policy (4-bit base, LoRA adapters) decodes through :class:`fast_decode.AdapterProjections` with its
-    base products on the 4-bit kernel: the sampled tokens and log-probs of peft's and bitsandbytes' modules
-    (``decode_kernel=False``); no fused C step (it takes float32 weights only)."""
+@pytest.mark.parametrize("shared", [False, True])
+def test_four_bit_lora_policies_decode_on_their_codes_with_the_modules_tokens(monkeypatch, tmp_path, mode, shared):
+    """A QLoRA policy (4-bit base, LoRA adapters) decodes in the fused C step, its base products on the 4-bit codes
+    (``rows_of_4bit``) and its adapters added inside it; with ``fused_step=False`` through
+    :class:`fast_decode.AdapterProjections` on :class:`rowdot.FourBitRowDot`. Both give the sampled tokens of peft's
+    and bitsandbytes' modules (``decode_kernel=False``), log-probs within float32 tolerance."""
     _needs_kernel()
     pytest.importorskip("bitsandbytes", reason="bitsandbytes is a runtime dependency; this test needs it")
     from polopt_lightning.models import LLAMA_TARGETS, Adapter, Quantization, prepare_policy
@@ -377,18 +379,41 @@ def test_four_bit_lora_policies_decode_on_their_codes_with_the_modules_tokens(mo
     four = []
     call = rowdot.FourBitRowDot.__call__
     monkeypatch.setattr(rowdot.FourBitRowDot, "__call__", lambda self, x: four.append(1) or call(self, x))
-    got = {}
+    got, tokens = {}, sampling.max_new_tokens - 1  # decoding steps after the prefill's token
     with cpu_linear.OneDNNLinear():
-        for kernel in (None, False):
-            got[kernel] = HFRolloutEngine(decode_kernel=kernel).generate(
+        for name, options in (("fused", {}), ("python", {"fused_step": False}), ("peft", {"decode_kernel": False})):
+            got[name] = HFRolloutEngine(shared_prompt_kv=shared, **options).generate(
                 policy, ids, mask, 3, sampling, tok.eos_token_id, tok.pad_token_id,
                 generator=torch.Generator().manual_seed(0))
-            if kernel is None:
-                # 4 calls a layer (q/k/v, o, gate/up, down) for each token after the prefill's
-                assert len(four) == 4 * len(model.model.layers) * (sampling.max_new_tokens - 1)
-    assert len(four) == 4 * len(model.model.layers) * (sampling.max_new_tokens - 1) and not calls
-    assert torch.equal(got[None].completion_ids, got[False].completion_ids)
-    assert _close(got[None].sampling_logprobs, got[False].sampling_logprobs, rel=1e-5)
+            if name == "fused":
+                assert (len(calls), len(four)) == (tokens, 0)
+            if name == "python":  # 4 calls a layer (q/k/v, o, gate/up, down) for each token
+                assert (len(calls), len(four)) == (tokens, 4 * len(model.model.layers) * tokens)
+    assert (len(calls), len(four)) == (tokens, 4 * len(model.model.layers) * tokens)
+    for other in ("python", "peft"):
+        assert torch.equal(got["fused"].completion_ids, got[other].completion_ids)
+        assert _close(got["fused"].sampling_logprobs, got[other].sampling_logprobs, rel=1e-5)
+
+
+def test_the_fused_step_takes_four_bit_bases_of_one_block_size_and_float32_compute(tmp_path):
+    """The C step takes one block size for all 4-bit projections and float32 compute: another block size on one
+    layer, or bfloat16 compute, leaves the step in PyTorch."""
+    _needs_kernel()
+    pytest.importorskip("bitsandbytes", reason="bitsandbytes is a runtime dependency; this test needs it")
+    from polopt_lightning.models import LLAMA_TARGETS, Adapter, Quantization, prepare_policy
+
+    model, _ = _gqa_model(architecture="llama")
+    policy = prepare_policy(model, Quantization(mode="nf4"), Adapter(kind="lora", r=4, target_modules=list(
+        LLAMA_TARGETS)), tmp_path)
+    base = fast_decode.llama_like(policy.eval())
+    assert fast_decode.FusedStep.fits(base)
+    down = base.model.layers[1].mlp.down_proj.base_layer
+    state = down.weight.quant_state
+    state.blocksize *= 2
+    assert not fast_decode.FusedStep.fits(base)
+    state.blocksize //= 2
+    down.compute_dtype = torch.bfloat16
+    assert not fast_decode.FusedStep.fits(base)
 
 
 @pytest.mark.parametrize("quant_type, nested", [("nf4", True), ("nf4", False), ("fp4", True)])

@@ -199,6 +199,12 @@ typedef struct {
     const long *lora_rank;
     long lora_rmax;
     float *lora_t;
+    /* 4-bit bases (NULL: none): per layer and projection as lora_a, the float32 block scales and the 16-entry table
+     * where that projection's weight pointer holds bitsandbytes' 4-bit codes (rows_of_4bit); one block size;
+     * four_buf: scratch [threads, four_stride] for the dequantized rows, four_chunk_bytes of them at a time */
+    const float *const *four_absmax, *const *four_table;
+    long four_blocksize, four_chunk_bytes, four_stride;
+    float *four_buf;
 } Step;
 
 enum { P_Q, P_K, P_V, P_O, P_GATE, P_UP, P_DOWN, PROJECTIONS };
@@ -208,11 +214,16 @@ enum { P_Q, P_K, P_V, P_O, P_GATE, P_UP, P_DOWN, PROJECTIONS };
  * output rows, vectorized over them on B transposed. */
 static void product(const Step *s, const float *x, long K, const float *w, const float *b, float *y, long N, int t,
                     int nt, long L, int which) {
-    long n0, n1;
+    long n0, n1, i = L * PROJECTIONS + which;
     share(N, t, nt, &n0, &n1);
-    rows_of(x, s->M, K, w, b, y, N, n0, n1);
-    if (which < 0 || !s->lora_a || !s->lora_a[L * PROJECTIONS + which]) return;
-    long i = L * PROJECTIONS + which;
+    if (which >= 0 && s->four_absmax && s->four_absmax[i]) {
+        long chunk = s->four_chunk_bytes / (4 * K) / 3 * 3;
+        rows_of_4bit(x, s->M, K, (const unsigned char *)w, s->four_absmax[i], s->four_table[i], s->four_blocksize, b,
+                     y, N, n0, n1, s->four_buf + (long)t * s->four_stride, chunk < 3 ? 3 : chunk);
+    } else {
+        rows_of(x, s->M, K, w, b, y, N, n0, n1);
+    }
+    if (which < 0 || !s->lora_a || !s->lora_a[i]) return;
     long r = s->lora_rank[i];
     const float *bt = s->lora_bt[i];
     float *ax = s->lora_t + (long)t * s->M * s->lora_rmax; /* [M, r] */

@@ -130,7 +130,10 @@ class Step(ctypes.Structure):
                 + [(name, _P) for name in ("x", "h", "q", "k", "v", "att", "gate", "up", "tmp", "scores",
                                            "logits")]
                 + [(name, _PP) for name in ("lora_a", "lora_bt")]
-                + [("lora_scale", _P), ("lora_rank", _P), ("lora_rmax", ctypes.c_long), ("lora_t", _P)])
+                + [("lora_scale", _P), ("lora_rank", _P), ("lora_rmax", ctypes.c_long), ("lora_t", _P)]
+                + [(name, _PP) for name in ("four_absmax", "four_table")]
+                + [(name, ctypes.c_long) for name in ("four_blocksize", "four_chunk_bytes", "four_stride")]
+                + [("four_buf", _P)])
 
 
 def pointers(tensors: list[Tensor | None]) -> ctypes.Array:
@@ -257,6 +260,16 @@ def four_bit_fits(modules: list[nn.Module]) -> bool:
     return all(s is not None for s in states) and len({s.blocksize for s in states}) == 1
 
 
+def four_bit_parts(module: nn.Module) -> tuple[Tensor, Tensor, Tensor]:
+    """What the 4-bit kernel reads of a layer :func:`_four_bit_state` takes: its codes (flat ``uint8``, as they are),
+    its block scales in float32 (nested ones dequantized as bitsandbytes does at each product) and its 16-entry
+    table."""
+    s = _four_bit_state(module)
+    absmax = four_bit_scales(s.state2.absmax, s.absmax, s.state2.code, s.offset, s.state2.blocksize) if s.nested \
+        else s.absmax
+    return module.weight.data.reshape(-1).view(torch.uint8), absmax.float().contiguous(), s.code.float().contiguous()
+
+
 class FourBitRowDot:
     """bitsandbytes 4-bit layers (nf4 or fp4, float32 compute) sharing an input as one kernel call on their 4-bit
     codes as they are: each thread dequantizes a chunk of its weight rows (:data:`FOUR_BIT_CHUNK_BYTES`) into a buffer
@@ -272,14 +285,10 @@ class FourBitRowDot:
         if not four_bit_fits(modules):
             raise ValueError("FourBitRowDot takes bitsandbytes 4-bit layers with float32 compute, widths and block "
                              "size multiples of 16")
-        states = [_four_bit_state(m) for m in modules]
-        self.codes = [m.weight.data.reshape(-1).view(torch.uint8) for m in modules]
-        self.absmax = [(four_bit_scales(s.state2.absmax, s.absmax, s.state2.code, s.offset, s.state2.blocksize)
-                        if s.nested else s.absmax).float().contiguous() for s in states]
-        self.tables = [s.code.float().contiguous() for s in states]
+        self.codes, self.absmax, self.tables = (list(t) for t in zip(*(four_bit_parts(m) for m in modules)))
         self.biases = [None if m.bias is None else m.bias.detach().contiguous() for m in modules]
-        self.blocksize, self.outs, self.in_features = states[0].blocksize, [m.out_features for m in modules], \
-            modules[0].in_features
+        self.blocksize, self.outs, self.in_features = _four_bit_state(modules[0]).blocksize, \
+            [m.out_features for m in modules], modules[0].in_features
         self._arrays = [pointers(t) for t in (self.codes, self.absmax, self.tables, self.biases)]
         self.single = len(modules) == 1
 
