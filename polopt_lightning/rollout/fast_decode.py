@@ -291,9 +291,12 @@ class _Adapted:
 
     def __init__(self, modules: list[nn.Module]) -> None:
         parts = [_lora_parts(m) for m in modules]
-        self.kernel, self.adapters = rowdot.products([linear for linear, _ in parts]), [a for _, a in parts]
+        self.bases, self.adapters = [linear for linear, _ in parts], [a for _, a in parts]
+        self.kernel = None  # built at the first call: a rollout the fused step decodes never makes one
 
     def __call__(self, x: Tensor) -> Tensor | tuple[Tensor, ...]:
+        if self.kernel is None:
+            self.kernel = rowdot.products(self.bases)
         outs = self.kernel(x)
         outs = list(outs) if isinstance(outs, tuple) else [outs]
         for j, parts in enumerate(self.adapters):
