@@ -416,8 +416,7 @@ class FusedStep:
             s.four_table = self._pointers([None if f is None else f[2] for f in four])
             s.four_blocksize = next(rowdot._four_bit_state(base).blocksize for (base, _), f in zip(parts, four) if f)
             s.four_chunk_bytes = rowdot.FOUR_BIT_CHUNK_BYTES
-            # a thread's dequantized rows: the chunk, or at least three rows of the widest input
-            self.four_stride = s.four_stride = rowdot.FOUR_BIT_CHUNK_BYTES // 4 + 3 * max(H, heads * D, inner_width)
+            self.four_stride = s.four_stride = rowdot.four_bit_scratch(max(H, heads * D, inner_width))
 
     def _pointers(self, tensors: list[Tensor | None]) -> ctypes.Array:
         """A C array of the tensors' pointers, the tensors and the array kept alive with the step."""

@@ -94,10 +94,13 @@ static void dequantize_row(const unsigned char *codes, const float *absmax, __m5
     }
 }
 
+/* buf: chunk_bytes / 4 + 3 * K floats (the chunk's rows, a multiple of 3, at least 3) */
 static void rows_of_4bit(const float *x, long M, long K, const unsigned char *codes, const float *absmax,
                          const float *table, long blocksize, const float *bias, float *y, long ldy, long n0, long n1,
-                         float *buf, long chunk) {
+                         float *buf, long chunk_bytes) {
     __m512 t = _mm512_loadu_ps(table);
+    long chunk = chunk_bytes / (4 * K) / 3 * 3;
+    if (chunk < 3) chunk = 3;
     for (long c0 = n0; c0 < n1; c0 += chunk) { /* `chunk` rows (a multiple of 3) dequantized into buf, in L2 */
         long c1 = c0 + chunk < n1 ? c0 + chunk : n1;
         for (long n = c0; n < c1; n++) dequantize_row(codes, absmax, t, blocksize, K, n, buf + (n - c0) * K);
@@ -135,11 +138,11 @@ void polopt_rowdot(const float *x, long M, long K, int count, const float *const
 }
 
 /* polopt_rowdot on 4-bit weights: codes[j], absmax[j], tables[j] as rows_of_4bit takes them; K and blocksize
- * multiples of 16 (16 consecutive codes share a scale); scratch: chunk x K floats a thread. */
+ * multiples of 16 (16 consecutive codes share a scale); scratch: `stride` floats a thread, as rows_of_4bit's buf. */
 void polopt_rowdot_4bit(const float *x, long M, long K, int count, const unsigned char *const *codes,
                         const float *const *absmax, const float *const *tables, long blocksize,
                         const float *const *biases, float *const *outputs, const long *outs, int threads,
-                        float *scratch, long chunk) {
+                        float *scratch, long stride, long chunk_bytes) {
     #pragma omp parallel num_threads(threads)
     {
         int t = omp_get_thread_num(), nt = omp_get_num_threads();
@@ -147,7 +150,7 @@ void polopt_rowdot_4bit(const float *x, long M, long K, int count, const unsigne
             long n0, n1;
             share(outs[j], t, nt, &n0, &n1);
             rows_of_4bit(x, M, K, codes[j], absmax[j], tables[j], blocksize, biases[j], outputs[j], outs[j], n0, n1,
-                         scratch + (long)t * chunk * K, chunk);
+                         scratch + (long)t * stride, chunk_bytes);
         }
     }
 }
@@ -201,7 +204,7 @@ typedef struct {
     float *lora_t;
     /* 4-bit bases (NULL: none): per layer and projection as lora_a, the float32 block scales and the 16-entry table
      * where that projection's weight pointer holds bitsandbytes' 4-bit codes (rows_of_4bit); one block size;
-     * four_buf: scratch [threads, four_stride] for the dequantized rows, four_chunk_bytes of them at a time */
+     * four_buf: scratch [threads, four_stride], rows_of_4bit's buf for the widest input */
     const float *const *four_absmax, *const *four_table;
     long four_blocksize, four_chunk_bytes, four_stride;
     float *four_buf;
@@ -217,9 +220,8 @@ static void product(const Step *s, const float *x, long K, const float *w, const
     long n0, n1, i = L * PROJECTIONS + which;
     share(N, t, nt, &n0, &n1);
     if (which >= 0 && s->four_absmax && s->four_absmax[i]) {
-        long chunk = s->four_chunk_bytes / (4 * K) / 3 * 3;
         rows_of_4bit(x, s->M, K, (const unsigned char *)w, s->four_absmax[i], s->four_table[i], s->four_blocksize, b,
-                     y, N, n0, n1, s->four_buf + (long)t * s->four_stride, chunk < 3 ? 3 : chunk);
+                     y, N, n0, n1, s->four_buf + (long)t * s->four_stride, s->four_chunk_bytes);
     } else {
         rows_of(x, s->M, K, w, b, y, N, n0, n1);
     }

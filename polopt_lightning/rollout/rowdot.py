@@ -94,7 +94,7 @@ def load():
                 four = lib.polopt_rowdot_4bit
                 four.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_int, ctypes.c_void_p,
                                  ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p,
-                                 ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_long]
+                                 ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_long, ctypes.c_long]
                 four.restype = None
                 _state.update(step=step, four=four)
             except (OSError, RuntimeError, subprocess.SubprocessError) as err:
@@ -302,15 +302,22 @@ class FourBitRowDot:
 def _four_bit_call(fn, x: Tensor, arrays: list, blocksize: int, outs: list[int]) -> tuple[Tensor, ...]:
     """One call of ``polopt_rowdot_4bit``: ``arrays`` the pointer arrays of the codes, scales, tables and biases."""
     K = x.shape[-1]
-    chunk = max(3, FOUR_BIT_CHUNK_BYTES // (4 * K) // 3 * 3)  # dequantized weight rows a thread holds at a time
-    scratch = torch.empty(torch.get_num_threads() * chunk * K)
+    stride = four_bit_scratch(K)
+    scratch = torch.empty(torch.get_num_threads() * stride)
     codes, absmax, tables, biases = arrays
     return _call(lambda rows, padded, _, out, counts, threads: fn(
         rows, padded, K, len(outs), codes, absmax, tables, blocksize, biases, out, counts, threads,
-        scratch.data_ptr(), chunk), x, outs)
+        scratch.data_ptr(), stride, FOUR_BIT_CHUNK_BYTES), x, outs)
 
 
 FOUR_BIT_CHUNK_BYTES = 192 * 1024  # a thread's dequantized rows: in its L2 beside the inputs
+
+
+def four_bit_scratch(K: int) -> int:
+    """Floats a thread's buffer of dequantized rows takes for inputs of width up to ``K``: the chunk
+    (:data:`FOUR_BIT_CHUNK_BYTES`, whole rows, a multiple of 3, at least 3; ``rowdot.c``'s ``rows_of_4bit`` picks
+    them)."""
+    return FOUR_BIT_CHUNK_BYTES // 4 + 3 * K
 
 
 def four_bit_scales(absmax: Tensor, absmax_8bit: Tensor | None = None, absmax_code: Tensor | None = None,
