@@ -187,14 +187,22 @@ def _four_bit_on_onednn(A: Tensor, B: Tensor, shapeB, absmax: Tensor, blocksize:
     return _product(A, weight, bias)
 
 
-def _frozen_four_bit(layer: nn.Module) -> bool:
-    """Whether ``layer`` is a bitsandbytes 4-bit layer on the CPU with float32 compute and frozen weights (a QLoRA
-    base), in bitsandbytes' own layout, of the mode's size (:data:`MIN_WEIGHT_ELEMENTS`)."""
+def four_bit_state(layer: nn.Module):
+    """The quantization state of a bitsandbytes 4-bit layer (``Linear4bit``) on the CPU with float32 compute, in
+    bitsandbytes' own layout (not repacked for its CPU inference kernel), else ``None``."""
     weight = getattr(layer, "weight", None)
     state = getattr(weight, "quant_state", None)
-    return (state is not None and hasattr(layer, "compute_dtype") and weight.device.type == "cpu"
-            and layer.compute_dtype in (None, torch.float32) and not weight.requires_grad
-            and not getattr(state, "packing_format_for_cpu", False) and len(state.shape) == 2
+    if (state is None or not hasattr(layer, "compute_dtype") or weight.device.type != "cpu"
+            or layer.compute_dtype not in (None, torch.float32) or getattr(state, "packing_format_for_cpu", False)):
+        return None
+    return state
+
+
+def _frozen_four_bit(layer: nn.Module) -> bool:
+    """Whether ``layer`` is such a 4-bit layer (:func:`four_bit_state`) with frozen weights (a QLoRA base), of the
+    mode's size (:data:`MIN_WEIGHT_ELEMENTS`)."""
+    state = four_bit_state(layer)
+    return (state is not None and not layer.weight.requires_grad and len(state.shape) == 2
             and int(state.shape[0]) * int(state.shape[1]) >= MIN_WEIGHT_ELEMENTS
             and (layer.bias is None or not layer.bias.requires_grad))
 

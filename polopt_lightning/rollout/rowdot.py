@@ -29,6 +29,7 @@ import torch
 from torch import Tensor, nn
 
 from .._cache import cache_root
+from ..cpu_linear import four_bit_state
 
 log = logging.getLogger(__name__)
 
@@ -219,16 +220,13 @@ def _call(run, x: Tensor, outs: list[int]) -> tuple[Tensor, ...]:
 
 
 def _four_bit_state(module: nn.Module):
-    """The quantization state of a bitsandbytes 4-bit layer (``Linear4bit``, nf4 or fp4) whose products the 4-bit
-    kernel computes as the layer does (float32 compute, bitsandbytes' own layout, widths and block size multiples of
-    16, a float32 bias or none), else ``None``."""
-    weight = getattr(module, "weight", None)
-    state = getattr(weight, "quant_state", None)
-    if state is None or not hasattr(module, "compute_dtype") or weight.device.type != "cpu":
+    """The quantization state of a bitsandbytes 4-bit layer (:func:`~polopt_lightning.cpu_linear.four_bit_state`:
+    float32 compute on the CPU, bitsandbytes' own layout), nf4 or fp4, whose products the 4-bit kernel computes as
+    the layer does (widths and block size multiples of 16, a float32 bias or none), else ``None``."""
+    state = four_bit_state(module)
+    if state is None:
         return None
-    if module.compute_dtype not in (None, torch.float32) or getattr(state, "packing_format_for_cpu", False):
-        return None
-    shape = tuple(state.shape)
+    weight, shape = module.weight, tuple(state.shape)
     if (state.quant_type not in ("nf4", "fp4") or shape != (module.out_features, module.in_features)
             or shape[1] % K_MULTIPLE or state.blocksize % K_MULTIPLE or state.code.numel() != 16):
         return None
