@@ -281,33 +281,59 @@ def phase_dtypes(impl: str, sampled: str | None = None) -> dict[str, str]:
 
 
 def matmul_gflops(threads: int, size: int = 2048, repeats: int = 5, rounds: int = 5, device: str = "cpu",
-                  dtype: str = "float32") -> float:
+                  dtype: str = "float32", budget_s: float = 20.0) -> float:
     """Best of ``rounds`` timings of ``size x size`` matrix products in ``dtype``: what the hardware gives this
     process. On the CPU the products run both through ``torch.mm`` (the BLAS: MKL) and through oneDNN (what
-    ``polopt_lightning.cpu_linear`` uses; on AMD CPUs about twice MKL's float32 rate), and the faster counts."""
+    ``polopt_lightning.cpu_linear`` uses; on AMD CPUs about twice MKL's float32 rate), and the faster counts.
+
+    The probe takes about ``budget_s`` at most: a first product of a quarter of ``size`` estimates each path's
+    rate, and where the whole probe would take longer (bf16 on a CPU without hardware bf16 multiplies at a few
+    GFLOP/s: 2048-square products then take minutes) the size halves, then the repeats and rounds shrink."""
     import torch
 
     torch.set_num_threads(threads)
     if device != "cpu":  # a GPU needs more work per timing to be measured at all
         size, repeats = 8192, 20
     dt = getattr(torch, dtype)
-    a, b = torch.randn(size, size, device=device, dtype=dt), torch.randn(size, size, device=device, dtype=dt)
-    products = [lambda: a @ b]
+    products = [lambda a, b: a @ b]
     if device == "cpu":
         from polopt_lightning import cpu_linear
 
         if cpu_linear.available():
-            products.append(lambda: cpu_linear._product(a, b))  # a @ b.T: the same FLOPs
+            products.append(lambda a, b: cpu_linear._product(a, b))  # a @ b.T: the same FLOPs
+
+    def runs(product) -> bool:  # oneDNN has no bf16 product on a CPU without AVX-512 (it raises)
+        try:
+            product(torch.ones(16, 16, device=device, dtype=dt), torch.ones(16, 16, device=device, dtype=dt))
+            return True
+        except RuntimeError:
+            return False
+
+    products = [p for p in products if runs(p)]
+
+    def seconds(product, a, b, times: int) -> float:
+        t = time.perf_counter()
+        for _ in range(times):
+            product(a, b)
+        _sync(device)
+        return time.perf_counter() - t
+
+    probe = max(size // 4, 64)
+    a, b = torch.randn(probe, probe, device=device, dtype=dt), torch.randn(probe, probe, device=device, dtype=dt)
+    for product in products:  # first calls: kernels picked, weights' layouts made
+        product(a, b)
+    rate = min(2 * probe**3 / max(seconds(p, a, b, 1), 1e-9) for p in products)  # FLOP/s of the slower path
+    while size > probe and len(products) * (rounds * repeats + 1) * 2 * size**3 / rate > budget_s:
+        size //= 2
+    while (repeats > 1 or rounds > 1) and len(products) * (rounds * repeats + 1) * 2 * size**3 / rate > budget_s:
+        repeats, rounds = max(1, repeats // 2), max(1, rounds - 1)
+    a, b = torch.randn(size, size, device=device, dtype=dt), torch.randn(size, size, device=device, dtype=dt)
     best = float("inf")
     for product in products:
-        product()
+        product(a, b)
         _sync(device)
         for _ in range(rounds):
-            t = time.perf_counter()
-            for _ in range(repeats):
-                product()
-            _sync(device)
-            best = min(best, time.perf_counter() - t)
+            best = min(best, seconds(product, a, b, repeats))
     return 2 * size**3 * repeats / best / 1e9
 
 
