@@ -23,8 +23,10 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
+import shutil
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -73,23 +75,66 @@ def _json_safe(value: dict[str, Any]) -> dict[str, Any]:
                                                                                                          str(o))))
 
 
-def save_policy(model: nn.Module, tokenizer: Any, out_dir: str | Path, merge: bool = True) -> Path:
+def save_policy(model: nn.Module, tokenizer: Any, out_dir: str | Path, merge: bool = True,
+                overwrite: bool = False) -> Path:
     """Save a ``transformers`` policy and its tokenizer into ``out_dir`` with ``save_pretrained`` (safetensors).
 
     A peft policy is saved merged into a full-precision copy of its base (``merge``) or as the adapter alone.
-    Raises a TypeError naming the model's class when it has no ``save_pretrained`` (not a ``transformers`` model).
+    Raises a TypeError naming the model's class when it has no ``save_pretrained`` (not a ``transformers`` model),
+    and a FileExistsError when ``out_dir`` holds files and ``overwrite`` is False (see :func:`write_folder`).
     """
     if not hasattr(model, "save_pretrained"):
         raise TypeError(f"cannot save {type(model).__name__} in Hugging Face format: it has no save_pretrained "
                         "(a transformers PreTrainedModel has)")
+    check_target(out_dir, overwrite)
     if has_adapter(model) and merge:
         model = rebuild_policy(model.state_dict(), hf_metadata(model, None)).merge_and_unload()
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out, safe_serialization=True)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(out)
+
+    def write(folder: Path) -> None:
+        model.save_pretrained(folder, safe_serialization=True)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(folder)
+
+    out = write_folder(out_dir, write, overwrite)
     log.info("saved the policy in Hugging Face format to %s", out)
+    return out
+
+
+def check_target(out_dir: str | Path, overwrite: bool) -> None:
+    """Raise a FileExistsError when ``out_dir`` is a non-empty folder (or a file) and ``overwrite`` is False."""
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise FileExistsError(f"{out} is a file, not a folder: give another output folder")
+    if not overwrite and out.is_dir() and any(out.iterdir()):
+        names = sorted(p.name for p in out.iterdir())
+        shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+        raise FileExistsError(f"{out} is not empty ({shown}): give an empty or new folder, or overwrite=True "
+                              "(polopt-export --overwrite) to replace it whole")
+
+
+def write_folder(out_dir: str | Path, write: Callable[[Path], None], overwrite: bool = False) -> Path:
+    """Run ``write(folder)`` into a new folder beside ``out_dir``, then put that folder in ``out_dir``'s place.
+
+    A folder that holds files is refused unless ``overwrite`` (:func:`check_target`), and then replaced whole: no
+    file of the old folder (an old shard, a stale ``model.safetensors.index.json``) stays beside the new ones. A
+    failure while writing leaves ``out_dir`` as it was.
+    """
+    out = Path(out_dir)
+    check_target(out, overwrite)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    new = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.", suffix=".new"))
+    try:
+        write(new)
+    except BaseException:
+        shutil.rmtree(new, ignore_errors=True)
+        raise
+    old = None
+    if out.is_dir():
+        old = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.", suffix=".old"))
+        os.replace(out, old / out.name)
+    os.replace(new, out)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
     return out
 
 
@@ -168,13 +213,15 @@ def consolidated_checkpoint(path: str | Path) -> Path:
     return out
 
 
-def export_checkpoint(ckpt_path: str | Path, out_dir: str | Path, merge: bool = True) -> Path:
+def export_checkpoint(ckpt_path: str | Path, out_dir: str | Path, merge: bool = True, overwrite: bool = False) -> Path:
     """Turn a :class:`PolicyOptimizationModule` Lightning checkpoint into a Hugging Face folder at ``out_dir``.
 
     The policy's weights come from the checkpoint's ``state_dict`` (the reference, optimizer and the rest are left
     out); its architecture, adapter and tokenizer from what the module stored beside them. A policy with an
-    adapter is written merged (``merge``) or as the adapter alone.
+    adapter is written merged (``merge``) or as the adapter alone. A non-empty ``out_dir`` is refused unless
+    ``overwrite``, and then replaced whole (:func:`write_folder`).
     """
+    check_target(out_dir, overwrite)  # before the checkpoint is read
     path = Path(ckpt_path)
     if path.is_dir():  # a DeepSpeed checkpoint: one shard per process
         path = consolidated_checkpoint(path)
@@ -194,12 +241,13 @@ def export_checkpoint(ckpt_path: str | Path, out_dir: str | Path, merge: bool = 
     model = rebuild_policy(state, meta, where=str(path))
     if meta.get("adapter") and merge:
         model = model.merge_and_unload()
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out, safe_serialization=True)
-    for name, data in (meta.get("tokenizer_files") or {}).items():
-        (out / name).write_bytes(data)
-    return out
+
+    def write(folder: Path) -> None:
+        model.save_pretrained(folder, safe_serialization=True)
+        for name, data in (meta.get("tokenizer_files") or {}).items():
+            (folder / name).write_bytes(data)
+
+    return write_folder(out_dir, write, overwrite)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -208,14 +256,16 @@ def main(argv: list[str] | None = None) -> None:
         description="Turn a polopt-lightning checkpoint into a Hugging Face folder "
                     "(AutoModelForCausalLM/AutoTokenizer.from_pretrained load it).")
     parser.add_argument("checkpoint", help="a Lightning checkpoint written by polopt-train or PolicyOptimizationModule")
-    parser.add_argument("out", help="output folder (created; files in it are overwritten)")
+    parser.add_argument("out", help="output folder: new or empty (created), or any with --overwrite")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace a folder that holds files: the old folder goes whole, none of its files stay")
     parser.add_argument("--adapter-only", action="store_true",
                         help="a LoRA policy: write the adapter alone (adapter_model.safetensors, loadable with peft "
                              "over its base) instead of merging it into a full-precision copy of the base")
     args = parser.parse_args(argv)
     try:
-        out = export_checkpoint(args.checkpoint, args.out, merge=not args.adapter_only)
-    except (FileNotFoundError, ValueError) as exc:
+        out = export_checkpoint(args.checkpoint, args.out, merge=not args.adapter_only, overwrite=args.overwrite)
+    except (FileNotFoundError, FileExistsError, ValueError) as exc:
         parser.exit(2, f"{exc}\n")
     print(f"saved {out}")
 

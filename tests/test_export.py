@@ -93,6 +93,41 @@ def test_any_checkpoint_exports_to_a_loadable_folder(tiny, tmp_path):
     torch.testing.assert_close(logprobs_in_process(model, tok)[0], expected, rtol=0, atol=1e-5)
 
 
+def test_export_refuses_a_folder_with_files_and_replaces_it_whole_when_told(tiny, tmp_path):
+    module, trainer = trained_module(tiny, tmp_path)
+    trainer.save_checkpoint(tmp_path / "last.ckpt", weights_only=False)
+    target = tmp_path / "exported"
+    target.mkdir()
+    (target / "config.json").write_text("{}")  # somebody's model: a config, a shard and an index
+    (target / "model-00001-of-00002.safetensors").write_bytes(b"old")
+    (target / "model.safetensors.index.json").write_text("{}")
+    before = {p.name: p.read_bytes() for p in target.iterdir()}
+    proc = subprocess.run([sys.executable, "-m", "polopt_lightning.export", str(tmp_path / "last.ckpt"), str(target)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and f"{target} is not empty" in proc.stderr and "--overwrite" in proc.stderr
+    assert {p.name: p.read_bytes() for p in target.iterdir()} == before  # untouched
+    with pytest.raises(FileExistsError, match="is not empty"):
+        module.save_pretrained(target)
+    assert {p.name: p.read_bytes() for p in target.iterdir()} == before
+    # told to overwrite: the folder is replaced whole, none of the old files stays beside the new ones
+    proc = subprocess.run([sys.executable, "-m", "polopt_lightning.export", str(tmp_path / "last.ckpt"), str(target),
+                           "--overwrite"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    names = {p.name for p in target.iterdir()}
+    assert "model-00001-of-00002.safetensors" not in names and "model.safetensors.index.json" not in names
+    assert "model.safetensors" in names and json.loads((target / "config.json").read_text())["model_type"]
+    expected, _ = logprobs_in_process(module.policy, module.tokenizer)
+    torch.testing.assert_close(logprobs_elsewhere(target)[0], expected, rtol=0, atol=1e-5)
+    module.save_pretrained(target, overwrite=True)
+    assert {p.name for p in target.iterdir()} == names
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".exported.")]  # no temporary folder left
+    # an empty folder is taken as it is; a file is not a folder
+    (tmp_path / "empty").mkdir()
+    module.save_pretrained(tmp_path / "empty")
+    with pytest.raises(FileExistsError, match="is a file"):
+        module.save_pretrained(tmp_path / "last.ckpt", overwrite=True)
+
+
 def test_export_errors_name_the_file(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "polopt_lightning.export", str(tmp_path / "missing.ckpt"),
                            str(tmp_path / "out")], capture_output=True, text=True, timeout=120)
