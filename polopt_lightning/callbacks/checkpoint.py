@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 import os
 import tempfile
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +35,7 @@ import torch
 from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.io import TorchCheckpointIO
+from lightning.pytorch.trainer.states import TrainerFn
 
 log = logging.getLogger(__name__)
 
@@ -42,12 +44,17 @@ class RolloutCheckpoint(ModelCheckpoint):
     """``ModelCheckpoint`` that saves the state a training step leaves (every rollout's optimizer steps done).
 
     Takes every ``ModelCheckpoint`` argument. ``every_n_train_steps`` counts optimizer steps, as ``global_step`` does.
+    With a ``monitor``, validations run by ``trainer.validate`` rank too (Lightning's class ranks only those inside
+    ``fit``): the starting policy validated before ``fit`` is the first candidate, so a run that only gets worse keeps
+    its start as ``best``, and a run with no validation inside ``fit`` still has a best checkpoint; the final policy
+    validated after ``fit`` is a candidate as well.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._held: AtomicCheckpointIO | None = None  # the writer holding this step's files until its metrics are logged
         self._held_removals: list[str] = []  # checkpoints the held ones replace, removed once those are in place
+        self._ranked_outside_fit: int | None = None  # the step of the last validation outside fit ranked here
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any, **kwargs: Any) -> None:
         io = trainer.strategy.checkpoint_io
@@ -78,6 +85,24 @@ class RolloutCheckpoint(ModelCheckpoint):
             return
         self._save_topk_checkpoint(trainer, candidates)
         self._save_last_checkpoint(trainer, candidates)
+
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.state.fn != TrainerFn.VALIDATING or self.monitor is None or trainer.sanity_checking:
+            return super().on_validation_end(trainer, pl_module)
+        step = trainer.global_step
+        saved = (step > 0 and self._last_global_step_saved == step) or self._ranked_outside_fit == step
+        if saved or self.monitor not in trainer.callback_metrics:
+            return  # the policy of this step is ranked already (or the metric is missing: nothing to rank by)
+        self._ranked_outside_fit = step
+        self._save_topk_checkpoint(trainer, self._monitor_candidates(trainer))
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        # the folder holds what a validation before fit saved: Lightning's "exists and is not empty" is no news then
+        ours = any(getattr(cb, "_ranked_outside_fit", None) is not None for cb in trainer.checkpoint_callbacks)
+        with warnings.catch_warnings():
+            if ours:
+                warnings.filterwarnings("ignore", message=r"Checkpoint directory .* exists and is not empty")
+            super().setup(trainer, pl_module, stage)
 
     def _save_checkpoint(self, trainer: L.Trainer, filepath: str) -> None:
         _flush_loggers(trainer)  # every step logged so far reaches the disk before a checkpoint covering it
@@ -140,6 +165,12 @@ class ExceptionCheckpoint(L.Callback):
         self.ckpt_path = str(Path(dirpath) / f"{filename}.ckpt")
 
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        if trainer.global_step == 0:
+            # nothing trained yet: the starting policy is no state to resume from, and a file here would replace
+            # one that an earlier failure of this run left
+            log.info("training raised %s before its first optimizer step: no exception checkpoint",
+                     type(exception).__name__)
+            return
         if trainer.world_size > 1:
             # saving is collective (every process contributes its state) and the others may not have raised: a save
             # here could wait forever. last.ckpt, written by all processes together, is the point to resume from.

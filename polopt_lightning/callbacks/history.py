@@ -13,9 +13,10 @@ MODES = ("max", "min")
 class ValidationHistory(L.Callback):
     """Record the ``val/*`` metrics of every validation with the optimizer step and the rollout it ran at.
 
-    Validations run by ``trainer.validate`` (before or after training) are recorded with ``"fitting": False``;
-    :meth:`best` looks only at those run during ``fit``, where the policy was being trained. The records are part of
-    the checkpoint (``state_dict``), so a resumed run keeps the best of the whole run.
+    Validations run by ``trainer.validate`` (before or after training) are recorded with ``"fitting": False``.
+    :meth:`best` ranks them all, as :class:`RolloutCheckpoint` does: the starting policy counts, so after a collapse
+    the best is the start, not the best of the collapsed run. The records are part of the checkpoint
+    (``state_dict``), so a resumed run keeps the best of the whole run.
 
     Args:
         monitor: the metric :meth:`best` ranks by.
@@ -41,8 +42,8 @@ class ValidationHistory(L.Callback):
                                  "fitting": trainer.state.fn == TrainerFn.FITTING, **metrics})
 
     def best(self) -> dict[str, Any] | None:
-        """The record of the best ``monitor`` among validations during training (the earliest of equal ones)."""
-        candidates = [r for r in self.records if r["fitting"] and self.monitor in r]
+        """The record of the best ``monitor`` among every validation (the earliest of equal ones)."""
+        candidates = [r for r in self.records if self.monitor in r]
         if not candidates:
             return None
         sign = 1 if self.mode == "max" else -1
