@@ -26,6 +26,7 @@ from ._cache import cache_root
 from .callbacks.checkpoint import save_atomically
 
 log = logging.getLogger(__name__)
+ESTIMATE_AFTER = 5  # steps timed before the warm start says how long it may take
 
 
 @dataclass
@@ -83,10 +84,10 @@ def _cache_key(model: nn.Module, tokenizer: Any, rows: Sequence[dict], cfg: Warm
     h.update(json.dumps(settings, sort_keys=True).encode())
     h.update(model.config.to_json_string(use_diff=False).encode() if hasattr(model, "config") else b"")
     h.update(json.dumps(tokenizer.get_vocab(), sort_keys=True).encode())
-    # the initial weights matter too: hash a cheap fingerprint of every tensor
+    # the initial weights matter too: every tensor's bytes (a float sum rounds differently with the thread count)
     for name, p in sorted(model.state_dict().items()):
-        h.update(name.encode())
-        h.update(f"{float(p.float().sum()):.6e}/{float(p.float().abs().sum()):.6e}".encode())
+        h.update(f"{name}:{p.dtype}:{tuple(p.shape)}".encode())
+        h.update(p.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
     h.update(json.dumps([[r[cfg.prompt_column], r[cfg.answer_column]] for r in rows]).encode())
     return h.hexdigest()[:20]
 
@@ -119,6 +120,12 @@ def supervised_warm_start(model: nn.Module, tokenizer: Any, rows: Sequence[dict[
             return {"cached": True, "wall_s": 0.0, "final_loss": None, "path": str(path), "steps": None,
                     "probe_accuracy": None}
 
+    log.info("warm start: %s; a supervised warm start on %d reference answers first (the model must sometimes answer "
+             "right before RL can reward it): up to %d steps of %d examples%s. Its weights are cached for the next run",
+             f"no cached weights in {cfg.cache_dir}" if path is not None else "no cache (warm_start.cache_dir=null)",
+             len(rows), cfg.steps, cfg.batch_size,
+             f", until greedy accuracy on {min(cfg.probe_size, len(rows))} training prompts reaches "
+             f"{cfg.target_accuracy:.0%}" if cfg.target_accuracy is not None else "")
     start = time.perf_counter()
     device = next(model.parameters()).device
     examples = [_encode(tokenizer, str(r[cfg.prompt_column]), str(r[cfg.answer_column])) for r in rows]
@@ -161,20 +168,36 @@ def supervised_warm_start(model: nn.Module, tokenizer: Any, rows: Sequence[dict[
         scheduler.step()
         loss_value = float(out.loss.detach())
         steps_done = step + 1
+        if steps_done == min(ESTIMATE_AFTER, cfg.steps):  # the pace of the steps (probes come on top)
+            per_step = (time.perf_counter() - start) / steps_done
+            log.info("warm start: %.2f s a step: at most ~%s for all %d steps%s", per_step,
+                     _duration(per_step * cfg.steps), cfg.steps,
+                     "; the probe's target usually stops it earlier" if cfg.target_accuracy is not None else "")
         near = (cfg.fine_eval_every is not None and accuracy is not None
                 and accuracy >= cfg.target_accuracy - cfg.fine_margin)
         if cfg.target_accuracy is not None and steps_done % (cfg.fine_eval_every if near else cfg.eval_every) == 0:
             accuracy = greedy_accuracy(model, tokenizer, probe, cfg.prompt_column, cfg.answer_column)
             model.train()
+            log.info("warm start: step %d/%d, loss %.4f, probe accuracy %.1f%% (target %.0f%%), %s", steps_done,
+                     cfg.steps, loss_value, 100 * accuracy, 100 * cfg.target_accuracy,
+                     _duration(time.perf_counter() - start))
             if accuracy >= cfg.target_accuracy:
                 break
+        elif cfg.target_accuracy is None and steps_done % cfg.eval_every == 0:
+            log.info("warm start: step %d/%d, loss %.4f, %s", steps_done, cfg.steps, loss_value,
+                     _duration(time.perf_counter() - start))
     model.train(was_training)
     wall = time.perf_counter() - start
     if path is not None:  # parallel runs sharing the cache may finish one entry together: each writes its own file
         save_atomically(model.state_dict(), path)
-    log.info("warm start: %d steps in %.1fs, final loss %.4f, probe accuracy %s", steps_done, wall, loss_value, accuracy)
+    log.info("warm start: %d steps in %.1fs, final loss %.4f%s", steps_done, wall, loss_value,
+             "" if accuracy is None else f", probe accuracy {accuracy:.1%}")
     return {"cached": False, "wall_s": wall, "final_loss": loss_value, "path": str(path) if path else None,
             "steps": steps_done, "probe_accuracy": accuracy}
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.1f} min"
 
 
 @torch.no_grad()
