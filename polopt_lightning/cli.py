@@ -52,8 +52,6 @@ def _instantiate_all(group: Any) -> list[Any]:
 # Console lines that say nothing about this run, dropped unless `verbose=true` (matched by message, CLI only).
 _ADVERTISEMENTS = ("💡 Tip:",)  # Lightning's suggestions to install its cloud packages
 _DEPENDENCY_WARNINGS = (
-    # raised inside Lightning's own pytree helper under torch >= 2.9, at every fit: nothing a user can act on
-    r"`isinstance\(treespec, LeafSpec\)` is deprecated",
     # peft asks transformers with its deprecated name when it wraps a model (peft 0.21, transformers 5)
     r"`is_gradient_checkpointing` is deprecated",
 )
@@ -189,12 +187,18 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     from .data import PromptDataModule
     from .export import export_checkpoint
     from .models import as_adapter, as_quantization, check_combination, is_quantized, prepare_policy
-    from .module import PolicyOptimizationModule
+    from .module import PolicyOptimizationModule, check_settings
     from .strategies import SHARDED, check_strategy, strategy_kind
     from .warmstart import WarmStartConfig, default_cache_dir, supervised_warm_start
 
     start = time.perf_counter()
     configure_console(bool(cfg.get("verbose", False)))
+    if "note" in _RESUME:  # what resume_overrides found
+        log.info(_RESUME["note"])
+    try:  # before anything loads or trains
+        check_settings(**OmegaConf.to_container(cfg.module, resolve=True))
+    except ValueError as err:
+        raise ValueError(f"module.{err}") from None
     run_dir = _run_dir(cfg)
     run_dir.mkdir(parents=True, exist_ok=True)
     if cfg.get("num_threads"):
@@ -269,12 +273,13 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         trainer.save_checkpoint(final)
         model_dir, adapter_dir = run_dir / "model", run_dir / "adapter" if adapter.enabled else None
         if trainer.is_global_zero:  # export_checkpoint consolidates a DeepSpeed folder itself (once: it is kept)
-            export_checkpoint(final, model_dir)
+            export_checkpoint(final, model_dir, overwrite=True)
             if adapter_dir:
-                export_checkpoint(final, adapter_dir, merge=False)
-    elif trainer.is_global_zero:
-        model_dir = module.save_pretrained(run_dir / "model")  # merged into its base when there is an adapter
-        adapter_dir = module.save_pretrained(run_dir / "adapter", merge=False) if adapter.enabled else None
+                export_checkpoint(final, adapter_dir, merge=False, overwrite=True)
+    elif trainer.is_global_zero:  # the run's own folders (a resumed run writes them again): replaced whole
+        model_dir = module.save_pretrained(run_dir / "model", overwrite=True)  # merged into its base with an adapter
+        adapter_dir = (module.save_pretrained(run_dir / "adapter", merge=False, overwrite=True) if adapter.enabled
+                       else None)
     if not trainer.is_global_zero:  # one summary and one results.json per run: the first process's
         return {"global_rank": trainer.global_rank, "steps": int(trainer.global_step)}
     best = history.best()
@@ -377,10 +382,96 @@ def launcher_overrides(argv: list[str]) -> list[str]:
     return [*argv, f"hydra.job.name=train_ddp_process_{rank}", "hydra.output_subdir=null"]
 
 
+def _override_key(override: str) -> str:
+    """The key an override sets: ``trainer.max_steps`` for ``trainer.max_steps=5``, ``+a.b=1``, ``~a.b``."""
+    return override.lstrip("+~").split("=", 1)[0]
+
+
+# Lightning's names for a checkpoint it looks up itself (fit(ckpt_path="last"), ...)
+_CKPT_KEYWORDS = ("last", "best", "hpc", "registry")
+# what resume_overrides found, for train() to say in the run's log
+_RESUME: dict[str, str] = {}
+
+
+def resume_overrides(argv: list[str]) -> list[str]:
+    """The command line of a run, checked before Hydra writes anything into a run directory.
+
+    - ``ckpt_path`` must exist.
+    - A checkpoint inside a ``polopt-train`` run (``<run>/checkpoints/<file>``) resumes with that run's configuration:
+      the overrides it was started with (its ``.hydra/overrides.yaml``) are given again, those given now on top, and
+      the result must equal the run's ``.hydra/config.yaml`` but for the keys given now (else it is refused, by key:
+      a default that changed since the run). Without ``hydra.run.dir`` the run goes on in its own directory.
+    - A new run (no ``ckpt_path``) is refused in a directory that holds a run already.
+
+    Processes that Lightning's launcher, torchrun or SLURM started after the first, and multiruns, are left as they are.
+    """
+    from omegaconf import OmegaConf
+
+    external = _external_rank()
+    if (any(a in ("-m", "--multirun") for a in argv) or any(a.startswith("hydra.job.name=") for a in argv)
+            or (external is not None and external[0] > 0)):
+        return argv
+    given = {_override_key(a): a.split("=", 1)[1] for a in argv if "=" in a}
+    ckpt, run_dir = given.get("ckpt_path"), given.get("hydra.run.dir")
+    if ckpt in (None, "null"):
+        if run_dir and (Path(run_dir) / ".hydra" / "config.yaml").is_file():
+            raise SystemExit(f"polopt-train: hydra.run.dir={run_dir} holds a run already: resume it with "
+                             f"ckpt_path={Path(run_dir) / 'checkpoints' / 'last.ckpt'}, or give another folder")
+        return argv
+    if ckpt in _CKPT_KEYWORDS:
+        return argv
+    if not Path(ckpt).exists():
+        raise SystemExit(f"polopt-train: ckpt_path={ckpt}: no such checkpoint (nothing was written)")
+    source = Path(ckpt).resolve().parent.parent  # <run>/checkpoints/last.ckpt -> <run>
+    saved = source / ".hydra"
+    if not (saved / "overrides.yaml").is_file() or not (saved / "config.yaml").is_file():
+        _RESUME.update(note=f"ckpt_path={ckpt} is not inside a polopt-train run directory (no {saved}/config.yaml): "
+                            "the configuration is the one composed from this command line")
+        return argv
+    now = [a for a in argv if "=" in a and not _override_key(a).startswith("hydra.")]
+    replayed = [o for o in OmegaConf.load(saved / "overrides.yaml") if _override_key(o) not in given]
+    differ = config_differences(OmegaConf.load(saved / "config.yaml"), [*replayed, *now],
+                                {_override_key(a) for a in now})
+    if differ:  # before Hydra writes the composed configuration over the saved one
+        raise SystemExit(f"polopt-train: resuming {source}: the configuration composed now differs from the run's "
+                         f".hydra/config.yaml at {len(differ)} key(s): {'; '.join(differ[:10])}. Give them on the "
+                         "command line to resume with other values (nothing was written)")
+    _RESUME.update(note=f"resuming the run in {source} with its saved configuration ({len(replayed)} overrides it "
+                        f"was started with, replayed); given now: {', '.join(now) or 'nothing'}")
+    extra = [] if run_dir else [f"hydra.run.dir={source}"]
+    return [*replayed, *argv, *extra]
+
+
+def _flatten(node: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(node, dict):
+        out: dict[str, Any] = {}
+        for k, v in node.items():
+            out.update(_flatten(v, f"{prefix}{k}."))
+        return out or {prefix[:-1]: {}}
+    return {prefix[:-1]: node}
+
+
+def config_differences(saved: DictConfig, overrides: list[str], now: set[str]) -> list[str]:
+    """``key: saved X, now Y`` for every key where ``train.yaml`` composed with ``overrides`` differs from ``saved``
+    (a run's ``.hydra/config.yaml``), the keys given now (``now``, and everything under them) left out."""
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
+        composed = compose(config_name="train", overrides=overrides)
+    before = _flatten(OmegaConf.to_container(saved, resolve=False))
+    after = _flatten(OmegaConf.to_container(composed, resolve=False))
+
+    def set_now(key: str) -> bool:
+        return any(key == k or key.startswith(k + ".") for k in now)
+
+    keys = sorted(k for k in set(before) | set(after) if not set_now(k) and before.get(k) != after.get(k))
+    return [f"{k}: saved {before.get(k, '(absent)')!r}, now {after.get(k, '(absent)')!r}" for k in keys]
+
+
 def main() -> None:
     import sys
 
-    sys.argv = [sys.argv[0], *launcher_overrides(sys.argv[1:])]
+    sys.argv = [sys.argv[0], *resume_overrides(launcher_overrides(sys.argv[1:]))]
     _hydra_main()
 
 

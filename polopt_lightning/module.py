@@ -6,6 +6,7 @@ It orchestrates; the algorithms are the pure pieces it calls: rollout -> rewards
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, nullcontext
 from functools import partial
@@ -15,7 +16,7 @@ from typing import Any
 import lightning as L
 import torch
 from lightning.pytorch.plugins.precision import MixedPrecision
-from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
 from torchmetrics import MeanMetric
 
@@ -53,6 +54,34 @@ from .rewards import MixtureRewards, RewardComposer, RewardOutput
 from .rollout import HFRolloutEngine, RolloutBatch, RolloutEngine, SamplingConfig
 
 LR_SCHEDULES = ("constant", "linear", "cosine")
+
+# Lightning's own pytree helper calls a torch API deprecated in torch 2.9 at every fit: nothing a user of this module
+# (or of Lightning) can act on. Only that message, only from that Lightning module, is silenced.
+warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated",
+                        module=r"lightning\.pytorch\.utilities\._pytree")
+
+
+def check_settings(**settings: Any) -> None:
+    """Raise a ValueError naming the first of the module's numeric settings (its arguments, by name) that is out of
+    range. :class:`PolicyOptimizationModule` calls it first thing; ``polopt-train`` calls it on ``module.*`` before
+    anything loads or trains, so a bad value fails in a second instead of after the warm start."""
+    rules = {
+        "num_generations": (lambda v: v >= 2, ">= 2 (a group of one has no relative advantage)"),
+        "num_iterations": (lambda v: v >= 1, ">= 1"),
+        "mini_batches": (lambda v: v >= 1, ">= 1"),
+        "lr": (lambda v: v > 0, "> 0"),
+        "weight_decay": (lambda v: v >= 0, ">= 0"),
+        "betas": (lambda v: len(v) == 2 and all(0 <= b < 1 for b in v), "two numbers in [0, 1)"),
+        "lr_schedule": (lambda v: v in LR_SCHEDULES, f"one of {LR_SCHEDULES}"),
+        "warmup_steps": (lambda v: v >= 0, ">= 0"),
+        "min_lr_ratio": (lambda v: 0 <= v <= 1, "in [0, 1]"),
+        "max_grad_norm": (lambda v: v is None or v >= 0, ">= 0 or None"),
+        "max_extra_draws": (lambda v: v >= 0, ">= 0"),
+        "micro_batch_tokens": (lambda v: v is None or v >= 1, ">= 1 or None"),
+    }
+    for name, value in settings.items():
+        if name in rules and not rules[name][0](value):
+            raise ValueError(f"{name} must be {rules[name][1]}, got {value!r}")
 
 
 def _sampling(value: SamplingConfig | Mapping[str, Any] | None, **defaults: Any) -> SamplingConfig:
@@ -197,14 +226,10 @@ class PolicyOptimizationModule(L.LightningModule):
         seed: int = 0,
     ) -> None:
         super().__init__()
-        if num_generations < 2:
-            raise ValueError(f"num_generations must be >= 2 (a group of one has no relative advantage), got {num_generations}")
-        if num_iterations < 1:
-            raise ValueError(f"num_iterations must be >= 1, got {num_iterations}")
-        if mini_batches < 1:
-            raise ValueError(f"mini_batches must be >= 1, got {mini_batches}")
-        if lr_schedule not in LR_SCHEDULES:
-            raise ValueError(f"lr_schedule must be one of {LR_SCHEDULES}, got {lr_schedule!r}")
+        check_settings(num_generations=num_generations, num_iterations=num_iterations, mini_batches=mini_batches,
+                       lr=lr, weight_decay=weight_decay, betas=betas, lr_schedule=lr_schedule,
+                       warmup_steps=warmup_steps, min_lr_ratio=min_lr_ratio, max_grad_norm=max_grad_norm,
+                       max_extra_draws=max_extra_draws, micro_batch_tokens=micro_batch_tokens)
         if reward_fns is None:
             raise ValueError("reward_fns is required: give at least one reward function")
         self.automatic_optimization = False
@@ -271,8 +296,6 @@ class PolicyOptimizationModule(L.LightningModule):
         if keep_host_memory and not host_memory.available():
             raise ValueError("keep_host_memory=True: this process's C library is not glibc (no mallopt)")
         self.keep_host_memory = keep_host_memory
-        if micro_batch_tokens is not None and micro_batch_tokens < 1:
-            raise ValueError(f"micro_batch_tokens must be >= 1 or None, got {micro_batch_tokens}")
         self.micro_batch_tokens = micro_batch_tokens
         self.gradient_checkpointing = gradient_checkpointing
         if gradient_checkpointing:
@@ -613,11 +636,17 @@ class PolicyOptimizationModule(L.LightningModule):
                 exp["ref_logprobs"] = self.reference_logprobs(exp)
 
         step_metrics: list[dict[str, Tensor]] = []
-        for i, order in enumerate(orders):
-            for start in range(0, n, size):
-                rows = order[start:start + size].to(self.device)
-                first = own_old and i == 0 and start == 0
-                step_metrics.append(self._update(exp, rows, optimizer, scheduler, record_old=first))
+        updates = [(i, start) for i in range(len(orders)) for start in range(0, n, size)]
+        # Lightning stops between training steps only: a rollout's updates stop at trainer.max_steps themselves, so
+        # max_steps=3 with 2 updates a rollout runs 3 optimizer steps, not 4
+        last = self._trainer.max_steps if self._trainer is not None and self.trainer.max_steps > 0 else None
+        if last is not None and self.global_step + len(updates) > last:
+            updates = updates[:max(last - self.global_step, 1)]
+            rank_zero_info(f"trainer.max_steps={last}: the last rollout makes {len(updates)} of its optimizer steps")
+        for i, start in updates:
+            rows = orders[i][start:start + size].to(self.device)
+            first = own_old and i == 0 and start == 0
+            step_metrics.append(self._update(exp, rows, optimizer, scheduler, record_old=first))
         for key in step_metrics[0]:
             values = torch.stack([m[key] for m in step_metrics])
             metrics[f"train/{key}"] = values.sum() if key == "skipped_updates" else values.mean()
@@ -860,16 +889,17 @@ class PolicyOptimizationModule(L.LightningModule):
             self.log(f"val/{key}", metric, on_step=False, on_epoch=True, prog_bar=key == "accuracy")
 
     # ------------------------------------------------------------------------------------------------------------
-    def save_pretrained(self, out_dir: str | Path, merge: bool = True) -> Path:
+    def save_pretrained(self, out_dir: str | Path, merge: bool = True, overwrite: bool = False) -> Path:
         """Save the policy and its tokenizer in Hugging Face format (``AutoModelForCausalLM.from_pretrained`` loads it).
 
         The one-liner after ``trainer.fit(module, ...)``: ``module.save_pretrained("my_model")``. A policy with an
         adapter is merged into a full-precision copy of its base (a quantized base dequantized); ``merge=False``
-        writes the adapter alone (``adapter_model.safetensors``, for ``peft.PeftModel.from_pretrained``).
+        writes the adapter alone (``adapter_model.safetensors``, for ``peft.PeftModel.from_pretrained``). A folder
+        that holds files is refused unless ``overwrite``, and then replaced whole.
         """
         from .export import save_policy
 
-        return save_policy(self.policy, self.tokenizer, out_dir, merge=merge)
+        return save_policy(self.policy, self.tokenizer, out_dir, merge=merge, overwrite=overwrite)
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         from .export import CHECKPOINT_KEY, hf_metadata

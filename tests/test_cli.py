@@ -140,7 +140,10 @@ def test_train_function_writes_results_and_metrics(tmp_path):
     assert saved["model_dir"] == str(tmp_path / "model") and (tmp_path / "model" / "config.json").is_file()
     history = saved["val_history"]
     assert history and all(r["step"] > 0 for r in history)  # validations during RL only
-    best = max(history, key=lambda r: (r["val/accuracy"], -r["step"]))
+    # the best ranks the start (the validation before RL, step 0) and the final policy beside them
+    start = {"val/accuracy": saved["val_accuracy_before"], "step": 0}
+    final = {"val/accuracy": saved["val_accuracy_after"], "step": saved["steps"]}
+    best = max([start, *history, final], key=lambda r: (r["val/accuracy"], -r["step"]))
     assert saved["val_accuracy_best"] == best["val/accuracy"] and saved["val_accuracy_best_step"] == best["step"]
     assert saved["best_checkpoint"] == str(tmp_path / "checkpoints" / "best.ckpt")
     assert (tmp_path / "checkpoints" / "best.ckpt").is_file()

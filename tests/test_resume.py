@@ -184,10 +184,15 @@ def test_no_exception_checkpoint_under_several_processes(tmp_path, caplog):
     from polopt_lightning.callbacks import ExceptionCheckpoint
 
     saved = []
-    trainer = SimpleNamespace(world_size=2, save_checkpoint=saved.append)
+    trainer = SimpleNamespace(world_size=2, global_step=4, save_checkpoint=saved.append)
     with caplog.at_level("INFO"):
         ExceptionCheckpoint(tmp_path).on_exception(trainer, None, RuntimeError("boom"))
     assert saved == [] and "last.ckpt is the resume point" in caplog.text
-    ExceptionCheckpoint(tmp_path).on_exception(SimpleNamespace(world_size=1, save_checkpoint=saved.append), None,
-                                               RuntimeError("boom"))
+    ExceptionCheckpoint(tmp_path).on_exception(SimpleNamespace(world_size=1, global_step=4, save_checkpoint=saved.append),
+                                               None, RuntimeError("boom"))
     assert saved == [str(tmp_path / "on_exception.ckpt")]
+    # before the first optimizer step there is nothing to save (and an earlier failure's file stays)
+    with caplog.at_level("INFO"):
+        ExceptionCheckpoint(tmp_path).on_exception(SimpleNamespace(world_size=1, global_step=0,
+                                                                   save_checkpoint=saved.append), None, ValueError())
+    assert saved == [str(tmp_path / "on_exception.ckpt")] and "before its first optimizer step" in caplog.text
