@@ -83,7 +83,10 @@ def row(results: dict, objective: str, weights: str, anchor: str, seed: int, rol
     history = results["val_history"]
     out = {"objective": objective, "weights": weights, "anchor": anchor, "seed": seed, "rollouts": rollouts,
            "completions": rollouts * PROMPTS * GENERATIONS, "accuracy_before": results["val_accuracy_before"],
-           "accuracy_best": results["val_accuracy_best"], "accuracy_final": results["val_accuracy_after"],
+           # the best validation during training, as the study has always counted it (results.json's
+           # val_accuracy_best ranks the validations before and after training too)
+           "accuracy_best": max((r["val/accuracy"] for r in history), default=None),
+           "accuracy_final": results["val_accuracy_after"],
            "wall_s": results["rl_wall_s"]}
     for task in TASKS:
         key = f"val/{task}/accuracy"

@@ -183,7 +183,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     import torch
     from hydra.utils import instantiate
 
-    from .callbacks import AtomicCheckpointIO, ValidationHistory
+    from .callbacks import AtomicCheckpointIO, ValidationHistory, progress_bar
     from .data import PromptDataModule
     from .export import export_checkpoint
     from .models import as_adapter, as_quantization, check_combination, is_quantized, prepare_policy
@@ -248,6 +248,8 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     loggers = _instantiate_all(cfg.get("logger"))
     history = ValidationHistory(monitor="val/accuracy", mode="max")
     callbacks = [*_instantiate_all(cfg.get("callbacks")), *_weight_schedulers(cfg, task), history]
+    if cfg.trainer.get("enable_progress_bar", True):
+        callbacks.append(progress_bar())
     strategy = instantiate(cfg.strategy)(model=model) if strategy_cfg.get("_target_") else "auto"
     if kind == "deepspeed" and module.max_grad_norm:  # DeepSpeed clips inside its engine, from its own config
         strategy.config = {**(strategy.config or {}), "gradient_clipping": float(module.max_grad_norm)}

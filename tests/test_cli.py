@@ -327,3 +327,62 @@ def test_a_model_loaded_quantized_refuses_the_warm_start(tmp_path):
     _set_hydra(cfg)
     results = train(cfg)
     assert results["steps"] == 2 and results["base_model"] == f"{tmp_path}/m"  # the adapter's base is the folder
+
+
+def _listing(folder: Path) -> dict[str, int]:
+    return {str(p.relative_to(folder)): p.stat().st_mtime_ns for p in sorted(folder.rglob("*"))}
+
+
+def test_resume_takes_the_runs_own_configuration_and_refuses_before_writing(tmp_path):
+    """The README's resume line without the run's overrides goes on with the run's settings; a mistyped checkpoint,
+    a new run into a run's folder, or a configuration that differs from the saved one is refused before anything
+    is written into the run."""
+    run = tmp_path / "run"
+    proc = _cli(FAST + ["trainer.max_steps=3", f"hydra.run.dir={run}"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads((run / "results.json").read_text())["steps"] == 3  # not 4: 2 updates a rollout stop at 3
+    last = run / "checkpoints" / "last.ckpt"
+    before = _listing(run)
+    for args, message in [
+        ([f"ckpt_path={run}/checkpoints/lats.ckpt"], "ckpt_path=" + f"{run}/checkpoints/lats.ckpt: no such checkpoint"),
+        (FAST + [f"hydra.run.dir={run}"], f"hydra.run.dir={run} holds a run already"),
+    ]:
+        proc = _cli(args, tmp_path)
+        assert proc.returncode != 0 and message in proc.stderr, proc.stderr[-2000:]
+        assert _listing(run) == before  # no on_exception.ckpt, no csv/version_1, no new .hydra files
+    saved = (run / ".hydra" / "config.yaml").read_text()
+    (run / ".hydra" / "config.yaml").write_text(saved.replace("top_k: 0", "top_k: 7"))  # a default that changed since
+    before = _listing(run)
+    proc = _cli([f"ckpt_path={last}", "trainer.max_steps=5"], tmp_path)
+    assert proc.returncode != 0 and "generation.top_k: saved 7, now 0" in proc.stderr, proc.stderr[-2000:]
+    assert _listing(run) == before
+    (run / ".hydra" / "config.yaml").write_text(saved)
+    # no overrides but the new length: the run's own (tiny) settings, in its own folder
+    proc = _cli([f"ckpt_path={last}", "trainer.max_steps=5", "trainer.enable_progress_bar=false"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    console = proc.stdout + proc.stderr
+    assert f"resuming the run in {run}" in console and "given now: ckpt_path=" in console
+    results = json.loads((run / "results.json").read_text())
+    assert results["steps"] == 5 and results["run_dir"] == str(run)
+    assert OmegaConf.load(run / ".hydra" / "config.yaml").model.hidden_size == 16
+    assert (run / "csv" / "version_1").is_dir()
+
+
+def test_a_bad_module_setting_fails_before_the_warm_start_and_writes_no_checkpoint(tmp_path):
+    proc = _cli(FAST + ["module.lr=-1", "warm_start.steps=50", f"hydra.run.dir={tmp_path}/run"], tmp_path)
+    assert proc.returncode != 0 and "module.lr must be > 0, got -1" in proc.stderr, proc.stderr[-2000:]
+    assert "warm start" not in proc.stdout + proc.stderr and not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_the_progress_bar_shows_no_last_epoch_when_epochs_are_unbounded():
+    from types import SimpleNamespace
+
+    from polopt_lightning.callbacks import progress_bar
+
+    bar = progress_bar()
+    if not hasattr(bar, "_get_train_description"):
+        pytest.skip("rich is not installed: Lightning's tqdm bar shows the epoch alone")
+    bar._trainer = SimpleNamespace(max_epochs=-1)
+    assert bar._get_train_description(1).strip() == "Epoch 1"
+    bar._trainer = SimpleNamespace(max_epochs=3)
+    assert bar._get_train_description(1).strip() == "Epoch 1/2"

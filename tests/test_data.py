@@ -67,8 +67,10 @@ def test_bad_data_is_named(tmp_path):
         PromptDataModule(train=str(tmp_path / "missing.jsonl"))
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "a"}\n{oops\n')
-    with pytest.raises(ValueError, match="bad.jsonl:2 is not valid JSON"):
+    with pytest.raises(ValueError, match="bad.jsonl:2 is not valid JSON") as err:
         PromptDataModule(train=str(bad))
+    # the place is the file's line and a character in it; the decoder's own "line 1 column 2" is left out
+    assert "at character 2 of that line" in str(err.value) and "column" not in str(err.value)
     with pytest.raises(ValueError, match="data.batch_size"):
         PromptDataModule(train=[{"prompt": "a"}], batch_size=0)
 

@@ -118,6 +118,11 @@ def test_checkpoint_resumes(tmp_path, tiny, arithmetic_rows):
         ({"accuracy_reward": "nope"}, ValueError, "accuracy_reward='nope'"),
         ({"advantage_scale": "std"}, ValueError, "scale must be one of"),
         ({"lr_schedule": "step"}, ValueError, "lr_schedule"),
+        ({"lr": -1.0}, ValueError, "lr must be > 0, got -1.0"),
+        ({"betas": (0.9, 1.5)}, ValueError, r"betas must be two numbers in \[0, 1\), got \(0.9, 1.5\)"),
+        ({"min_lr_ratio": 2}, ValueError, r"min_lr_ratio must be in \[0, 1\]"),
+        ({"warmup_steps": -1}, ValueError, "warmup_steps must be >= 0"),
+        ({"micro_batch_tokens": 0}, ValueError, "micro_batch_tokens must be >= 1 or None"),
     ],
 )
 def test_bad_module_input(tiny, arithmetic_rows, kwargs, error, match):
@@ -191,3 +196,34 @@ def test_weights_off_a_cache_line_are_copied_into_aligned_memory(tmp_path, tiny,
     assert len(after) == len(params) and all(a is b for a, b in zip(after, params))  # same objects, moved
     assert all(p.data_ptr() % 64 == 0 for p in [*params, *module.ref_model.parameters()])
     assert all(torch.equal(a, b) for a, b in zip(ref_values, module.ref_model.parameters()))
+
+
+DROP_IN = """
+import lightning as L
+from polopt_lightning import PolicyOptimizationModule, PromptDataModule
+from polopt_lightning.data import ArithmeticTask
+from polopt_lightning.models import build_tiny_model
+from polopt_lightning.rewards import ExactMatchReward
+
+model, tok = build_tiny_model(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64)
+train, _ = ArithmeticTask(digits=1, train_size=20, val_size=4).splits()
+data = PromptDataModule(train=train, tokenizer=tok, batch_size=2)
+module = PolicyOptimizationModule(model, tok, reward_fns=[ExactMatchReward()], num_generations=2, mini_batches=2,
+                                  generation={"max_new_tokens": 3})
+trainer = L.Trainer(max_steps=3, accelerator="cpu", logger=False, enable_checkpointing=False,
+                    enable_progress_bar=False, enable_model_summary=False)
+trainer.fit(module, datamodule=data)
+print("global_step", trainer.global_step)
+"""
+
+
+def test_a_drop_in_run_stops_at_max_steps_and_prints_no_dependency_deprecation(tmp_path):
+    """A plain script, as a drop-in user runs it (Python's default warning filters, not pytest's): 2 updates a
+    rollout and max_steps=3 make 3 optimizer steps, and Lightning's pytree deprecation is not printed."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", DROP_IN], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "global_step 3" in proc.stdout
+    assert "LeafSpec" not in proc.stderr and "Warning" not in proc.stderr, proc.stderr

@@ -22,8 +22,8 @@ def test_quickstart_notebook_executes(tmp_path, monkeypatch):
         raise
     outputs = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []))
     assert "held-out accuracy:" in outputs
-    assert (tmp_path / "quickstart_logs").is_dir()
-    assert (tmp_path / "quickstart_model" / "config.json").is_file()
+    assert (tmp_path / "outputs" / "quickstart_logs").is_dir()  # outputs/ is git-ignored
+    assert (tmp_path / "outputs" / "quickstart_model" / "config.json").is_file()
 
 
 def test_grpo_vs_gspo_notebook_reads_the_study(tmp_path, monkeypatch):

@@ -4,6 +4,7 @@ collapse monitor, and the schedules of task weights, reward weights and the supe
 from .checkpoint import AtomicCheckpointIO, ExceptionCheckpoint, RolloutCheckpoint
 from .collapse import CollapseEvent, CollapseMonitor, CollapseRules
 from .history import ValidationHistory
+from .progress import progress_bar
 from .weights import (
     TASK_WEIGHT_MODES,
     AnchorScheduler,
@@ -15,4 +16,4 @@ from .weights import (
 
 __all__ = ["TASK_WEIGHT_MODES", "AnchorScheduler", "AtomicCheckpointIO", "CollapseEvent", "CollapseMonitor",
            "CollapseRules", "ExceptionCheckpoint", "RewardWeightScheduler", "RewardWeights", "RolloutCheckpoint",
-           "TaskWeightScheduler", "TaskWeights", "ValidationHistory"]
+           "TaskWeightScheduler", "TaskWeights", "ValidationHistory", "progress_bar"]

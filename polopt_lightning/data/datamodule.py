@@ -34,8 +34,10 @@ def _load_rows(source: Any, what: str) -> list[dict[str, Any]]:
                 if line.strip():
                     try:
                         rows.append(json.loads(line))
-                    except json.JSONDecodeError as exc:
-                        raise ValueError(f"{what}: {path}:{lineno} is not valid JSON: {exc}") from exc
+                    except json.JSONDecodeError as exc:  # its own "line N" counts inside this one line: left out
+                        raise ValueError(f"{what}: {path}:{lineno} is not valid JSON: {exc.msg} at character "
+                                         f"{exc.pos + 1} of that line (each line must hold one whole JSON object)"
+                                         ) from None
         return rows
     if hasattr(source, "column_names") and hasattr(source, "to_list"):  # datasets.Dataset
         return list(source.to_list())
