@@ -6,9 +6,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 SCRIPT = Path(__file__).parents[1] / "benchmarks" / "memory.py"
 
 
+@pytest.mark.slow  # a benchmark's smoke run (~40 s): python -m pytest -m slow
 def test_memory_benchmark_runs_each_setting_and_summarizes(tmp_path):
     out = tmp_path / "run.json"
     proc = subprocess.run([sys.executable, str(SCRIPT), "--shape", "small", "--impls", "polopt", "--steps", "2",

@@ -56,6 +56,7 @@ def _smoke(tmp_path, impls):
     return proc.stdout, json.loads(out.read_text())
 
 
+@pytest.mark.slow  # a benchmark's smoke run (~45 s; longer where bf16 has no hardware): python -m pytest -m slow
 def test_a_small_run_records_every_phase_of_every_step(tmp_path):
     stdout, run = _smoke(tmp_path, ["polopt", 'polopt:rollout_dtype="bfloat16"'])
     assert [r["setting"] for r in run["rows"]] == ["fp32", "lora"]
