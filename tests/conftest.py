@@ -27,3 +27,15 @@ def arithmetic_rows():
 def _isolated_cache(tmp_path, monkeypatch):
     """Warm-start cache in a temporary folder: tests never read or write the user's cache."""
     monkeypatch.setenv("POLOPT_CACHE", str(tmp_path / "cache"))
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The suite's memory at its highest, for the 2-core 24 GiB machines it must fit (no test may need most of one):
+    pytest's own process and the largest process a test started (CLI runs, DDP workers)."""
+    import resource
+
+    gib = 2**20  # ru_maxrss is in KiB on Linux
+    own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / gib
+    child = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / gib
+    terminalreporter.write_line(f"peak resident memory: pytest {own:.2f} GiB, largest process a test started "
+                                f"{child:.2f} GiB")
