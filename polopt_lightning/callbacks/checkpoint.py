@@ -47,7 +47,7 @@ class RolloutCheckpoint(ModelCheckpoint):
     With a ``monitor``, validations run by ``trainer.validate`` rank too (Lightning's class ranks only those inside
     ``fit``): the starting policy validated before ``fit`` is the first candidate, so a run that only gets worse keeps
     its start as ``best``, and a run with no validation inside ``fit`` still has a best checkpoint; the final policy
-    validated after ``fit`` is a candidate as well.
+    validated after ``fit`` is a candidate as well. Not under DeepSpeed, whose engine saves with its optimizer.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -89,6 +89,8 @@ class RolloutCheckpoint(ModelCheckpoint):
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if trainer.state.fn != TrainerFn.VALIDATING or self.monitor is None or trainer.sanity_checking:
             return super().on_validation_end(trainer, pl_module)
+        if getattr(trainer.strategy, "strategy_name", None) == "deepspeed":
+            return  # its engine saves with an optimizer, which exists only inside fit
         step = trainer.global_step
         saved = (step > 0 and self._last_global_step_saved == step) or self._ranked_outside_fit == step
         if saved or self.monitor not in trainer.callback_metrics:
