@@ -1,12 +1,9 @@
 """Linear layers on the CPU through oneDNN's matrix products instead of the BLAS behind ``F.linear``.
 
 On the CPU, PyTorch computes a float32 ``F.linear`` and its backward with the BLAS it was built with (MKL in the
-official wheels). On the AMD EPYC this project measures on, MKL reaches ~190 GFLOP/s with 2 threads on the training
-pass's products and 7-10 GB/s on decoding's 8-row products, while oneDNN (also in every official wheel, the library
-PyTorch already uses for bf16 products) computes the same float32 products at 300-440 GFLOP/s and 24-40 GB/s: the
-0.5B model's 8-row decoding products 3-5x faster, its training products 1.5-2.5x (the three products of a layer at
-8 / 64 / 384 rows: 896 x 896 1.7x / 2.1x / 2.2x; 512 x 512 1.4x / 1.9x / 2.0x; a 256 x 512 weight 1.1x / 1.5x /
-1.8x). Both compute in float32; they round differently (a different summation order), well within float32
+official wheels). oneDNN (also in every official wheel, the library PyTorch already uses for bf16 products)
+computes the same float32 products faster on the CPUs measured, most of all decoding's few-row products and large
+weights (docs/performance.md). Both compute in float32; they round differently (a different summation order), well within float32
 tolerance (tested against ``F.linear``'s values and gradients).
 
 :class:`OneDNNLinear` is a ``TorchFunctionMode``: inside it, every ``F.linear`` (so every ``nn.Linear``, also those
@@ -101,8 +98,7 @@ def few_row_kernel(enabled: bool):
     """Context in which products of at most 16 rows that need no gradient run on
     :mod:`~polopt_lightning.rollout.rowdot`'s kernel (``enabled``, the default) or on oneDNN (``False``), in this
     thread. Inside :class:`OneDNNLinear` such products are the ones decoding makes through a model's own modules
-    (adapter layers' frozen base weights, the prefill's head at the last position): AMD EPYC, 2 threads, 2-8 rows on
-    plain weights, 19-28 GB/s on the kernel against 15-22 on oneDNN."""
+    (adapter layers' frozen base weights, the prefill's head at the last position)."""
     before = getattr(_kernel, "on", True)
     _kernel.on = enabled
     try:

@@ -470,8 +470,7 @@ def release_weight_files(model: nn.Module) -> None:
     The copies are made one tensor at a time, and each copied tensor's pages of the file leave the process at once
     (``madvise(MADV_DONTNEED)`` on the whole pages inside its bytes; they are the file's own, so a later read gets
     them again): otherwise every page the copy read stays resident until the last view goes, and loading holds the
-    weights twice (Qwen2.5-0.5B fp32, AMD EPYC: a high-water mark of 4.02 GiB after this function against 2.20 with
-    the pages handed back, for 0.3-1.2 s more; under LoRA that load peak was above the training steps' 3.58 GiB).
+    weights twice (the measured high-water marks: docs/performance.md).
     Where the process's mappings can be read (``/proc/self/maps``), only tensors in a file mapping or off a cache
     line are copied (those ``from_pretrained`` converted are in fresh memory already); elsewhere every one is, and
     no page is handed back. Tensors on other devices are left as they are; tied weights stay tied (one parameter,
@@ -489,10 +488,9 @@ def align_weights(model: nn.Module) -> int:
     """Copy each floating-point CPU weight whose data does not start on a 64-byte boundary (a cache line, one
     AVX-512 vector) into fresh memory, which PyTorch's CPU allocator aligns; returns how many were copied.
 
-    Vector loads from a misaligned weight each touch two cache lines: a Qwen2.5-0.5B-shaped model loaded from its
-    safetensors file (every weight 16 bytes past a line) rolled out in 1.25 s against 1.12 s with its weights
-    aligned (AMD EPYC, 2 threads, fp32, 8 x 16 new tokens; the same 16-byte offset in anonymous memory: 1.26 s, so
-    the offset is the cost, not the file). Values, parameter objects and ties are kept.
+    Vector loads from a misaligned weight each touch two cache lines (a model loaded from its safetensors file has
+    every weight at the file's offsets; the offset is the cost, not the file). Values, parameter objects and ties
+    are kept.
     """
     return _copy_out(model, lambda tensor: tensor.data_ptr() % 64 != 0)
 

@@ -124,10 +124,9 @@ class PolicyOptimizationModule(L.LightningModule):
             backward) through oneDNN's products instead of the BLAS behind ``F.linear``
             (:mod:`polopt_lightning.cpu_linear`: the same float32 arithmetic, rounded in another order), also the
             products of the policy's frozen bitsandbytes 4-bit layers with float32 compute (QLoRA), their input
-            gradients included. ``None``
-            decides: on where the policy has such a weight on the CPU (Qwen2.5-0.5B shape, AMD EPYC, 2 threads:
-            decoding's 8-row products 3-5x faster, training's 1.5-2.5x); a model whose weights are all smaller (the
-            default tiny model) computes as before.
+            gradients included. ``None`` decides: on where the policy has such a weight on the CPU (measured
+            effect: docs/performance.md); a model whose weights are all smaller (the default tiny model) computes as
+            before.
         ref_model: reference policy for the KL term, used only when the objective's ``beta > 0``. Default: for a
             policy with an adapter (peft), the policy itself with its adapters disabled (its frozen base: no second
             copy of the weights); otherwise a frozen copy of ``model`` taken at construction.
@@ -638,7 +637,7 @@ class PolicyOptimizationModule(L.LightningModule):
         step_metrics: list[dict[str, Tensor]] = []
         updates = [(i, start) for i in range(len(orders)) for start in range(0, n, size)]
         # Lightning stops between training steps only: a rollout's updates stop at trainer.max_steps themselves, so
-        # max_steps=3 with 2 updates a rollout runs 3 optimizer steps, not 4
+        # max_steps=3 with 2 updates a rollout stops after the third update, not the fourth
         last = self._trainer.max_steps if self._trainer is not None and self.trainer.max_steps > 0 else None
         if last is not None and self.global_step + len(updates) > last:
             updates = updates[:max(last - self.global_step, 1)]

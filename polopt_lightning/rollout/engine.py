@@ -159,30 +159,25 @@ class HFRolloutEngine(RolloutEngine):
             each rollout and freed after it (float32: MKL pads each packed matrix, up to ~8 MB for small ones).
             Inside :class:`~polopt_lightning.cpu_linear.OneDNNLinear` (the module's ``onednn_linear``, on by
             default for CPU models with weights of 2**18 elements or more) a float32 model packs its body in
-            oneDNN's blocked layout instead, one copy per weight, and keeps its head as it is: MKL's packed
-            products ran at half oneDNN's speed there (Qwen2.5-0.5B shape, generation: 4.40-4.75 s against
-            2.20-2.28 on the plain weights), the blocked copy 1.1x faster than the plain weights (2.95 s against
-            3.35, AMD EPYC; docs/performance.md, "At real scale").
+            oneDNN's blocked layout instead, one copy per weight, and keeps its head as it is (MKL's packed
+            products are slower there; docs/performance.md, "At real scale").
         decode_kernel: run the lean step's float32 products (where oneDNN computes them, see ``packed_weights``) on
             :mod:`.rowdot`'s kernel, on the weights as they are, head included, for batches of at most
-            :data:`.fast_decode.KERNEL_MAX_ROWS` rows: no blocked copy to make at each rollout (0.22-0.28 s and 1.4
-            GB at the Qwen2.5-0.5B shape) and the 152k head at the blocked layout's rate. It needs an x86-64 CPU
+            :data:`.fast_decode.KERNEL_MAX_ROWS` rows: no blocked copy to make at each rollout, and a large head at
+            the blocked layout's rate. It needs an x86-64 CPU
             with AVX-512 and a C compiler (built once, cached). ``None`` uses it where it can run and falls back to
             the blocked layout otherwise; ``True`` requires it to be built here (an error here says why it cannot
             be), batches of more rows or layers it does not take (not float32, a width not a multiple of 16) still
             use the blocked layout; ``False`` keeps the blocked layout and also keeps the products decoding makes
             through the model's own modules (adapter layers' frozen base weights, the prefill's head) on oneDNN
-            (:func:`~polopt_lightning.cpu_linear.few_row_kernel`). Qwen2.5-0.5B shape (AMD EPYC, 2 threads):
-            rollout alone, 7 alternating repeats, 1.65 s against 2.12 on the blocked copy, the same greedy tokens,
-            log-probs within 4e-6; in the step (run 24) 1.76 s against 2.96, peak 10.86 against 10.93 GiB. The 25M
-            long-prompt workload (16 rows): 4.84 s/step against 5.50.
+            (:func:`~polopt_lightning.cpu_linear.few_row_kernel`). The same greedy tokens as the blocked copy,
+            log-probs within float32 tolerance (tested).
         fused_step: run the lean step as one call of :mod:`.rowdot`'s ``polopt_decode_step``
             (:class:`.fast_decode.FusedStep`) where its products run on the kernel (``decode_kernel``) and the model's
             layers allow it (SiLU MLPs without biases, RMSNorm, head size a multiple of 16): the norms, rotary,
             attention, activation and residuals between the products run in C on the same threads instead of ~50
             PyTorch operations a layer. ``None`` uses it where it applies; ``False`` keeps PyTorch's operations
-            between the kernel's products. Qwen2.5-0.5B shape (AMD EPYC, 2 threads, 8 rows, 16 tokens sampled):
-            rollout 1.29 s against 1.42, 8 alternating repeats, the same sampled tokens, log-probs within 2e-6.
+            between the kernel's products. The same sampled tokens, log-probs within float32 tolerance (tested).
         inference_mode: sample under ``torch.inference_mode`` instead of ``no_grad`` (less bookkeeping per
             operation; generation, medians of alternating repeats: tiny benchmark model 90 -> 83 ms, long-prompt
             2.64 -> 2.42 s); the returned tensors are ordinary copies. ``None`` decides: on for a plain

@@ -178,19 +178,14 @@ class PackedProjections(_GroupedProjections):
     below).
 
     Built from the current weights at each rollout (the policy changes between rollouts); the packed copy lives for
-    the rollout only. Long-prompt benchmark model (16 rows, 25M parameters), generation: fp32 2.96-3.50 s ->
-    2.26-2.65 s, bf16 1.80-2.03 s -> 1.58-1.71 s (alternating repeats in one process, packing included).
+    the rollout only.
 
     A float32 model inside :class:`~polopt_lightning.cpu_linear.OneDNNLinear` runs every product, head included, on
     :mod:`.rowdot`'s kernel where ``kernel`` is not ``False`` and it can run (:meth:`kernel_fits`): no copy at all,
-    q/k/v and gate/up one call each (Qwen2.5-0.5B shape, rollout 1.65 s against 2.12 on the blocked copy below).
-    Otherwise it packs its body in oneDNN's blocked
-    layout (float32, the same products oneDNN computes on the plain weights, rounded alike: tested) and keeps its
-    head as it is. AMD EPYC, 2 threads, 24 distinct weights read from memory, 8 rows: 22-26 GB/s against 14-16 on
-    the plain ``[out, in]`` weights (the 152k head: 15.8 against 14.6, not worth its 545 MB copy); the Qwen2.5-0.5B
-    shape's rollout 2.79-3.00 s against 2.94-3.47 (7 alternating repeats, the ~0.25 s reorder included). The copy
-    (1.4 GB there) is made after the optimizer step has freed the gradients, in the memory they leave (run 21: the
-    step's peak 10.84-11.01 GiB against 10.76).
+    q/k/v and gate/up one call each. Otherwise it packs its body in oneDNN's blocked layout (float32, the same
+    products oneDNN computes on the plain weights, rounded alike: tested) and keeps its head as it is (a copy of a
+    large head does not pay). The copy is made after the optimizer step has freed the gradients, in the memory they
+    leave. Measured effects: docs/performance.md.
     """
 
     def __init__(self, base: nn.Module, rows: int, kernel: bool | None = None, fused: bool | None = None) -> None:
@@ -312,8 +307,7 @@ class AdapterProjections(_GroupedProjections):
     are), each adapter's two small products added as peft's ``Linear`` adds them (``B(A(x)) * scaling``),
     without peft's per-module dispatch and the oneDNN mode's (the step's ~1,300 operations). The tokens peft's
     modules decode, log-probs within float32 tolerance (the k/v base products, below the mode's size, move from MKL
-    to the kernel; tested). Qwen2.5-0.5B shape, LoRA r 16 on the 7 projections, AMD EPYC, 2 threads: rollout 1.27 s
-    against 1.46 through the modules, its 15 decoding steps 0.99 against 1.21 (12 rollouts each, alternating)."""
+    to the kernel; tested)."""
 
     def __init__(self, base: nn.Module, rows: int, fused: bool | None = None) -> None:
         with _without_torch_function():  # no tensor access below needs the mode (its dispatch: ~1/3 of the time)
@@ -362,13 +356,10 @@ class FusedStep:
 
     A LoRA policy on plain float32 weights (one active adapter a projection, :func:`_lora_parts`) runs here too: each
     adapter's ``B(A(x)) * scaling`` is added to its base product inside the C step (B transposed once per rollout,
-    r x out floats). Qwen2.5-0.5B shape, LoRA r 16 on the 7 projections, AMD EPYC, 2 threads: rollout 1.37 s against
-    1.51 with the step in PyTorch (:class:`AdapterProjections`' products), 15 decoding steps 1.04 against 1.21 s
-    (12 rollouts each, alternating; a ~32 GB/s hour).
+    r x out floats).
 
     So do bitsandbytes 4-bit bases (QLoRA; :func:`rowdot.four_bit_parts`, one block size for all): the C step
-    multiplies them on their codes as :class:`rowdot.FourBitRowDot` does. The same shape in nf4 with LoRA: rollout
-    1.17 s against 1.35 with the step in PyTorch, decoding 0.83 against 1.00 (8 alternating pairs)."""
+    multiplies them on their codes as :class:`rowdot.FourBitRowDot` does."""
 
     def __init__(self, base: nn.Module, rows: int) -> None:
         self.fn = rowdot.step_function()
