@@ -493,3 +493,34 @@ def test_frozen_four_bit_layers_take_their_input_gradients_through_onednn_for_th
             torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
     assert ran == [(640, 512)]
     assert not any("forward" in vars(layer) for layer in [*model, other])
+
+
+def test_the_step_struct_is_laid_out_alike_in_c_and_python_or_the_kernel_is_refused(monkeypatch):
+    """The decoding step's argument struct is mirrored by hand in rowdot.py (ctypes) and rowdot.c: the library
+    reports its layout and load() compares them, so a field added, moved or retyped on one side refuses the kernel
+    with the difference named instead of corrupting memory."""
+    import ctypes
+
+    _needs_kernel()
+    lib = rowdot.library()
+    assert rowdot.layout_mismatch(lib) is None  # the shipped pair agrees
+    fields = list(rowdot.Step._fields_)
+
+    def struct(new_fields):
+        return type("Drifted", (ctypes.Structure,), {"_fields_": new_fields})
+
+    retyped = [(n, ctypes.c_int if n == "N" else t) for n, t in fields]  # a long read as an int (padding follows)
+    assert rowdot.layout_mismatch(lib, struct(retyped)) == "Step field 'N' takes bytes 8-15 in rowdot.c and 8-11 in rowdot.py"
+    moved = [(n, ctypes.c_double if n == "eps" else t) for n, t in fields]  # every later field moves too
+    assert rowdot.layout_mismatch(lib, struct(moved)).startswith("Step field 'eps' takes bytes 72-75 in rowdot.c")
+    swapped = [fields[1], fields[0], *fields[2:]]
+    assert rowdot.layout_mismatch(lib, struct(swapped)) == "Step field 0 is 'M' in rowdot.c and 'N' in rowdot.py"
+    n = len(fields)
+    assert rowdot.layout_mismatch(lib, struct(fields[:-1])) == f"Step has {n} fields in rowdot.c and {n - 1} in rowdot.py"
+    padded = struct([*fields, ("extra", ctypes.c_long)])
+    assert "fields in rowdot.c" in rowdot.layout_mismatch(lib, padded)
+    # load() refuses a library whose layout differs, with the difference as its reason
+    monkeypatch.setattr(rowdot, "_state", {})
+    monkeypatch.setattr(rowdot, "layout_mismatch", lambda lib: "Step field 'N' takes bytes 8-15 in rowdot.c and 8-11")
+    assert rowdot.load() is None and rowdot.step_function() is None
+    assert "Step field 'N' takes bytes 8-15" in rowdot.why_not()

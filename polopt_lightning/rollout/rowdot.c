@@ -14,6 +14,7 @@
 #include <immintrin.h>
 #include <math.h>
 #include <omp.h>
+#include <stddef.h>
 
 #define PREFETCH_FLOATS 16384 /* how far ahead the weight rows are prefetched (64 KiB; without: 28-30 GB/s against 33-36,
                                   2 threads; other distances and hints alike) */
@@ -209,6 +210,29 @@ typedef struct {
     long four_blocksize, four_chunk_bytes, four_stride;
     float *four_buf;
 } Step;
+
+/* Step's layout as this compiler lays it out, for rowdot.py to compare with its ctypes mirror before the first call
+ * (a field added, moved or retyped on one side only would otherwise corrupt memory silently): every field in order. */
+#define STEP_FIELDS(X) X(M) X(N) X(H) X(I) X(heads) X(kv_heads) X(D) X(layers) X(V) X(eps) X(scale) X(in_norm) \
+    X(post_norm) X(wq) X(wk) X(wv) X(bq) X(bk) X(bv) X(wo) X(bo) X(wg) X(wu) X(wd) X(final_norm) X(head) X(ka) X(va) \
+    X(kb) X(vb) X(a_group) X(a_row) X(a_head) X(a_len) X(b_row) X(b_head) X(b_len) X(slot) X(bias_row) X(write_b) \
+    X(a_bias) X(cos) X(sin) X(x) X(h) X(q) X(k) X(v) X(att) X(gate) X(up) X(tmp) X(scores) X(logits) X(lora_a) \
+    X(lora_bt) X(lora_scale) X(lora_rank) X(lora_rmax) X(lora_t) X(four_absmax) X(four_table) X(four_blocksize) \
+    X(four_chunk_bytes) X(four_stride) X(four_buf)
+#define STEP_PLACE(f) (long)offsetof(Step, f), (long)sizeof(((Step *)0)->f),
+#define STEP_NAME(f) #f ","
+
+/* The field names, comma-separated, in order. */
+const char *polopt_step_fields(void) { return STEP_FIELDS(STEP_NAME); }
+
+/* sizeof(Step), then each field's offset and size in the order of polopt_step_fields; writes at most `capacity`
+ * numbers and returns how many there are. */
+long polopt_step_layout(long *out, long capacity) {
+    const long layout[] = {(long)sizeof(Step), STEP_FIELDS(STEP_PLACE)};
+    const long n = (long)(sizeof(layout) / sizeof(layout[0]));
+    for (long i = 0; i < n && i < capacity; i++) out[i] = layout[i];
+    return n;
+}
 
 enum { P_Q, P_K, P_V, P_O, P_GATE, P_UP, P_DOWN, PROJECTIONS };
 

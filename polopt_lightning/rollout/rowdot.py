@@ -97,13 +97,24 @@ def load():
                                  ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p,
                                  ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_long, ctypes.c_long]
                 four.restype = None
-                _state.update(step=step, four=four)
+                _state["lib"] = lib
+                reason = layout_mismatch(lib)
+                if reason is None:
+                    _state.update(step=step, four=four)
+                else:
+                    fn = None
             except (OSError, RuntimeError, subprocess.SubprocessError) as err:
                 reason = f"building {SOURCE.name} failed: {err}"
     if fn is None:
         log.info("the few-row decoding kernel is off (%s): decoding uses oneDNN's products", reason)
     _state.update(fn=fn, reason=reason)
     return fn
+
+
+def library() -> ctypes.CDLL | None:
+    """The compiled library (built by :func:`load`), or ``None`` where it was not built here."""
+    load()
+    return _state.get("lib")
 
 
 def step_function():
@@ -135,6 +146,33 @@ class Step(ctypes.Structure):
                 + [(name, _PP) for name in ("four_absmax", "four_table")]
                 + [(name, ctypes.c_long) for name in ("four_blocksize", "four_chunk_bytes", "four_stride")]
                 + [("four_buf", _P)])
+
+
+def layout_mismatch(lib: ctypes.CDLL, structure: type[ctypes.Structure] = Step) -> str | None:
+    """Where ``structure`` (default :class:`Step`) differs from the ``Step`` that ``lib`` was compiled with (field
+    names, order, offsets, size), as a sentence naming the first difference; ``None`` where they agree. A mismatch
+    would make the C step read and write the wrong memory, so :func:`load` refuses the kernel on one."""
+    lib.polopt_step_fields.restype = ctypes.c_char_p
+    lib.polopt_step_layout.argtypes = [ctypes.POINTER(ctypes.c_long), ctypes.c_long]
+    lib.polopt_step_layout.restype = ctypes.c_long
+    names = lib.polopt_step_fields().decode().rstrip(",").split(",")
+    numbers = (ctypes.c_long * (2 * len(names) + 1))()
+    if lib.polopt_step_layout(numbers, len(numbers)) != len(numbers):
+        return f"{SOURCE.name}'s Step layout lists another number of fields than its names"
+    size, places = numbers[0], list(zip(numbers[1::2], numbers[2::2]))  # (offset, size) of each field
+    ours = [name for name, *_ in structure._fields_]
+    for i, (theirs, mine) in enumerate(zip(names, ours)):
+        if theirs != mine:
+            return f"Step field {i} is {theirs!r} in {SOURCE.name} and {mine!r} in {Path(__file__).name}"
+        field = getattr(structure, mine)
+        if (field.offset, field.size) != places[i]:
+            return (f"Step field {mine!r} takes bytes {places[i][0]}-{sum(places[i]) - 1} in {SOURCE.name} and "
+                    f"{field.offset}-{field.offset + field.size - 1} in {Path(__file__).name}")
+    if len(names) != len(ours):
+        return f"Step has {len(names)} fields in {SOURCE.name} and {len(ours)} in {Path(__file__).name}"
+    if size != ctypes.sizeof(structure):
+        return f"Step is {size} bytes in {SOURCE.name} and {ctypes.sizeof(structure)} in {Path(__file__).name}"
+    return None
 
 
 def pointers(tensors: list[Tensor | None]) -> ctypes.Array:
