@@ -44,7 +44,7 @@ def stream(model, rounds: int) -> dict[str, list[float]] | str:
     or why the kernel cannot run here."""
     import torch
 
-    from polopt_lightning.rollout import rowdot
+    from polopt_lightning.accel.cpu import rowdot
     from polopt_lightning.rollout.fast_decode import _groups
 
     if rowdot.load() is None:
@@ -87,8 +87,8 @@ def rollout_pieces(model, tok, rounds: int, engine_args: dict | None = None) -> 
     import torch
 
     import polopt_lightning.rollout.engine as engine
-    from polopt_lightning.cpu_linear import OneDNNLinear
-    from polopt_lightning.host_memory import KeptHostMemory
+    from polopt_lightning.accel.cpu.host_memory import KeptHostMemory
+    from polopt_lightning.accel.cpu.linear import OneDNNLinear
     from polopt_lightning.rollout import HFRolloutEngine
     from polopt_lightning.rollout.engine import SamplingConfig
 

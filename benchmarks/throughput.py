@@ -284,7 +284,7 @@ def matmul_gflops(threads: int, size: int = 2048, repeats: int = 5, rounds: int 
                   dtype: str = "float32", budget_s: float = 20.0) -> float:
     """Best of ``rounds`` timings of ``size x size`` matrix products in ``dtype``: what the hardware gives this
     process. On the CPU the products run both through ``torch.mm`` (the BLAS: MKL) and through oneDNN (what
-    ``polopt_lightning.cpu_linear`` uses; on AMD CPUs about twice MKL's float32 rate), and the faster counts.
+    ``polopt_lightning.accel.cpu.linear`` uses; on AMD CPUs about twice MKL's float32 rate), and the faster counts.
 
     The probe takes about ``budget_s`` at most: a first product of a quarter of ``size`` estimates each path's
     rate, and where the whole probe would take longer (bf16 on a CPU without hardware bf16 multiplies at a few
@@ -297,7 +297,7 @@ def matmul_gflops(threads: int, size: int = 2048, repeats: int = 5, rounds: int 
     dt = getattr(torch, dtype)
     products = [lambda a, b: a @ b]
     if device == "cpu":
-        from polopt_lightning import cpu_linear
+        from polopt_lightning.accel.cpu import linear as cpu_linear
 
         if cpu_linear.available():
             products.append(lambda a, b: cpu_linear._product(a, b))  # a @ b.T: the same FLOPs

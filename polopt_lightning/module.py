@@ -20,7 +20,8 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
 from torchmetrics import MeanMetric
 
-from . import cpu_linear, host_memory
+from .accel.cpu import host_memory
+from .accel.cpu import linear as cpu_linear
 from .advantages import group_relative_advantages, zero_std_groups
 from .distributed import all_gather_objects, all_gather_rows, all_reduce, world_size
 from .logprobs import (
@@ -122,7 +123,7 @@ class PolicyOptimizationModule(L.LightningModule):
         onednn_linear: on the CPU, run every float32 linear layer with a weight of at least 2**18 elements (the
             policy's and the reference's, in sampling, the reference pass and the training pass, forward and
             backward) through oneDNN's products instead of the BLAS behind ``F.linear``
-            (:mod:`polopt_lightning.cpu_linear`: the same float32 arithmetic, rounded in another order), also the
+            (:mod:`polopt_lightning.accel.cpu.linear`: the same float32 arithmetic, rounded in another order), also the
             products of the policy's frozen bitsandbytes 4-bit layers with float32 compute (QLoRA), their input
             gradients included. ``None`` decides: on where the policy has such a weight on the CPU (measured
             effect: docs/performance.md); a model whose weights are all smaller (the default tiny model) computes as
@@ -156,7 +157,7 @@ class PolicyOptimizationModule(L.LightningModule):
             19% faster at 92 tokens, 25% slower at 1,144); ``True``: every group; both need SDPA attention and no
             sliding-window layers, else the prompt's keys/values are shared as before.
         keep_host_memory: while training, glibc keeps freed memory for the next step's tensors instead of giving it
-            back to the system and faulting it in again (:mod:`polopt_lightning.host_memory`; the process holds its
+            back to the system and faulting it in again (:mod:`polopt_lightning.accel.cpu.host_memory`; the process holds its
             peak until training ends). ``None``: where the policy trains on the CPU (Qwen2.5-0.5B shape, 2 threads,
             in the VM measured: the training pass ~2x faster); ``True`` needs glibc.
         micro_batch_tokens: bound on the tokens (prompt + completion) of one forward/backward; a mini-batch larger
@@ -591,7 +592,7 @@ class PolicyOptimizationModule(L.LightningModule):
             return self.sequence_logprobs(self.policy, exp, slice(None))[0]
 
     def _linear_mode(self):
-        """The context the step computes in: :class:`~polopt_lightning.cpu_linear.OneDNNLinear` where
+        """The context the step computes in: :class:`~polopt_lightning.accel.cpu.linear.OneDNNLinear` where
         ``onednn_linear`` says so (see the class's arguments), else none."""
         use = self.onednn_linear
         if use is None:
@@ -971,7 +972,7 @@ class PolicyOptimizationModule(L.LightningModule):
 
     def configure_callbacks(self) -> list[L.Callback]:
         """The anchor's scheduler, when this module has an anchor and the trainer has none of its own; the callback
-        that keeps host memory for reuse (:class:`~polopt_lightning.host_memory.KeepHostMemory`) while training."""
+        that keeps host memory for reuse (:class:`~polopt_lightning.accel.cpu.host_memory.KeepHostMemory`) while training."""
         from .callbacks import AnchorScheduler
 
         own = []

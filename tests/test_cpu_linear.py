@@ -1,4 +1,4 @@
-"""oneDNN linear layers on the CPU (polopt_lightning.cpu_linear): the same values and gradients as F.linear within
+"""oneDNN linear layers on the CPU (polopt_lightning.accel.cpu.linear): the same values and gradients as F.linear within
 float32 tolerance, only where they apply, and the module's rule for turning them on."""
 
 import copy
@@ -11,7 +11,8 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf
 from torch.nn import functional as F
 
-from polopt_lightning import PolicyOptimizationModule, PromptDataModule, cpu_linear
+from polopt_lightning import PolicyOptimizationModule, PromptDataModule
+from polopt_lightning.accel.cpu import linear as cpu_linear
 from polopt_lightning.models import build_tiny_model
 from polopt_lightning.rewards import ExactMatchReward
 from polopt_lightning.rollout import HFRolloutEngine, SamplingConfig, fast_decode
@@ -32,7 +33,7 @@ def _counting(monkeypatch, kernel: bool = False):
     product = cpu_linear._product
     monkeypatch.setattr(cpu_linear, "_product", lambda *a: calls.append(a[1].shape) or product(*a))
     if kernel:
-        from polopt_lightning.rollout import rowdot
+        from polopt_lightning.accel.cpu import rowdot
 
         few_rows = rowdot.linear
         monkeypatch.setattr(rowdot, "linear", lambda *a: calls.append(a[1].shape) or few_rows(*a))
@@ -66,7 +67,7 @@ def test_values_and_gradients_match_f_linear(monkeypatch, bias, frozen):
 def test_without_gradient_it_is_one_product_few_rows_on_the_kernel(monkeypatch, rows, kernel):
     """No gradient wanted: one oneDNN product, or for at most 16 rows one call of the few-row kernel where it runs
     here, unless ``few_row_kernel(False)`` (the rollout's ``decode_kernel=False``)."""
-    from polopt_lightning.rollout import rowdot
+    from polopt_lightning.accel.cpu import rowdot
 
     layer = torch.nn.Linear(512, 640)
     x = torch.randn(rows, 1, 512)

@@ -42,7 +42,7 @@ def test_the_rollout_pieces_add_up_and_the_wrappers_come_off(small, engine_args)
 
 
 def test_the_stream_reads_every_weight_on_the_kernel_and_by_a_sum(small):
-    from polopt_lightning.rollout import rowdot
+    from polopt_lightning.accel.cpu import rowdot
 
     model, _ = small
     with torch.inference_mode():
@@ -54,8 +54,8 @@ def test_the_stream_reads_every_weight_on_the_kernel_and_by_a_sum(small):
 
 
 def test_the_stream_reads_an_adapter_models_frozen_base_weights():
+    from polopt_lightning.accel.cpu import rowdot
     from polopt_lightning.models import Adapter, Quantization, build_tiny_model, prepare_policy
-    from polopt_lightning.rollout import rowdot
 
     if rowdot.load() is None:
         pytest.skip(f"the decoding kernel does not run here ({rowdot.why_not()})")

@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-from polopt_lightning import host_memory
-from polopt_lightning.host_memory import KeepHostMemory, KeptHostMemory
+from polopt_lightning.accel.cpu import host_memory
+from polopt_lightning.accel.cpu.host_memory import KeepHostMemory, KeptHostMemory
 
 from .test_module import make, trainer
 
@@ -21,7 +21,7 @@ BLOCK = 64 * 2**20  # above glibc's largest mmap threshold (32 MiB): by default 
 MEASURE = """
 import json, resource, sys
 import torch
-from polopt_lightning.host_memory import KeptHostMemory
+from polopt_lightning.accel.cpu.host_memory import KeptHostMemory
 
 def second_block_faults():
     first = torch.empty({n})

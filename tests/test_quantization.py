@@ -129,7 +129,7 @@ def test_the_modules_cpu_context_takes_the_four_bit_input_gradients_the_lora_gra
     """On the CPU the module's oneDNN context (``onednn_linear``) is given its policy: a QLoRA policy's frozen nf4
     layers compute their input gradients through oneDNN (bitsandbytes' own backward: MKL). The adapter's gradients of
     a pass outside the context within float32 tolerance; the layers as before after it."""
-    from polopt_lightning import cpu_linear
+    from polopt_lightning.accel.cpu import linear as cpu_linear
 
     monkeypatch.setattr(cpu_linear, "MIN_WEIGHT_ELEMENTS", 2**10)  # the tiny model's 64 x 64 weights count
     policy, tok, _ = qlora("nf4", tmp_path)

@@ -1,4 +1,4 @@
-"""The few-row decoding kernel (polopt_lightning.rollout.rowdot): F.linear's values within float32 tolerance for any
+"""The few-row decoding kernel (polopt_lightning.accel.cpu.rowdot): F.linear's values within float32 tolerance for any
 row count, width, bias and thread count; decoding on it with the modules' tokens and log-probs, on the weights as
 they are (no blocked copy, the head included); off, with the reason, where it cannot run."""
 
@@ -6,9 +6,10 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from polopt_lightning import cpu_linear
+from polopt_lightning.accel.cpu import linear as cpu_linear
+from polopt_lightning.accel.cpu import rowdot
 from polopt_lightning.models import build_tiny_model
-from polopt_lightning.rollout import HFRolloutEngine, fast_decode, rowdot
+from polopt_lightning.rollout import HFRolloutEngine, fast_decode
 from polopt_lightning.rollout.engine import SamplingConfig
 
 from .test_cpu_linear import _close, _greedy_on_the_modules, _model

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import json
 import math
 import warnings
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from functools import partial
-from pathlib import Path
 from typing import Any
 
 import lightning as L
@@ -15,39 +13,10 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from .sampling import PADDING, MixtureSampler, PromptSampler, ResumableLoader, ShardSampler, allocate, process_rank
+from .sources import load_rows
 from .tasks import TaskMixture
 
 TRUNCATION = ("left", "error")
-
-
-def _load_rows(source: Any, what: str) -> list[dict[str, Any]]:
-    """A list of dicts from a list, a JSON-lines path or a ``datasets.Dataset``."""
-    if source is None:
-        return []
-    if isinstance(source, (str, Path)):
-        path = Path(source)
-        if not path.is_file():
-            raise FileNotFoundError(f"{what}: no JSON-lines file at {path}")
-        rows = []
-        with path.open() as fh:
-            for lineno, line in enumerate(fh, 1):
-                if line.strip():
-                    try:
-                        rows.append(json.loads(line))
-                    except json.JSONDecodeError as exc:  # its own "line N" counts inside this one line: left out
-                        raise ValueError(f"{what}: {path}:{lineno} is not valid JSON: {exc.msg} at character "
-                                         f"{exc.pos + 1} of that line (each line must hold one whole JSON object)"
-                                         ) from None
-        return rows
-    if hasattr(source, "column_names") and hasattr(source, "to_list"):  # datasets.Dataset
-        return list(source.to_list())
-    if isinstance(source, Iterable):
-        rows = list(source)
-        for i, row in enumerate(rows):
-            if not isinstance(row, dict):
-                raise TypeError(f"{what}: row {i} is {type(row).__name__}, expected a dict of columns")
-        return rows
-    raise TypeError(f"{what}: expected a list of dicts, a JSON-lines path or a datasets.Dataset, got {type(source).__name__}")
 
 
 class _Rows(Dataset):
@@ -111,8 +80,8 @@ class PromptDataModule(L.LightningDataModule):
         if train is None and task is not None:
             train, task_val = task.splits()
             val = task_val if val is None else val
-        self.train_rows = _load_rows(train, "data.train")
-        self.val_rows = _load_rows(val, "data.val")
+        self.train_rows = load_rows(train, "data.train")
+        self.val_rows = load_rows(val, "data.val")
         if not self.train_rows:
             raise ValueError("data.train is empty: give training prompts (a list, a JSON-lines file, a Dataset or a task)")
         for name, rows in (("data.train", self.train_rows), ("data.val", self.val_rows)):

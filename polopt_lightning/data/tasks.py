@@ -8,6 +8,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from .sources import load_rows
+
 OPERATIONS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
 
 
@@ -104,9 +106,7 @@ class FileTask:
     val: str | None = None
 
     def splits(self) -> tuple[list[dict], list[dict]]:
-        from .datamodule import _load_rows
-
-        return _load_rows(self.train, "task.train"), _load_rows(self.val, "task.val")
+        return load_rows(self.train, "task.train"), load_rows(self.val, "task.val")
 
 
 def _draw_unique(make: Callable[[random.Random], tuple[str, str]], need: int, seed: int,

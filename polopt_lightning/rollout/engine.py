@@ -12,10 +12,10 @@ from functools import partial
 import torch
 from torch import Tensor, nn
 
-from .. import cpu_linear
 from .._hf import cache_argument, last_positions, output_cache, positions_from_mask, preallocated_cache
+from ..accel.cpu import linear as cpu_linear
+from ..accel.cpu import rowdot
 from ..models import float_dtype, frozen_copy, is_quantized, resolve_dtype
-from . import rowdot
 from .fast_decode import (
     AdapterProjections,
     PackedProjections,
@@ -138,7 +138,7 @@ class HFRolloutEngine(RolloutEngine):
             in: with the policy itself, or, for an fp32 policy under autocast (a ``bf16-mixed`` / ``16-mixed``
             trainer), with a copy in the autocast dtype: autocast would cast every weight again at every token
             (long-prompt benchmark under ``bf16-mixed``: 4.3 s of sampling per step instead of 2.3 s), the copy
-            costs 2 bytes per parameter; on the CPU inside :class:`~polopt_lightning.cpu_linear.OneDNNLinear` (the
+            costs 2 bytes per parameter; on the CPU inside :class:`~polopt_lightning.accel.cpu.linear.OneDNNLinear` (the
             module's default for models with weights of 2**18 elements or more) the fp32 policy itself samples with
             autocast off instead, through oneDNN's fp32 products: at the Qwen2.5-0.5B shape under ``bf16-mixed``
             the rollout took 1.99 s against 2.38 with the copy, the step's peak 12.45 against 13.69 GiB. ``"float32"`` samples the fp32 weights with autocast
@@ -157,7 +157,7 @@ class HFRolloutEngine(RolloutEngine):
             :class:`.fast_decode.PackedProjections`) where the model allows it: plain ``nn.Linear`` projections on
             the CPU in float32 (MKL) or bfloat16 (oneDNN), autocast off, not compiled. The packed copy is rebuilt at
             each rollout and freed after it (float32: MKL pads each packed matrix, up to ~8 MB for small ones).
-            Inside :class:`~polopt_lightning.cpu_linear.OneDNNLinear` (the module's ``onednn_linear``, on by
+            Inside :class:`~polopt_lightning.accel.cpu.linear.OneDNNLinear` (the module's ``onednn_linear``, on by
             default for CPU models with weights of 2**18 elements or more) a float32 model packs its body in
             oneDNN's blocked layout instead, one copy per weight, and keeps its head as it is (MKL's packed
             products are slower there; docs/performance.md, "At real scale").
@@ -170,7 +170,7 @@ class HFRolloutEngine(RolloutEngine):
             be), batches of more rows or layers it does not take (not float32, a width not a multiple of 16) still
             use the blocked layout; ``False`` keeps the blocked layout and also keeps the products decoding makes
             through the model's own modules (adapter layers' frozen base weights, the prefill's head) on oneDNN
-            (:func:`~polopt_lightning.cpu_linear.few_row_kernel`). The same greedy tokens as the blocked copy,
+            (:func:`~polopt_lightning.accel.cpu.linear.few_row_kernel`). The same greedy tokens as the blocked copy,
             log-probs within float32 tolerance (tested).
         fused_step: run the lean step as one call of :mod:`.rowdot`'s ``polopt_decode_step``
             (:class:`.fast_decode.FusedStep`) where its products run on the kernel (``decode_kernel``) and the model's

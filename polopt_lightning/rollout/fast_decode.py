@@ -8,7 +8,7 @@ its logits against the model's own forward.
 
 On the CPU its matrix products can run on prepacked weights (:class:`PackedProjections`): a 16-row product with a
 weight in PyTorch's ``[out, in]`` layout is 2-4x slower than with the weight reordered once for the math library.
-Inside :class:`~polopt_lightning.cpu_linear.OneDNNLinear`, a float32 model's products (head included) run on
+Inside :class:`~polopt_lightning.accel.cpu.linear.OneDNNLinear`, a float32 model's products (head included) run on
 :mod:`.rowdot`'s few-row kernel on the weights as they are where it can run (AVX-512, a C compiler, at most
 :data:`KERNEL_MAX_ROWS` rows), else its body on a copy in oneDNN's blocked layout and its head on the weight as it is.
 A LoRA policy on plain float32 weights, or on bitsandbytes 4-bit ones (on the kernel's 4-bit form), runs its base
@@ -27,9 +27,9 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from .. import cpu_linear
-from . import rowdot
-from .rowdot import RowDot
+from ..accel.cpu import linear as cpu_linear
+from ..accel.cpu import rowdot
+from ..accel.cpu.rowdot import RowDot
 
 SUPPORTED = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
 KERNEL_MAX_ROWS = rowdot.MAX_ROWS  # up to this many rows the decoding products run on rowdot.c where it applies
@@ -180,7 +180,7 @@ class PackedProjections(_GroupedProjections):
     Built from the current weights at each rollout (the policy changes between rollouts); the packed copy lives for
     the rollout only.
 
-    A float32 model inside :class:`~polopt_lightning.cpu_linear.OneDNNLinear` runs every product, head included, on
+    A float32 model inside :class:`~polopt_lightning.accel.cpu.linear.OneDNNLinear` runs every product, head included, on
     :mod:`.rowdot`'s kernel where ``kernel`` is not ``False`` and it can run (:meth:`kernel_fits`): no copy at all,
     q/k/v and gate/up one call each. Otherwise it packs its body in oneDNN's blocked layout (float32, the same
     products oneDNN computes on the plain weights, rounded alike: tested) and keeps its head as it is (a copy of a

@@ -17,7 +17,7 @@ import lightning as L
 import torch
 
 from polopt_lightning import PolicyOptimizationModule, PromptDataModule
-from polopt_lightning.cpu_linear import OneDNNLinear
+from polopt_lightning.accel.cpu.linear import OneDNNLinear
 from polopt_lightning.data import ArithmeticTask
 from polopt_lightning.distributed import all_gather_objects
 from polopt_lightning.models import build_tiny_model

@@ -28,8 +28,8 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from .._cache import cache_root
-from ..cpu_linear import four_bit_state
+from ..._cache import cache_root
+from .four_bit import four_bit_state
 
 log = logging.getLogger(__name__)
 
@@ -258,7 +258,7 @@ def _call(run, x: Tensor, outs: list[int]) -> tuple[Tensor, ...]:
 
 
 def _four_bit_state(module: nn.Module):
-    """The quantization state of a bitsandbytes 4-bit layer (:func:`~polopt_lightning.cpu_linear.four_bit_state`:
+    """The quantization state of a bitsandbytes 4-bit layer (:func:`~polopt_lightning.four_bit.four_bit_state`:
     float32 compute on the CPU, bitsandbytes' own layout), nf4 or fp4, whose products the 4-bit kernel computes as
     the layer does (widths and block size multiples of 16, a float32 bias or none), else ``None``."""
     state = four_bit_state(module)

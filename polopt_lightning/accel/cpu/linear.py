@@ -11,9 +11,9 @@ inside ``transformers`` models and peft's base layers) on plain float32 CPU tens
 :data:`MIN_WEIGHT_ELEMENTS` elements runs forward and backward through oneDNN; everything else (small weights, other
 dtypes, autocast, tensor subclasses such as FSDP's DTensors, compiled code) runs as it would without the mode.
 Products that need no gradient and have at most 16 rows (decoding through a model's own modules) run on
-:mod:`~polopt_lightning.rollout.rowdot`'s few-row kernel instead where it runs (:func:`few_row_kernel`), and so do
+:mod:`~polopt_lightning.accel.cpu.rowdot`'s few-row kernel instead where it runs (:func:`few_row_kernel`), and so do
 bitsandbytes' 4-bit products without gradient of at most 64 rows (a short prompt's prefill; its ``gemm_4bit`` op
-dequantizes the whole weight to float32 first): :func:`~polopt_lightning.rollout.rowdot.four_bit_product`. Larger
+dequantizes the whole weight to float32 first): :func:`~polopt_lightning.accel.cpu.rowdot.four_bit_product`. Larger
 ones (the passes' forward) keep bitsandbytes' dequantization and take oneDNN's product in place of the MKL one the
 op would run. Given a model (``OneDNNLinear(model)``, as the module gives its policy), the input gradients of its
 frozen 4-bit layers go through oneDNN too (:func:`four_bit_input_gradients`).
@@ -30,6 +30,9 @@ from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 from torch.nn import functional as F
 from torch.overrides import TorchFunctionMode
+
+from . import rowdot
+from .four_bit import four_bit_state
 
 # From this many weight elements on, a product goes through oneDNN (smaller ones: a fixed ~10 us per call, where MKL
 # takes 4 us at 64 x 32). The default tiny model's largest weight (256 x 512) stays below: its runs keep their bits.
@@ -83,7 +86,6 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
                                     or (bias is not None and bias.requires_grad)):
         return _Linear.apply(x, weight, bias)
     if getattr(_kernel, "on", True):
-        from .rollout import rowdot  # here: the rollout package imports this module
 
         if rowdot.takes(x, weight, bias):
             return rowdot.linear(x, weight, bias)
@@ -96,7 +98,7 @@ _kernel = threading.local()  # whether few-row products without gradient may run
 @contextmanager
 def few_row_kernel(enabled: bool):
     """Context in which products of at most 16 rows that need no gradient run on
-    :mod:`~polopt_lightning.rollout.rowdot`'s kernel (``enabled``, the default) or on oneDNN (``False``), in this
+    :mod:`~polopt_lightning.accel.cpu.rowdot`'s kernel (``enabled``, the default) or on oneDNN (``False``), in this
     thread. Inside :class:`OneDNNLinear` such products are the ones decoding makes through a model's own modules
     (adapter layers' frozen base weights, the prefill's head at the last position)."""
     before = getattr(_kernel, "on", True)
@@ -155,7 +157,6 @@ class OneDNNLinear(TorchFunctionMode):
                 return linear(x, weight, bias)
         elif (isinstance(func, torch._ops.OpOverload) and str(func) == "bitsandbytes.gemm_4bit.default"
               and not torch.is_autocast_enabled("cpu") and not torch.compiler.is_compiling()):
-            from .rollout import rowdot
 
             out = rowdot.four_bit_product(*args, **kwargs) if getattr(_kernel, "on", True) else None
             if out is None:
@@ -172,7 +173,6 @@ def _four_bit_on_onednn(A: Tensor, B: Tensor, shapeB, absmax: Tensor, blocksize:
     through oneDNN: its own ``F.linear`` runs inside the op, where this mode does not see it, on MKL (the 0.5B nf4
     reference pass: 0.79 s of its 1.23 in MKL's products). ``None`` where the mode would not take the product
     (see :func:`_eligible`)."""
-    from .rollout import rowdot
 
     if (type(A) not in _PLAIN or A.dtype != torch.float32 or A.device.type != "cpu" or A.dim() < 2
             or int(shapeB[0]) * int(shapeB[1]) < MIN_WEIGHT_ELEMENTS
@@ -181,17 +181,6 @@ def _four_bit_on_onednn(A: Tensor, B: Tensor, shapeB, absmax: Tensor, blocksize:
     absmax = rowdot.four_bit_scales(absmax, absmax_8bit, absmax_code, absmax_offset)
     weight = torch.ops.bitsandbytes.dequantize_4bit.default(B, absmax, blocksize, quant_type, shapeB, A.dtype)
     return _product(A, weight, bias)
-
-
-def four_bit_state(layer: nn.Module):
-    """The quantization state of a bitsandbytes 4-bit layer (``Linear4bit``) on the CPU with float32 compute, in
-    bitsandbytes' own layout (not repacked for its CPU inference kernel), else ``None``."""
-    weight = getattr(layer, "weight", None)
-    state = getattr(weight, "quant_state", None)
-    if (state is None or not hasattr(layer, "compute_dtype") or weight.device.type != "cpu"
-            or layer.compute_dtype not in (None, torch.float32) or getattr(state, "packing_format_for_cpu", False)):
-        return None
-    return state
 
 
 def _frozen_four_bit(layer: nn.Module) -> bool:

@@ -1,0 +1,87 @@
+"""No import circles in the package: no module imports (at the top or inside a function) one that imports it back,
+through any chain, a package's __init__ included."""
+
+import ast
+import pathlib
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[1] / "polopt_lightning"
+
+
+def cycles(root: pathlib.Path) -> list[list[str]]:
+    """The groups of modules that import each other around a circle (Tarjan's strongly connected components)."""
+    mods = {}
+    for p in root.rglob('*.py'):
+        rel = p.relative_to(root.parent).with_suffix('')
+        name = '.'.join(rel.parts)
+        mods[name[:-9] if name.endswith('.__init__') else name] = p
+
+    def resolve(cur, node):
+        pkg = cur if mods[cur].name == '__init__.py' else cur.rsplit('.', 1)[0]
+        if not node.level:
+            return node.module or ''
+        base = pkg
+        for _ in range(node.level - 1):
+            base = base.rsplit('.', 1)[0]
+        return base + ('.' + node.module if node.module else '')
+
+    edges = {m: set() for m in mods}
+    for m, p in mods.items():
+        for node in ast.walk(ast.parse(p.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                t = resolve(m, node)
+                cands = [t] + [t + '.' + a.name for a in node.names]
+            elif isinstance(node, ast.Import):
+                cands = [a.name for a in node.names]
+            else:
+                continue
+            for c in cands:
+                if c in mods and c != m:
+                    edges[m].add(c)
+                    parts = c.split('.')
+                    for i in range(1, len(parts)):  # importing a.b.c runs a's and a.b's __init__ first
+                        pk = '.'.join(parts[:i])
+                        if pk in mods and pk != m and not m.startswith(pk + '.'):
+                            edges[m].add(pk)
+    index, low, stack, on, out, n = {}, {}, [], set(), [], [0]
+
+    def visit(v):
+        index[v] = low[v] = n[0]
+        n[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in edges[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+    sys.setrecursionlimit(10000)
+    for v in mods:
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_the_package_has_no_import_circles():
+    assert cycles(ROOT) == []
+
+
+def test_the_check_finds_a_circle(tmp_path):
+    package = tmp_path / "pkg"
+    (package / "sub").mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "a.py").write_text("from .sub import b\n")
+    (package / "sub" / "__init__.py").write_text("")
+    (package / "sub" / "b.py").write_text("def f():\n    from .. import a  # lazily\n")
+    assert cycles(package) == [["pkg.a", "pkg.sub.b"]]
