@@ -29,13 +29,34 @@ def _isolated_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("POLOPT_CACHE", str(tmp_path / "cache"))
 
 
-def pytest_terminal_summary(terminalreporter):
-    """The suite's memory at its highest, for the 2-core 24 GiB machines it must fit (no test may need most of one):
-    pytest's own process and the largest process a test started (CLI runs, DDP workers)."""
+_PEAK_RISES: list[tuple[float, float, str]] = []  # (rise, peak after, test) where a test raised pytest's peak
+
+
+def _peak_gib(who: int) -> float:
     import resource
 
-    gib = 2**20  # ru_maxrss is in KiB on Linux
-    own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / gib
-    child = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / gib
+    return resource.getrusage(who).ru_maxrss / 2**20  # ru_maxrss is in KiB on Linux
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    import resource
+
+    before = _peak_gib(resource.RUSAGE_SELF)
+    yield
+    after = _peak_gib(resource.RUSAGE_SELF)
+    if after > before + 0.05:
+        _PEAK_RISES.append((after - before, after, item.nodeid))
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The suite's memory at its highest, for the 2-core 24 GiB machines it must fit (no test may need most of one):
+    pytest's own process, the largest process a test started (CLI runs, DDP workers), and the tests that raised
+    pytest's peak the most."""
+    import resource
+
+    own, child = _peak_gib(resource.RUSAGE_SELF), _peak_gib(resource.RUSAGE_CHILDREN)
     terminalreporter.write_line(f"peak resident memory: pytest {own:.2f} GiB, largest process a test started "
                                 f"{child:.2f} GiB")
+    for rise, after, nodeid in sorted(_PEAK_RISES, reverse=True)[:3]:
+        terminalreporter.write_line(f"  +{rise:.2f} GiB (to {after:.2f}): {nodeid}")
