@@ -51,8 +51,9 @@ def pytest_runtest_call(item):
 
 def pytest_terminal_summary(terminalreporter):
     """The suite's memory at its highest, for the 2-core 24 GiB machines it must fit (no test may need most of one):
-    pytest's own process, the largest process a test started (CLI runs, DDP workers), and the tests that raised
-    pytest's peak the most."""
+    pytest's own process, the largest process a test started (CLI runs, DDP workers; a forked child counts pytest's
+    pages until it runs its program, so this is at least pytest's size when it started one), and the tests that
+    raised pytest's peak the most."""
     import resource
 
     own, child = _peak_gib(resource.RUSAGE_SELF), _peak_gib(resource.RUSAGE_CHILDREN)

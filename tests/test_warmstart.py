@@ -87,3 +87,51 @@ def test_runs_sharing_the_cache_save_the_same_entry_together(tmp_path, monkeypat
     assert float(torch.load(path)["w"][0]) in (1.0, 2.0)
     assert sorted(p.name for p in path.parent.iterdir()) == ["entry.pt"]  # no temporary file left behind
 
+
+
+def test_the_cache_key_covers_what_changes_the_result_and_not_the_thread_count():
+    """The key hashed float sums of the weights, which round differently with the thread count: num_threads=1 and 2
+    trained the same warm start twice. It hashes the weights' bytes now; a changed weight, row or setting still
+    changes it."""
+    from polopt_lightning.warmstart import _cache_key
+
+    train, _ = ArithmeticTask(digits=2, train_size=400, val_size=0).splits()
+    model, tok = build_tiny_model()  # the default model: sums over its 2.6M weights round with the threads
+    cfg = WarmStartConfig()
+    previous = torch.get_num_threads()
+    try:
+        keys = set()
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            keys.add(_cache_key(model, tok, train, cfg))
+    finally:
+        torch.set_num_threads(previous)
+    assert len(keys) == 1
+    key = keys.pop()
+    assert _cache_key(model, tok, train, WarmStartConfig(target_accuracy=0.5)) != key
+    assert _cache_key(model, tok, train[1:], cfg) != key
+    with torch.no_grad():
+        next(model.parameters()).view(-1)[0] += 1e-6  # one weight, one rounding step
+    assert _cache_key(model, tok, train, cfg) != key
+
+
+def test_the_warm_start_says_why_it_runs_its_pace_and_each_probe(tmp_path, caplog):
+    train, _ = ArithmeticTask(digits=1, train_size=30, val_size=0).splits()
+    model, tok = tiny()
+    cfg = WarmStartConfig(steps=20, batch_size=8, target_accuracy=1.0, eval_every=10, fine_eval_every=None,
+                          cache_dir=str(tmp_path))
+    with caplog.at_level("INFO", logger="polopt_lightning.warmstart"):
+        supervised_warm_start(model, tok, train, cfg)
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines[0].startswith(f"warm start: no cached weights in {tmp_path}; a supervised warm start on 30 reference "
+                               "answers first") and "up to 20 steps of 8 examples" in lines[0]
+    assert "until greedy accuracy on 30 training prompts reaches 100%" in lines[0]
+    assert lines[1].startswith("warm start: ") and "a step: at most ~" in lines[1] and "for all 20 steps" in lines[1]
+    probes = [line for line in lines if "probe accuracy" in line and "/20" in line]
+    assert [p.split(",")[0] for p in probes] == ["warm start: step 10/20", "warm start: step 20/20"]
+    assert all("(target 100%)" in p for p in probes)
+    assert lines[-1].startswith("warm start: 20 steps in")
+    caplog.clear()
+    with caplog.at_level("INFO", logger="polopt_lightning.warmstart"):
+        supervised_warm_start(tiny()[0], tok, train, cfg)  # cached: one line, no training
+    assert [r.getMessage().split(" /")[0] for r in caplog.records] == ["warm start: loaded cached weights"]
