@@ -405,18 +405,20 @@ def resume_overrides(argv: list[str]) -> list[str]:
       a default that changed since the run). Without ``hydra.run.dir`` the run goes on in its own directory.
     - A new run (no ``ckpt_path``) is refused in a directory that holds a run already.
 
-    Processes that Lightning's launcher, torchrun or SLURM started after the first, and multiruns, are left as they are.
+    Every process that torchrun or SLURM started resumes alike (the same saved files give the same command line); the
+    processes Lightning's launcher starts get the first one's command line already, and multiruns are left as they are.
     """
     from omegaconf import OmegaConf
 
-    external = _external_rank()
-    if (any(a in ("-m", "--multirun") for a in argv) or any(a.startswith("hydra.job.name=") for a in argv)
-            or (external is not None and external[0] > 0)):
+    _RESUME.clear()
+    if any(a in ("-m", "--multirun") for a in argv) or any(a.startswith("hydra.job.name=") for a in argv):
         return argv
+    external = _external_rank()
+    first = external is None or external[0] == 0  # the others start once the first has written its run's files
     given = {_override_key(a): a.split("=", 1)[1] for a in argv if "=" in a}
     ckpt, run_dir = given.get("ckpt_path"), given.get("hydra.run.dir")
     if ckpt in (None, "null"):
-        if run_dir and (Path(run_dir) / ".hydra" / "config.yaml").is_file():
+        if first and run_dir and (Path(run_dir) / ".hydra" / "config.yaml").is_file():
             raise SystemExit(f"polopt-train: hydra.run.dir={run_dir} holds a run already: resume it with "
                              f"ckpt_path={Path(run_dir) / 'checkpoints' / 'last.ckpt'}, or give another folder")
         return argv
@@ -473,7 +475,7 @@ def config_differences(saved: DictConfig, overrides: list[str], now: set[str]) -
 def main() -> None:
     import sys
 
-    sys.argv = [sys.argv[0], *resume_overrides(launcher_overrides(sys.argv[1:]))]
+    sys.argv = [sys.argv[0], *launcher_overrides(resume_overrides(sys.argv[1:]))]
     _hydra_main()
 
 

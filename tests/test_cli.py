@@ -386,3 +386,31 @@ def test_the_progress_bar_shows_no_last_epoch_when_epochs_are_unbounded():
     assert bar._get_train_description(1).strip() == "Epoch 1"
     bar._trainer = SimpleNamespace(max_epochs=3)
     assert bar._get_train_description(1).strip() == "Epoch 1/2"
+
+
+def test_every_process_torchrun_started_resumes_with_the_runs_overrides(tmp_path, monkeypatch):
+    """Under torchrun or SLURM each process gets the user's command line: the later ones replay the run's overrides
+    as the first does (else they would compose another configuration), and none refuses the run's own folder."""
+    from polopt_lightning.cli import launcher_overrides, resume_overrides
+
+    run = tmp_path / "run"
+    (run / ".hydra").mkdir(parents=True)
+    (run / "checkpoints").mkdir()
+    (run / "checkpoints" / "last.ckpt").write_bytes(b"")
+    started = ["trainer.max_steps=7", "module.lr=1e-4"]
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        OmegaConf.save(compose(config_name="train", overrides=started), run / ".hydra" / "config.yaml")
+    OmegaConf.save(OmegaConf.create(started), run / ".hydra" / "overrides.yaml")
+    command = [f"ckpt_path={run}/checkpoints/last.ckpt", "trainer.max_steps=9", f"hydra.run.dir={run}"]
+    for rank in ("0", "1"):
+        monkeypatch.setenv("RANK", rank)
+        monkeypatch.setenv("WORLD_SIZE", "2")
+        argv = launcher_overrides(resume_overrides(command))
+        assert argv[:3] == ["module.lr=1e-4", *command[:2]], argv  # the run's lr, the new length
+        assert ("hydra.job.name=train_ddp_process_1" in argv) == (rank == "1")
+    monkeypatch.setenv("RANK", "1")  # a later process of a new run finds the first one's files: no refusal
+    assert resume_overrides(["trainer.max_steps=9", f"hydra.run.dir={run}"]) == ["trainer.max_steps=9",
+                                                                                  f"hydra.run.dir={run}"]
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(SystemExit, match="holds a run already"):
+        resume_overrides(["trainer.max_steps=9", f"hydra.run.dir={run}"])
