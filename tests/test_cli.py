@@ -3,9 +3,6 @@
 import csv
 import json
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import lightning as L
@@ -15,33 +12,16 @@ from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-from polopt_lightning.cli import config_dir, train
+from polopt_lightning.cli import train
 
-CONF = Path(config_dir())
+from .helpers import CONF, FAST, compose_with, run_cli, set_hydra
+
 GROUPS = ["model", "quantization", "adapter", "objective", "task", "reward", "anchor", "weights", "optimizer", "trainer",
           "strategy", "logger", "callbacks", "experiment"]
-# the tiniest settings that still run every stage
-FAST = ["model.hidden_size=16", "model.num_layers=1", "model.num_heads=2", "model.intermediate_size=32",
-        "task.digits=1", "task.train_size=40", "task.val_size=8", "data.batch_size=2", "module.num_generations=2",
-        "generation.max_new_tokens=3", "warm_start.steps=3", "warm_start.batch_size=4", "trainer.max_steps=2",
-        "trainer.enable_progress_bar=false"]
 
 
 def group_values(group):
     return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
-
-
-def compose_with(overrides, tmp_path):
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        cfg = compose(config_name="train", overrides=overrides, return_hydra_config=True)
-    cfg.hydra.runtime.output_dir = str(tmp_path)
-    return cfg
-
-
-def _set_hydra(cfg):
-    from hydra.core.hydra_config import HydraConfig
-
-    HydraConfig.instance().set_config(cfg)
 
 
 @pytest.mark.parametrize("group,value", [(g, v) for g in GROUPS for v in group_values(g)])
@@ -52,7 +32,7 @@ def test_every_group_value_composes_and_builds(group, value, tmp_path):
     if group == "task" and value == "jsonl":
         overrides.append(f"task.train={tmp_path}/train.jsonl")
     cfg = compose_with(overrides, tmp_path)
-    _set_hydra(cfg)
+    set_hydra(cfg)
     node = cfg.get(group)
     if group == "experiment":
         assert cfg.objective.name  # an experiment sets a whole recipe
@@ -126,7 +106,7 @@ def test_unknown_group_value_lists_the_known_ones():
 
 def test_train_function_writes_results_and_metrics(tmp_path):
     cfg = compose_with(FAST + ["objective=gspo", "trainer.max_steps=4", "trainer.val_check_interval=1"], tmp_path)
-    _set_hydra(cfg)
+    set_hydra(cfg)
     results = train(cfg)
     saved = json.loads((tmp_path / "results.json").read_text())
     assert saved == results
@@ -153,7 +133,7 @@ def test_precision_keys_reach_the_module(tmp_path):
     """`module.rollout_dtype` / `module.ref_dtype` from the command line: validation, then off-policy RL with KL."""
     cfg = compose_with(FAST + ["module.rollout_dtype=bfloat16", "module.ref_dtype=bf16", "objective.beta=0.04",
                                "module.mini_batches=2", "trainer.max_steps=4"], tmp_path)
-    _set_hydra(cfg)
+    set_hydra(cfg)
     results = train(cfg)
     assert results["steps"] == 4 and results["val_accuracy_after"] is not None
     rows = list(csv.DictReader(open(tmp_path / "csv" / "version_0" / "metrics.csv")))
@@ -165,7 +145,7 @@ def test_mixed_precision_with_checkpointing_from_the_command_line(tmp_path):
     """`trainer.precision=bf16-mixed` (what `trainer=gpu` sets) with clipping, off-policy, checkpointed layers."""
     cfg = compose_with(FAST + ["trainer.precision=bf16-mixed", "module.gradient_checkpointing=true",
                                "module.mini_batches=2", "module.max_grad_norm=1.0", "trainer.max_steps=4"], tmp_path)
-    _set_hydra(cfg)
+    set_hydra(cfg)
     results = train(cfg)
     assert results["steps"] == 4 and results["val_accuracy_after"] is not None
     rows = list(csv.DictReader(open(tmp_path / "csv" / "version_0" / "metrics.csv")))
@@ -173,24 +153,18 @@ def test_mixed_precision_with_checkpointing_from_the_command_line(tmp_path):
     assert len(logged) == 2 and all(math.isfinite(v) for pair in logged for v in pair)  # one row per rollout
 
 
-def _cli(args, cwd, env_extra=None):
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env_extra or {})}
-    return subprocess.run([sys.executable, "-m", "polopt_lightning", *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=300)
-
-
 def test_cli_run_and_multirun(tmp_path):
-    proc = _cli(FAST + [f"hydra.run.dir={tmp_path}/run"], tmp_path)
+    proc = run_cli(FAST + [f"hydra.run.dir={tmp_path}/run"], tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "polopt-train summary" in proc.stdout
     results = json.loads((tmp_path / "run" / "results.json").read_text())
     assert results["objective"] == "grpo" and results["steps"] == 2
     assert (tmp_path / "run" / "csv" / "version_0" / "metrics.csv").is_file()
     # the warm start was cached by the first run: a second run with the same config skips it
-    proc = _cli(FAST + [f"hydra.run.dir={tmp_path}/run2"], tmp_path)
+    proc = run_cli(FAST + [f"hydra.run.dir={tmp_path}/run2"], tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads((tmp_path / "run2" / "results.json").read_text())["warm_start_cached"] is True
-    proc = _cli(["-m", *FAST, "objective=grpo,gspo", f"hydra.sweep.dir={tmp_path}/sweep"], tmp_path)
+    proc = run_cli(["-m", *FAST, "objective=grpo,gspo", f"hydra.sweep.dir={tmp_path}/sweep"], tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     objectives = sorted(json.loads(p.read_text())["objective"] for p in (tmp_path / "sweep").glob("*/results.json"))
     assert objectives == ["grpo", "gspo"]
@@ -210,7 +184,7 @@ def test_crash_mid_run_keeps_checkpoint_and_logs(tmp_path):
     args = FAST + ["trainer.max_steps=10", "callbacks.checkpoint.every_n_train_steps=1", "logger.csv.flush_logs_every_n_steps=1",
                    "reward=exact_match", "+reward.functions.crash._target_=hydra.utils.get_method",
                    "+reward.functions.crash.path=crashing_reward.reward", f"hydra.run.dir={tmp_path}/run"]
-    proc = _cli(args, tmp_path, {"PYTHONPATH": str(tmp_path)})
+    proc = run_cli(args, tmp_path, {"PYTHONPATH": str(tmp_path)})
     assert proc.returncode != 0
     assert "'reward' raised on sample 0: RuntimeError: reward server down" in proc.stderr
     run = tmp_path / "run"
@@ -229,7 +203,7 @@ def test_console_prints_each_record_once_and_no_noise(tmp_path):
     exception checkpoint (the `ckpt_path="last"` warnings) and the model saved at the end: the console stays quiet."""
     args = FAST + ["objective.beta=0.04", "trainer.max_steps=4", "callbacks.checkpoint.every_n_train_steps=1",
                    f"hydra.run.dir={tmp_path}/run"]
-    proc = _cli(args, tmp_path)
+    proc = run_cli(args, tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = [line for line in (proc.stdout + proc.stderr).splitlines() if line.strip()]
     messages = [line.split("] - ", 1)[-1] for line in lines]  # the record without Hydra's time stamp
@@ -238,7 +212,7 @@ def test_console_prints_each_record_once_and_no_noise(tmp_path):
     assert not [line for line in lines for n in NOISE if n in line], "\n".join(lines)
     assert "Trainer.fit` stopped: `max_steps=4` reached" in proc.stdout  # Lightning's own lines still come, once
     # verbose=true brings everything back
-    proc = _cli(args[:-1] + [f"hydra.run.dir={tmp_path}/verbose", "verbose=true"], tmp_path)
+    proc = run_cli(args[:-1] + [f"hydra.run.dir={tmp_path}/verbose", "verbose=true"], tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "Tip:" in proc.stdout + proc.stderr
 
@@ -261,7 +235,7 @@ def test_last_checkpoint_is_written_every_n_optimizer_steps(tmp_path):
     CheckpointProbe.seen, CheckpointProbe.folder = {}, tmp_path
     cfg = compose_with(FAST + ["trainer.max_steps=12", "callbacks.checkpoint.every_n_train_steps=4",
                                "+callbacks.probe._target_=tests.test_cli.CheckpointProbe"], tmp_path)
-    _set_hydra(cfg)
+    set_hydra(cfg)
     train(cfg)
     assert CheckpointProbe.seen == {2: None, 4: None, 6: 4, 8: 4, 10: 8, 12: 8}, CheckpointProbe.seen
 
@@ -274,7 +248,7 @@ def test_qlora_from_the_command_line_resumes_and_exports(tmp_path):
     """nf4 + LoRA + 8-bit AdamW through the CLI: a quiet console, the merged model, the adapter and its base in the run
     directory, and a resume from last.ckpt (bitsandbytes cannot load its own quantized weights back: they are checked
     against the rebuilt base instead)."""
-    proc = _cli(FAST + QLORA + ["trainer.max_steps=4", f"hydra.run.dir={tmp_path}/run"], tmp_path)
+    proc = run_cli(FAST + QLORA + ["trainer.max_steps=4", f"hydra.run.dir={tmp_path}/run"], tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = [line for line in (proc.stdout + proc.stderr).splitlines() if line.strip()]
     noise = NOISE + ["gemm_4bit_forward", "MatMul8bitLt", "is_gradient_checkpointing", "past_key_values"]
@@ -284,12 +258,12 @@ def test_qlora_from_the_command_line_resumes_and_exports(tmp_path):
     assert results["adapter_dir"] == str(run / "adapter") and results["base_model"] == str(run / "base_model")
     assert (run / "adapter" / "adapter_model.safetensors").is_file() and (run / "model" / "model.safetensors").is_file()
     assert (run / "base_model" / "config.json").is_file() and (run / "base_model" / "tokenizer.json").is_file()
-    proc = _cli(FAST + QLORA + ["trainer.max_steps=6", f"ckpt_path={run}/checkpoints/last.ckpt",
+    proc = run_cli(FAST + QLORA + ["trainer.max_steps=6", f"ckpt_path={run}/checkpoints/last.ckpt",
                                 f"hydra.run.dir={tmp_path}/resumed"], tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads((tmp_path / "resumed" / "results.json").read_text())["steps"] == 6
     # resuming with another base is refused, naming a weight that differs
-    proc = _cli(FAST + QLORA + ["trainer.max_steps=6", "model.seed=1", f"ckpt_path={run}/checkpoints/last.ckpt",
+    proc = run_cli(FAST + QLORA + ["trainer.max_steps=6", "model.seed=1", f"ckpt_path={run}/checkpoints/last.ckpt",
                                 f"hydra.run.dir={tmp_path}/other"], tmp_path)
     assert proc.returncode != 0 and "differs from the quantized base this run built" in proc.stderr
 
@@ -304,7 +278,7 @@ def test_qlora_from_the_command_line_resumes_and_exports(tmp_path):
 ])
 def test_impossible_combinations_from_the_command_line_name_their_keys(overrides, message, tmp_path):
     cfg = compose_with(FAST + overrides, tmp_path)
-    _set_hydra(cfg)
+    set_hydra(cfg)
     with pytest.raises(ValueError, match=message):
         train(cfg)
 
@@ -318,13 +292,13 @@ def test_a_model_loaded_quantized_refuses_the_warm_start(tmp_path):
     fast = [a for a in FAST if not a.startswith("model.")]  # the tiny model's shape keys
     cfg = compose_with(fast + ["model=pretrained", f"model.name_or_path={tmp_path}/m", "quantization=nf4",
                                "adapter=lora"], tmp_path)
-    _set_hydra(cfg)
+    set_hydra(cfg)
     with pytest.raises(ValueError, match="warm_start.enabled=true trains every weight, but the model was loaded "
                                          "quantized .*set warm_start.enabled=false"):
         train(cfg)
     cfg = compose_with(fast + ["model=pretrained", f"model.name_or_path={tmp_path}/m", "quantization=nf4",
                                "adapter=lora", "warm_start.enabled=false"], tmp_path)
-    _set_hydra(cfg)
+    set_hydra(cfg)
     results = train(cfg)
     assert results["steps"] == 2 and results["base_model"] == f"{tmp_path}/m"  # the adapter's base is the folder
 
@@ -338,7 +312,7 @@ def test_resume_takes_the_runs_own_configuration_and_refuses_before_writing(tmp_
     a new run into a run's folder, or a configuration that differs from the saved one is refused before anything
     is written into the run."""
     run = tmp_path / "run"
-    proc = _cli(FAST + ["trainer.max_steps=3", f"hydra.run.dir={run}"], tmp_path)
+    proc = run_cli(FAST + ["trainer.max_steps=3", f"hydra.run.dir={run}"], tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads((run / "results.json").read_text())["steps"] == 3  # not 4: 2 updates a rollout stop at 3
     last = run / "checkpoints" / "last.ckpt"
@@ -347,18 +321,18 @@ def test_resume_takes_the_runs_own_configuration_and_refuses_before_writing(tmp_
         ([f"ckpt_path={run}/checkpoints/lats.ckpt"], "ckpt_path=" + f"{run}/checkpoints/lats.ckpt: no such checkpoint"),
         (FAST + [f"hydra.run.dir={run}"], f"hydra.run.dir={run} holds a run already"),
     ]:
-        proc = _cli(args, tmp_path)
+        proc = run_cli(args, tmp_path)
         assert proc.returncode != 0 and message in proc.stderr, proc.stderr[-2000:]
         assert _listing(run) == before  # no on_exception.ckpt, no csv/version_1, no new .hydra files
     saved = (run / ".hydra" / "config.yaml").read_text()
     (run / ".hydra" / "config.yaml").write_text(saved.replace("top_k: 0", "top_k: 7"))  # a default that changed since
     before = _listing(run)
-    proc = _cli([f"ckpt_path={last}", "trainer.max_steps=5"], tmp_path)
+    proc = run_cli([f"ckpt_path={last}", "trainer.max_steps=5"], tmp_path)
     assert proc.returncode != 0 and "generation.top_k: saved 7, now 0" in proc.stderr, proc.stderr[-2000:]
     assert _listing(run) == before
     (run / ".hydra" / "config.yaml").write_text(saved)
     # no overrides but the new length: the run's own (tiny) settings, in its own folder
-    proc = _cli([f"ckpt_path={last}", "trainer.max_steps=5", "trainer.enable_progress_bar=false"], tmp_path)
+    proc = run_cli([f"ckpt_path={last}", "trainer.max_steps=5", "trainer.enable_progress_bar=false"], tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     console = proc.stdout + proc.stderr
     assert f"resuming the run in {run}" in console and "given now: ckpt_path=" in console
@@ -369,7 +343,7 @@ def test_resume_takes_the_runs_own_configuration_and_refuses_before_writing(tmp_
 
 
 def test_a_bad_module_setting_fails_before_the_warm_start_and_writes_no_checkpoint(tmp_path):
-    proc = _cli(FAST + ["module.lr=-1", "warm_start.steps=50", f"hydra.run.dir={tmp_path}/run"], tmp_path)
+    proc = run_cli(FAST + ["module.lr=-1", "warm_start.steps=50", f"hydra.run.dir={tmp_path}/run"], tmp_path)
     assert proc.returncode != 0 and "module.lr must be > 0, got -1" in proc.stderr, proc.stderr[-2000:]
     assert "warm start" not in proc.stdout + proc.stderr and not (tmp_path / "run" / "checkpoints").exists()
 

@@ -151,7 +151,7 @@ def test_a_non_finite_step_leaves_weights_and_optimizer_untouched(tiny, arithmet
 
     from polopt_lightning.objectives import GRPO
 
-    from .test_module import make
+    from .helpers import make
 
     class NaNOnSecondCall(GRPO):
         calls = 0
@@ -204,7 +204,7 @@ def test_clip_fraction_is_a_share_of_tokens_for_every_objective():
 def test_track_kl_logs_the_kl_without_training_on_it(tiny, arithmetic_rows, tmp_path):
     import lightning as L
 
-    from .test_module import make
+    from .helpers import make
 
     module, dm = make(tiny, arithmetic_rows, track_kl=True)
     assert module.ref_model is not None and module.objective.beta == 0
@@ -216,10 +216,10 @@ def test_track_kl_logs_the_kl_without_training_on_it(tiny, arithmetic_rows, tmp_
 
 def test_protect_rolls_back_then_stops_from_the_command_line(tmp_path):
     """A val_drop that always holds (negative margin): rollback at the second validation, then the limit stops."""
-    from .test_cli import FAST, _cli
+    from .helpers import FAST, run_cli
 
     run = tmp_path / "run"
-    proc = _cli(FAST + ["callbacks=protect", "callbacks.collapse.val_margin=-1", "callbacks.collapse.max_rollbacks=1",
+    proc = run_cli(FAST + ["callbacks=protect", "callbacks.collapse.val_margin=-1", "callbacks.collapse.max_rollbacks=1",
                         "callbacks.collapse.val_patience=1", "trainer.max_steps=20", "trainer.val_check_interval=2",
                         "logger.csv.flush_logs_every_n_steps=1", f"hydra.run.dir={run}"], tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]

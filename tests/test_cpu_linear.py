@@ -13,18 +13,12 @@ from torch.nn import functional as F
 
 from polopt_lightning import PolicyOptimizationModule, PromptDataModule
 from polopt_lightning.accel.cpu import linear as cpu_linear
-from polopt_lightning.models import build_tiny_model
 from polopt_lightning.rewards import ExactMatchReward
 from polopt_lightning.rollout import HFRolloutEngine, SamplingConfig, fast_decode
 
-from .test_models_rollout import _one_decoding_step
+from .helpers import close, greedy_on_the_modules, one_decoding_step, onednn_model
 
 pytestmark = pytest.mark.skipif(not cpu_linear.available(), reason="this PyTorch build has no oneDNN")
-
-
-def _close(a, b, rel=1e-5):
-    a, b = a.detach(), b.detach()
-    return float((a - b).abs().max()) <= rel * float(b.abs().max())
 
 
 def _counting(monkeypatch, kernel: bool = False):
@@ -58,7 +52,7 @@ def test_values_and_gradients_match_f_linear(monkeypatch, bias, frozen):
         (out.square() * torch.linspace(-1, 1, 640)).sum().backward()
     got = [out.detach(), x.grad] + ([] if frozen else [p.grad for p in layer.parameters()])
     assert len(calls) == (2 if frozen else 3)  # forward, input gradient (and the weight's: none when frozen)
-    assert all(_close(g, w) for g, w in zip(got, want))
+    assert all(close(g, w) for g, w in zip(got, want))
     if frozen:
         assert layer.weight.grad is None
 
@@ -78,7 +72,7 @@ def test_without_gradient_it_is_one_product_few_rows_on_the_kernel(monkeypatch, 
         out = layer(x)
     takes = kernel and rows <= rowdot.MAX_ROWS and rowdot.load() is not None
     assert (on_kernel, calls) == (([(640, 512)], []) if takes else ([], [(640, 512)]))
-    assert out.shape == (rows, 1, 640) and _close(out, F.linear(x, layer.weight, layer.bias))
+    assert out.shape == (rows, 1, 640) and close(out, F.linear(x, layer.weight, layer.bias))
     assert getattr(cpu_linear._kernel, "on", True)  # the switch is back after the context
 
 
@@ -100,11 +94,6 @@ def test_everything_else_runs_as_without_the_mode(monkeypatch, case):
     with cpu_linear.OneDNNLinear(), context:
         got = layer(x)
     assert calls == [] and torch.equal(got, want)
-
-
-def _model():
-    # hidden 512: the attention and MLP weights are above the threshold, as in any model users train
-    return build_tiny_model(hidden_size=512, num_layers=1, num_heads=4, intermediate_size=640, seed=0)
 
 
 def _rows():
@@ -139,7 +128,7 @@ def test_module_turns_it_on_only_for_models_with_large_cpu_weights():
     model, tok = instantiate(config, seed=0)  # the default job's model: every weight below 2**18 elements
     assert isinstance(mode(model, tok), nullcontext)
     assert isinstance(mode(model, tok, onednn_linear=True), cpu_linear.OneDNNLinear)
-    big, tok = _model()
+    big, tok = onednn_model()
     assert isinstance(mode(big, tok), cpu_linear.OneDNNLinear)
     assert isinstance(mode(big, tok, onednn_linear=False), nullcontext)
 
@@ -153,7 +142,7 @@ def test_onednn_linear_true_without_onednn_names_the_key(monkeypatch, tiny):
 def test_a_training_step_gives_the_same_loss_and_gradients(monkeypatch):
     """The rollout, reference pass and training pass of one step with oneDNN against without: the same tokens are
     scored (the rollout is given), the loss and every gradient within float32 tolerance."""
-    model, tok = _model()
+    model, tok = onednn_model()
     batch = next(iter(PromptDataModule(train=_rows(), tokenizer=tok, batch_size=2).train_dataloader()))
     results = {}
     for use in (False, True):
@@ -172,28 +161,17 @@ def test_a_training_step_gives_the_same_loss_and_gradients(monkeypatch):
             metrics = module.accumulate_gradients(exp, torch.arange(exp["completion_ids"].shape[0]))
         results[use] = (exp, metrics, {n: p.grad.clone() for n, p in module.policy.named_parameters()})
     (exp0, m0, g0), (exp1, m1, g1) = results[False], results[True]
-    assert _close(exp1["ref_logprobs"], exp0["ref_logprobs"])
+    assert close(exp1["ref_logprobs"], exp0["ref_logprobs"])
     assert float(m1["loss"]) == pytest.approx(float(m0["loss"]), rel=1e-5, abs=1e-7)
     for name in g0:
-        assert _close(g1[name], g0[name], rel=1e-4), name
-
-
-def _greedy_on_the_modules():
-    """The model of these tests, two prompts, greedy sampling of 3 tokens and what decoding on its modules gives."""
-    model, tok = _model()
-    ids = torch.tensor([tok("12+34=")["input_ids"]] * 2)
-    mask = torch.ones_like(ids)
-    sampling = SamplingConfig(max_new_tokens=3, min_new_tokens=3, temperature=0.0)
-    want = HFRolloutEngine(packed_weights=False).generate(model, ids, mask, 2, sampling, tok.eos_token_id,
-                                                          tok.pad_token_id)
-    return model, tok, ids, mask, sampling, want
+        assert close(g1[name], g0[name], rel=1e-4), name
 
 
 def test_decoding_under_the_mode_packs_the_body_in_onednns_layout_and_keeps_the_head(monkeypatch):
     """Inside the mode, with the few-row kernel off (no AVX-512 or no compiler, or ``decode_kernel=False``), a float32
     model decodes on a copy of its body in oneDNN's blocked layout (one per weight, no MKL packing, no concatenation)
     and on its head as it is, with the plain decoding's tokens and log-probs."""
-    model, tok, ids, mask, sampling, want = _greedy_on_the_modules()
+    model, tok, ids, mask, sampling, want = greedy_on_the_modules()
     base = fast_decode.llama_like(model)
     reordered, mkl = [], []
     init = fast_decode._Packed.__init__
@@ -219,18 +197,18 @@ def test_decoding_under_the_mode_packs_the_body_in_onednns_layout_and_keeps_the_
     assert proj.packed_head is None
     assert calls  # the products that are not packed (prefill, the head where it is large) went through the mode
     assert torch.equal(got.completion_ids, want.completion_ids)
-    assert _close(got.sampling_logprobs, want.sampling_logprobs, rel=1e-4)
+    assert close(got.sampling_logprobs, want.sampling_logprobs, rel=1e-4)
     # one decoding step's logits from the same cache: blocked layout against the modules
     with cpu_linear.OneDNNLinear():
-        blocked, plain = (_one_decoding_step(model, ids, packed=p, kernel=False) for p in (True, False))
-    assert _close(blocked, plain, rel=1e-5)
+        blocked, plain = (one_decoding_step(model, ids, packed=p, kernel=False) for p in (True, False))
+    assert close(blocked, plain, rel=1e-5)
 
 
 def test_under_autocast_the_fp32_policy_samples_itself_through_onednn(monkeypatch):
     """A bf16-mixed step on the CPU: inside the mode the policy samples in fp32 with autocast off (as fast as a bf16
     copy at 0.5B, without its memory); outside the mode, or for the default tiny model, it still gets the bf16
     copy."""
-    model, tok = _model()
+    model, tok = onednn_model()
     ids = torch.tensor([tok("12+34=")["input_ids"]] * 2)
     mask = torch.ones_like(ids)
     sampling = SamplingConfig(max_new_tokens=3, min_new_tokens=3, temperature=0.0)
@@ -245,4 +223,4 @@ def test_under_autocast_the_fp32_policy_samples_itself_through_onednn(monkeypatc
             got = engine.generate(model, ids, mask, 2, sampling, tok.eos_token_id, tok.pad_token_id)
     assert calls and engine._sampler is None  # through the mode (oneDNN, the few-row kernel), and no copy was made
     assert torch.equal(got.completion_ids, plain.completion_ids)
-    assert _close(got.sampling_logprobs, plain.sampling_logprobs, rel=1e-4)
+    assert close(got.sampling_logprobs, plain.sampling_logprobs, rel=1e-4)

@@ -7,7 +7,7 @@ Slow (about 4-5 minutes per seed on 2 CPU cores, warm start included): run with 
 
 import pytest
 
-from tests.test_cli import _set_hydra, compose_with
+from tests.helpers import compose_with, set_hydra
 
 
 @pytest.mark.slow
@@ -16,7 +16,7 @@ def test_default_job_meets_its_target(seed, tmp_path):
     from polopt_lightning.cli import train
 
     cfg = compose_with([f"seed={seed}", "trainer.enable_progress_bar=false"], tmp_path)
-    _set_hydra(cfg)
+    set_hydra(cfg)
     results = train(cfg)
     after, before, best = results["val_accuracy_after"], results["val_accuracy_before"], results["val_accuracy_best"]
     assert after >= 0.85, results

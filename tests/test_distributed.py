@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader
 from polopt_lightning.data import PromptDataModule
 from polopt_lightning.data.sampling import PromptSampler, ResumableLoader, ShardSampler
 
-from .test_cli import FAST, _cli, compose_with
+from .helpers import FAST, compose_with, run_cli
 
 HELPER = Path(__file__).parent / "helpers" / "ddp_update.py"
 
@@ -74,7 +74,7 @@ def _initial_weights(width=None):
 @pytest.mark.parametrize("objective", ["grpo", "gspo"])
 def test_ddp_cpu_from_the_command_line(objective, tmp_path):
     run = tmp_path / "run"
-    proc = _cli(FAST + ["strategy=ddp_cpu", f"objective={objective}", "trainer.max_steps=4", "num_threads=1",
+    proc = run_cli(FAST + ["strategy=ddp_cpu", f"objective={objective}", "trainer.max_steps=4", "num_threads=1",
                         "trainer.val_check_interval=1", f"hydra.run.dir={run}"], tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count("polopt-train summary") == 1  # one summary, from the first process
@@ -92,11 +92,11 @@ def test_two_process_resume_continues_every_process(strategy, tmp_path):
     uninterrupted one does (FSDP2: the sharded weights and optimizer state gathered into one file and back)."""
     args = FAST + [f"strategy={strategy}", "trainer.devices=2", "num_threads=1", "task.val_size=9", "data.batch_size=3", "module.num_generations=3",
                    "callbacks.checkpoint.every_n_train_steps=2", "module.lr=1e-3"]
-    whole = _cli(args + ["trainer.max_steps=6", f"hydra.run.dir={tmp_path}/whole"], tmp_path)
+    whole = run_cli(args + ["trainer.max_steps=6", f"hydra.run.dir={tmp_path}/whole"], tmp_path)
     assert whole.returncode == 0, whole.stderr[-3000:]
-    first = _cli(args + ["trainer.max_steps=2", f"hydra.run.dir={tmp_path}/part"], tmp_path)
+    first = run_cli(args + ["trainer.max_steps=2", f"hydra.run.dir={tmp_path}/part"], tmp_path)
     assert first.returncode == 0, first.stderr[-3000:]
-    resumed = _cli(args + ["trainer.max_steps=6", f"ckpt_path={tmp_path}/part/checkpoints/last.ckpt",
+    resumed = run_cli(args + ["trainer.max_steps=6", f"ckpt_path={tmp_path}/part/checkpoints/last.ckpt",
                            f"hydra.run.dir={tmp_path}/part"], tmp_path)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     ckpt = torch.load(tmp_path / "part" / "checkpoints" / "last.ckpt", weights_only=True)
@@ -228,7 +228,7 @@ def test_strategy_group_builds_lightning_strategies(tmp_path):
     (["strategy=deepspeed_zero2", "trainer=gpu", "optimizer=adamw_8bit"], "optimizer=adamw_8bit"),
 ])
 def test_impossible_strategies_are_refused_naming_their_keys(overrides, message, tmp_path):
-    proc = _cli(FAST + overrides + [f"hydra.run.dir={tmp_path}/run"], tmp_path)
+    proc = run_cli(FAST + overrides + [f"hydra.run.dir={tmp_path}/run"], tmp_path)
     assert proc.returncode != 0 and message in proc.stderr, proc.stderr[-2000:]
 
 

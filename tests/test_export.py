@@ -14,7 +14,7 @@ from polopt_lightning.data import ArithmeticTask
 from polopt_lightning.export import export_checkpoint
 from polopt_lightning.models import load_pretrained
 from polopt_lightning.rewards import DigitMatchReward, ExactMatchReward
-from tests.test_module import distinct_chars
+from tests.helpers import distinct_chars
 
 TEXT = "12+34=46"
 

@@ -10,7 +10,7 @@ import pytest
 from polopt_lightning.accel.cpu import host_memory
 from polopt_lightning.accel.cpu.host_memory import KeepHostMemory, KeptHostMemory
 
-from .test_module import make, trainer
+from .helpers import make, trainer
 
 pytestmark = pytest.mark.skipif(not host_memory.available(), reason="needs glibc's allocator (mallopt)")
 

@@ -11,6 +11,8 @@ from polopt_lightning.logprobs import completion_logprobs, selective_log_softmax
 from polopt_lightning.models import build_tiny_model, char_tokenizer, load_pretrained, prepare_tokenizer
 from polopt_lightning.rollout import HFRolloutEngine, SamplingConfig
 
+from .helpers import one_decoding_step
+
 
 def test_char_tokenizer_roundtrip():
     tok = char_tokenizer()
@@ -228,7 +230,6 @@ def test_fast_decode_matches_the_model_forward(architecture, heads, kv_heads, sh
 
 def test_shared_prompt_kv_is_chosen_where_it_measured_faster():
     """Auto: on for fp32 on the CPU when per-sample copies would re-read >= 1 MiB of prompt keys/values per layer."""
-    from polopt_lightning._hf import cache_argument, preallocated_cache
 
     def decide(prompt_len, dtype, G=8):
         model, tok = build_tiny_model(hidden_size=64, num_layers=1, num_heads=2, intermediate_size=64)
@@ -269,23 +270,8 @@ def test_packed_decode_weights_give_the_modules_results(architecture, heads, kv_
         assert torch.equal(out[True].completion_ids, out[False].completion_ids)
         torch.testing.assert_close(out[True].sampling_logprobs, out[False].sampling_logprobs, **tol)
     # one decoding step's logits from the same cache, packed and not
-    torch.testing.assert_close(_one_decoding_step(model, ids, packed=True), _one_decoding_step(model, ids, packed=False),
+    torch.testing.assert_close(one_decoding_step(model, ids, packed=True), one_decoding_step(model, ids, packed=False),
                                **tol)
-
-
-def _one_decoding_step(model, ids, packed: bool, kernel: bool | None = None, fused: bool | None = None):
-    """Logits of the lean step after a prefill of ``ids`` (its last token fed again), prepacked (``kernel``: see
-    ``PackedProjections``) or on the modules."""
-    from polopt_lightning.rollout import fast_decode
-
-    base = fast_decode.llama_like(model)
-    rows, length = ids.shape
-    cache = preallocated_cache(model, length + 1)
-    with torch.no_grad():
-        model.eval()(input_ids=ids, use_cache=True, **{cache_argument(model): cache})
-    proj = fast_decode.PackedProjections(base, rows, kernel, fused) if packed else None
-    key_mask = torch.zeros(rows, 1, 1, length + 1, dtype=next(model.parameters()).dtype)
-    return fast_decode.decode_step(base, cache, ids[:, -1], torch.full((rows, 1), length), key_mask, proj).float()
 
 
 def test_packed_decode_weights_step_aside_where_they_cannot_apply(tiny):
@@ -355,7 +341,7 @@ def test_packed_decode_weights_carry_every_bias():
     if not fast_decode.PackedProjections.supported(model):
         pytest.skip("this PyTorch build cannot prepack float32 weights (no MKL)")
     ids = torch.randint(3, 40, (3, 5))
-    torch.testing.assert_close(_one_decoding_step(model, ids, packed=True), _one_decoding_step(model, ids, packed=False),
+    torch.testing.assert_close(one_decoding_step(model, ids, packed=True), one_decoding_step(model, ids, packed=False),
                                atol=1e-5, rtol=1e-5)
 
 

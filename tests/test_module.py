@@ -10,32 +10,12 @@ import torch
 
 from polopt_lightning import PolicyOptimizationModule, PromptDataModule
 from polopt_lightning.objectives import GRPO, GSPO
-from polopt_lightning.rewards import DigitMatchReward, ExactMatchReward
+
+from .helpers import make, trainer
 
 REQUIRED = ["train/reward", "train/reward_std", "train/rewards/digit_match/mean", "train/rewards/exact_match/mean",
             "train/frac_zero_std", "train/entropy", "train/clip_frac", "train/completion_len", "train/grad_norm",
             "train/lr", "train/loss"]
-
-
-def distinct_chars(prompts, completions, **kw):
-    """Varies from sample to sample even for an untrained model, so every step has a learning signal."""
-    return [float(len(set(c))) for c in completions]
-
-
-def make(tiny, rows, objective="grpo", **kwargs):
-    model, tok = tiny
-    train, val = rows
-    dm = PromptDataModule(train=train, val=val, tokenizer=tok, batch_size=4, val_batch_size=16)
-    defaults = dict(reward_fns=[ExactMatchReward(), DigitMatchReward(), distinct_chars], num_generations=4,
-                    generation={"max_new_tokens": 3}, lr=1e-3)
-    module = PolicyOptimizationModule(model, tok, objective=objective, **{**defaults, **kwargs})
-    return module, dm
-
-
-def trainer(tmp_path, steps, **kwargs):
-    return L.Trainer(max_steps=steps, accelerator="cpu", logger=L.pytorch.loggers.CSVLogger(tmp_path, name="csv"),
-                     enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                     log_every_n_steps=1, num_sanity_val_steps=0, **kwargs)
 
 
 @pytest.mark.parametrize("objective", [GRPO(), GSPO()], ids=["grpo", "gspo"])

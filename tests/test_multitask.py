@@ -428,11 +428,11 @@ def test_cli_mixture_run_logs_per_task_metrics_weights_and_the_anchor(tmp_path):
 
     from polopt_lightning.cli import train
 
-    from .test_cli import _set_hydra, compose_with
+    from .helpers import compose_with, set_hydra
 
     cfg = compose_with(MIXTURE_FAST + ["weights=progress", "anchor=linear_decay",
                                        "+weights.rewards.fade={sort/item_match: {start: 0.0, end: 0.5}}"], tmp_path)
-    _set_hydra(cfg)
+    set_hydra(cfg)
     results = train(cfg)
     rows = list(csv.DictReader(open(tmp_path / "csv" / "version_0" / "metrics.csv")))
 
@@ -456,10 +456,10 @@ def test_cli_mixture_run_logs_per_task_metrics_weights_and_the_anchor(tmp_path):
 def test_cli_mixture_names_bad_task_rewards(tmp_path):
     from polopt_lightning.cli import train
 
-    from .test_cli import _set_hydra, compose_with
+    from .helpers import compose_with, set_hydra
 
     cfg = compose_with(MIXTURE_FAST + ["+task.rewards.mul.functions={}"], tmp_path)
-    _set_hydra(cfg)
+    set_hydra(cfg)
     with pytest.raises(ValueError, match=r"task.rewards names unknown tasks \['mul'\]"):
         train(cfg)
 
@@ -468,10 +468,10 @@ def test_two_process_mixture_run_splits_every_task_and_reduces_its_metrics(tmp_p
     import csv
     import json
 
-    from .test_cli import _cli
+    from .helpers import run_cli
 
     run = tmp_path / "run"
-    proc = _cli(MIXTURE_FAST + ["strategy=ddp_cpu", "weights=signal", "anchor=adaptive", "num_threads=1",
+    proc = run_cli(MIXTURE_FAST + ["strategy=ddp_cpu", "weights=signal", "anchor=adaptive", "num_threads=1",
                                 f"hydra.run.dir={run}"], tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads((run / "results.json").read_text())

@@ -19,7 +19,7 @@ import torch
 
 from polopt_lightning.callbacks import AtomicCheckpointIO
 
-from .test_cli import FAST
+from .helpers import FAST
 
 # a reward that takes a little time, so the run is still going when the test kills it after the first checkpoint
 SLOW_REWARD = (

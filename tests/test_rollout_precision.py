@@ -10,7 +10,7 @@ from polopt_lightning import PolicyOptimizationModule, PromptDataModule
 from polopt_lightning.logprobs import completion_logprobs
 from polopt_lightning.models import build_tiny_model, cast_weights
 from polopt_lightning.rollout import HFRolloutEngine, SamplingConfig
-from tests.test_module import distinct_chars
+from tests.helpers import distinct_chars
 
 
 def _prompts(tok, texts):

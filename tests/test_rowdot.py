@@ -12,8 +12,7 @@ from polopt_lightning.models import build_tiny_model
 from polopt_lightning.rollout import HFRolloutEngine, fast_decode
 from polopt_lightning.rollout.engine import SamplingConfig
 
-from .test_cpu_linear import _close, _greedy_on_the_modules, _model
-from .test_models_rollout import _one_decoding_step
+from .helpers import close, greedy_on_the_modules, one_decoding_step, onednn_model
 
 
 def _needs_kernel():
@@ -57,7 +56,7 @@ def test_decoding_runs_on_the_kernel_with_the_modules_tokens_and_logprobs(monkey
     """Inside oneDNN's mode a float32 model decodes on the kernel: no weight reordered or packed (the head
     included), the tokens and log-probs of decoding on the modules, one step's logits within float tolerance."""
     _needs_kernel()
-    model, tok, ids, mask, sampling, want = _greedy_on_the_modules()
+    model, tok, ids, mask, sampling, want = greedy_on_the_modules()
     packed, kernel_calls = [], []
     monkeypatch.setattr(fast_decode._Packed, "__init__", lambda self, *a, **k: packed.append(a))
     call = rowdot.RowDot.__call__
@@ -74,20 +73,20 @@ def test_decoding_runs_on_the_kernel_with_the_modules_tokens_and_logprobs(monkey
                                                          tok.pad_token_id)
         assert in_step == [] and not consulted
         proj = fast_decode.PackedProjections(base, 4)
-        kernel, plain = (_one_decoding_step(model, ids, packed=p, fused=False) for p in (True, False))
+        kernel, plain = (one_decoding_step(model, ids, packed=p, fused=False) for p in (True, False))
     assert proj.kernel and isinstance(proj.packed_head, rowdot.RowDot) and not packed
     assert proj.packed_qkv[0].weights[0] is not None and proj.packed_qkv[0].weights[0].data_ptr() == \
         model.model.layers[0].self_attn.q_proj.weight.data_ptr()  # the weight itself, no copy
     # per decoded token (2 of the 3 come from the lean step): q/k/v, o, gate/up, down per layer, then the head
     assert len(kernel_calls) >= 2 * (4 * len(model.model.layers) + 1)
     assert torch.equal(got.completion_ids, want.completion_ids)
-    assert _close(got.sampling_logprobs, want.sampling_logprobs, rel=1e-4)
-    assert _close(kernel, plain, rel=1e-5)
+    assert close(got.sampling_logprobs, want.sampling_logprobs, rel=1e-4)
+    assert close(kernel, plain, rel=1e-5)
 
 
 def test_more_rows_than_the_kernel_takes_keep_the_blocked_layout():
     _needs_kernel()
-    model, _ = _model()
+    model, _ = onednn_model()
     with cpu_linear.OneDNNLinear():
         assert not fast_decode.PackedProjections(fast_decode.llama_like(model), fast_decode.KERNEL_MAX_ROWS + 1).kernel
 
@@ -99,7 +98,7 @@ def test_without_a_compiler_decoding_keeps_the_blocked_layout_and_true_says_why(
     assert rowdot.load() is None and rowdot.why_not()
     with pytest.raises(ValueError, match=r"decode_kernel=True: .*cannot run here"):
         HFRolloutEngine(decode_kernel=True)
-    model, _ = _model()
+    model, _ = onednn_model()
     with cpu_linear.OneDNNLinear():
         proj = fast_decode.PackedProjections(fast_decode.llama_like(model), 4)
     assert not proj.kernel and proj.packed_head is None  # the blocked layout, as before the kernel
@@ -133,7 +132,7 @@ def test_adapter_decoding_runs_its_frozen_base_products_on_the_kernel(monkeypatc
     _needs_kernel()
     from polopt_lightning.models import LLAMA_TARGETS, Adapter, apply_adapter
 
-    model, tok, ids, mask, sampling, _ = _greedy_on_the_modules()
+    model, tok, ids, mask, sampling, _ = greedy_on_the_modules()
     policy = _nonzero_b(apply_adapter(model, Adapter(kind="lora", r=4, target_modules=list(LLAMA_TARGETS))))
     built, read = [], []
     init = fast_decode.AdapterProjections.__init__
@@ -157,7 +156,7 @@ def test_adapter_decoding_runs_its_frozen_base_products_on_the_kernel(monkeypatc
     bases = [attn.q_proj.base_layer.weight, attn.k_proj.base_layer.weight, attn.v_proj.base_layer.weight]
     assert any(len(w) == 3 and all(a.data_ptr() == b.data_ptr() for a, b in zip(w, bases)) for w in read)
     assert torch.equal(got.completion_ids, off.completion_ids)
-    assert _close(got.sampling_logprobs, off.sampling_logprobs, rel=1e-4)
+    assert close(got.sampling_logprobs, off.sampling_logprobs, rel=1e-4)
     base = fast_decode.llama_like(policy.eval())  # generate samples in eval mode (dropout off)
     with cpu_linear.OneDNNLinear():
         assert fast_decode.AdapterProjections.applies(base, 4)
@@ -212,11 +211,11 @@ def test_the_fused_step_samples_what_the_step_in_pytorch_samples(monkeypatch, ar
             if fused is None:
                 assert len(calls) == sampling.max_new_tokens - 1  # every token after the prefill's
         assert len(calls) == sampling.max_new_tokens - 1
-        one, two = (_one_decoding_step(model, ids, packed=True, fused=f) for f in (None, False))
+        one, two = (one_decoding_step(model, ids, packed=True, fused=f) for f in (None, False))
     assert len(calls) == sampling.max_new_tokens
     assert torch.equal(got[None].completion_ids, got[False].completion_ids)
-    assert _close(got[None].sampling_logprobs, got[False].sampling_logprobs, rel=1e-5)
-    assert _close(one, two, rel=1e-5)
+    assert close(got[None].sampling_logprobs, got[False].sampling_logprobs, rel=1e-5)
+    assert close(one, two, rel=1e-5)
 
 
 def _lora(model, r: int, targets: list[str], seed: int = 0):
@@ -259,7 +258,7 @@ def test_the_fused_step_adds_lora_adapters_as_peft_does(monkeypatch, architectur
     assert len(calls) == sampling.max_new_tokens - 1  # only the fused engine called it
     for other in ("python", "peft"):
         assert torch.equal(got["fused"].completion_ids, got[other].completion_ids)
-        assert _close(got["fused"].sampling_logprobs, got[other].sampling_logprobs, rel=1e-5)
+        assert close(got["fused"].sampling_logprobs, got[other].sampling_logprobs, rel=1e-5)
 
 
 def test_the_fused_step_leaves_several_adapters_or_a_biased_b_to_the_step_in_pytorch():
@@ -393,7 +392,7 @@ def test_four_bit_lora_policies_decode_on_their_codes_with_the_modules_tokens(mo
     assert (len(calls), len(four)) == (tokens, 4 * len(model.model.layers) * tokens)
     for other in ("python", "peft"):
         assert torch.equal(got["fused"].completion_ids, got[other].completion_ids)
-        assert _close(got["fused"].sampling_logprobs, got[other].sampling_logprobs, rel=1e-5)
+        assert close(got["fused"].sampling_logprobs, got[other].sampling_logprobs, rel=1e-5)
 
 
 def test_the_fused_step_takes_four_bit_bases_of_one_block_size_and_float32_compute(tmp_path):

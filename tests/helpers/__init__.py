@@ -1,0 +1,108 @@
+"""Helpers the test modules share: the CLI's tiniest settings and how to run it, a drop-in module and Trainer, the
+decoding step's logits, closeness. Test modules import these from here, never from each other."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import lightning as L
+import torch
+from hydra import compose, initialize_config_dir
+
+from polopt_lightning import PolicyOptimizationModule, PromptDataModule
+from polopt_lightning._hf import cache_argument, preallocated_cache
+from polopt_lightning.cli import config_dir
+from polopt_lightning.models import build_tiny_model
+from polopt_lightning.rewards import DigitMatchReward, ExactMatchReward
+from polopt_lightning.rollout import HFRolloutEngine, SamplingConfig
+
+CONF = Path(config_dir())
+
+# the tiniest settings that still run every stage
+FAST = ["model.hidden_size=16", "model.num_layers=1", "model.num_heads=2", "model.intermediate_size=32",
+        "task.digits=1", "task.train_size=40", "task.val_size=8", "data.batch_size=2", "module.num_generations=2",
+        "generation.max_new_tokens=3", "warm_start.steps=3", "warm_start.batch_size=4", "trainer.max_steps=2",
+        "trainer.enable_progress_bar=false"]
+
+
+def compose_with(overrides, tmp_path):
+    """``conf/train.yaml`` composed with ``overrides`` and the Hydra node, its output folder ``tmp_path``."""
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose(config_name="train", overrides=overrides, return_hydra_config=True)
+    cfg.hydra.runtime.output_dir = str(tmp_path)
+    return cfg
+
+
+def set_hydra(cfg):
+    """Make ``cfg`` the running Hydra configuration (what ``train`` reads its run folder from)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    HydraConfig.instance().set_config(cfg)
+
+
+def run_cli(args, cwd, env_extra=None):
+    """``python -m polopt_lightning *args`` in ``cwd``, as a user runs it; its output captured."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env_extra or {})}
+    return subprocess.run([sys.executable, "-m", "polopt_lightning", *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+def distinct_chars(prompts, completions, **kw):
+    """Varies from sample to sample even for an untrained model, so every step has a learning signal."""
+    return [float(len(set(c))) for c in completions]
+
+
+def make(tiny, rows, objective="grpo", **kwargs):
+    """A drop-in module on ``tiny`` with three rewards (one always varies) and its data module on ``rows``."""
+    model, tok = tiny
+    train, val = rows
+    dm = PromptDataModule(train=train, val=val, tokenizer=tok, batch_size=4, val_batch_size=16)
+    defaults = dict(reward_fns=[ExactMatchReward(), DigitMatchReward(), distinct_chars], num_generations=4,
+                    generation={"max_new_tokens": 3}, lr=1e-3)
+    module = PolicyOptimizationModule(model, tok, objective=objective, **{**defaults, **kwargs})
+    return module, dm
+
+
+def trainer(tmp_path, steps, **kwargs):
+    """A quiet CPU Trainer of ``steps`` optimizer steps that logs CSV into ``tmp_path``."""
+    return L.Trainer(max_steps=steps, accelerator="cpu", logger=L.pytorch.loggers.CSVLogger(tmp_path, name="csv"),
+                     enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                     log_every_n_steps=1, num_sanity_val_steps=0, **kwargs)
+
+
+def one_decoding_step(model, ids, packed: bool, kernel: bool | None = None, fused: bool | None = None):
+    """Logits of the lean step after a prefill of ``ids`` (its last token fed again), prepacked (``kernel``: see
+    ``PackedProjections``) or on the modules."""
+    from polopt_lightning.rollout import fast_decode
+
+    base = fast_decode.llama_like(model)
+    rows, length = ids.shape
+    cache = preallocated_cache(model, length + 1)
+    with torch.no_grad():
+        model.eval()(input_ids=ids, use_cache=True, **{cache_argument(model): cache})
+    proj = fast_decode.PackedProjections(base, rows, kernel, fused) if packed else None
+    key_mask = torch.zeros(rows, 1, 1, length + 1, dtype=next(model.parameters()).dtype)
+    return fast_decode.decode_step(base, cache, ids[:, -1], torch.full((rows, 1), length), key_mask, proj).float()
+
+
+def close(a, b, rel=1e-5):
+    """``a`` within ``rel`` of ``b``'s largest value, everywhere."""
+    a, b = a.detach(), b.detach()
+    return float((a - b).abs().max()) <= rel * float(b.abs().max())
+
+
+def onednn_model():
+    """A model whose attention and MLP weights are above oneDNN's threshold (hidden 512), as models users train."""
+    return build_tiny_model(hidden_size=512, num_layers=1, num_heads=4, intermediate_size=640, seed=0)
+
+
+def greedy_on_the_modules():
+    """The model of these tests, two prompts, greedy sampling of 3 tokens and what decoding on its modules gives."""
+    model, tok = onednn_model()
+    ids = torch.tensor([tok("12+34=")["input_ids"]] * 2)
+    mask = torch.ones_like(ids)
+    sampling = SamplingConfig(max_new_tokens=3, min_new_tokens=3, temperature=0.0)
+    want = HFRolloutEngine(packed_weights=False).generate(model, ids, mask, 2, sampling, tok.eos_token_id,
+                                                          tok.pad_token_id)
+    return model, tok, ids, mask, sampling, want
