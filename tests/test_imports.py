@@ -85,3 +85,15 @@ def test_the_check_finds_a_circle(tmp_path):
     (package / "sub" / "__init__.py").write_text("")
     (package / "sub" / "b.py").write_text("def f():\n    from .. import a  # lazily\n")
     assert cycles(package) == [["pkg.a", "pkg.sub.b"]]
+
+
+def test_no_test_module_imports_another():
+    """Shared helpers live in tests/helpers and tests/conftest.py: a test module importing another runs (and couples to)
+    its module-level code."""
+    tests = pathlib.Path(__file__).resolve().parent
+    offenders = []
+    for path in sorted(tests.glob("test_*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[-1].startswith("test_"):
+                offenders.append(f"{path.name}:{node.lineno}")
+    assert offenders == []
