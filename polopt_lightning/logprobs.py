@@ -168,11 +168,8 @@ def shared_prompt_completion_logprobs(
 
 
 # Longest packed group (a prompt and its completions as one sequence) that the module packs by default: up to here the
-# fewer, larger products save more than attention over the whole group costs. Measured (2 CPU threads, fp32, one
-# training pass against the shared prompt's two): a Qwen2.5-0.5B shape at 92 tokens 2.48 s against 3.05 (reference
-# 0.70 against 0.84), at 284 tokens 7.54 against 7.71 (reference 2.26 against 2.20); a 25M model at 152 tokens 0.26
-# against 0.32, at 280 0.47 against 0.49, at 1,144 tokens 2.40 against 1.92; the default tiny model at 47 tokens 40 ms
-# against 55; the tiny throughput workload (2.6M, 256 packed tokens) 0.173 s/step against 0.168: no gain from ~250 on.
+# fewer, larger products save more than attention over the whole group costs; from ~250 tokens on packing gained
+# nothing, and at 1,144 it lost (measured on 0.5B, 25M and tiny models: docs/performance.md, "Levers kept and dropped").
 PACKED_MAX_TOKENS = 192
 
 
@@ -243,9 +240,9 @@ def _packed_groups(model: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, co
 
 
 def _select_rows(cache, index: Tensor) -> None:
-    """Each layer's keys/values ``[U, ...] -> [N, ...]`` by ``index_select``: its backward (``index_add_``) is 8-14x
-    faster on the CPU than that of the advanced indexing ``Cache.batch_select_indices`` uses (a ``[1, 8, 128, 64]``
-    prompt to 4 rows: 0.35 vs 3.4 ms; 2 prompts to 16 rows: 0.43 vs 6.1 ms), and it runs twice per layer per pass."""
+    """Each layer's keys/values ``[U, ...] -> [N, ...]`` by ``index_select``: its backward (``index_add_``) is several
+    times faster on the CPU than that of the advanced indexing ``Cache.batch_select_indices`` uses, and it runs twice
+    per layer per pass."""
     layers = getattr(cache, "layers", None)
     if layers is None or not all(hasattr(layer, "keys") and hasattr(layer, "values") for layer in layers):
         cache.batch_select_indices(index)  # pragma: no cover - older transformers caches

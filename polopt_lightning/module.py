@@ -367,7 +367,7 @@ class PolicyOptimizationModule(L.LightningModule):
         # Lightning's mixed-precision plugins refuse to clip the gradients of an optimizer that unscales them itself
         # (as torch's fused AdamW declares it does). Where the step clips through Lightning (a loss scaler, sharded
         # gradients: see _clips_in_place) this project's factory then builds the unfused kernel; under bf16-mixed
-        # the step clips in place and keeps the fused one (at 0.5B the unfused step took 1.2-1.7 s, the fused 0.2-0.3).
+        # the step clips in place and keeps the fused one (several times faster at 0.5B: docs/performance.md).
         mixed = self.trainer is not None and isinstance(self.trainer.precision_plugin, MixedPrecision)
         ours = getattr(factory, "func", None) is build_optimizer
         if mixed and self.max_grad_norm and ours and not self._clips_in_place():

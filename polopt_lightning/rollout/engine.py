@@ -136,13 +136,11 @@ class HFRolloutEngine(RolloutEngine):
         dtype: sample with a copy of the policy's weights in this dtype (e.g. ``"bfloat16"``), refreshed from the
             policy at each call, with autocast off. ``None`` samples in the precision the training step computes
             in: with the policy itself, or, for an fp32 policy under autocast (a ``bf16-mixed`` / ``16-mixed``
-            trainer), with a copy in the autocast dtype: autocast would cast every weight again at every token
-            (long-prompt benchmark under ``bf16-mixed``: 4.3 s of sampling per step instead of 2.3 s), the copy
-            costs 2 bytes per parameter; on the CPU inside :class:`~polopt_lightning.accel.cpu.linear.OneDNNLinear` (the
+            trainer), with a copy in the autocast dtype: autocast would cast every weight again at every token; the
+            copy costs 2 bytes per parameter. On the CPU inside :class:`~polopt_lightning.accel.cpu.linear.OneDNNLinear` (the
             module's default for models with weights of 2**18 elements or more) the fp32 policy itself samples with
-            autocast off instead, through oneDNN's fp32 products: at the Qwen2.5-0.5B shape under ``bf16-mixed``
-            the rollout took 1.99 s against 2.38 with the copy, the step's peak 12.45 against 13.69 GiB. ``"float32"`` samples the fp32 weights with autocast
-            off. Half-precision
+            autocast off instead, through oneDNN's fp32 products (faster and in less memory there than the copy).
+            ``"float32"`` samples the fp32 weights with autocast off. Half-precision
             sampling halves the bytes each token reads (weights and KV cache) and uses bf16 matrix units (AMX
             CPUs, GPUs); log-probs sampled in another precision than training's are not reused as old log-probs.
         compile: run the decoding step through ``torch.compile`` with static shapes (the whole cache attended
@@ -150,9 +148,8 @@ class HFRolloutEngine(RolloutEngine):
             first call of each new batch shape compiles (tens of seconds on CPU).
         shared_prompt_kv: keep each prompt's keys/values once per group while decoding (the lean step only; the
             G samples' queries meet them in one product) instead of a copy per sample. ``None`` decides: on for an
-            fp32 model on the CPU when the copies would make each token re-read at least 1 MiB per layer (long-prompt
-            benchmark: generation 2.71 s -> 2.24 s); off otherwise (tiny prompts and bf16 CPU kernels measured
-            slower with it: 0.081 -> 0.092 s and 1.68 -> 1.91 s).
+            fp32 model on the CPU when the copies would make each token re-read at least 1 MiB per layer; off
+            otherwise (short prompts and bf16 CPU kernels measured slower with it).
         packed_weights: run the lean step's products on weights prepacked for the math library (see
             :class:`.fast_decode.PackedProjections`) where the model allows it: plain ``nn.Linear`` projections on
             the CPU in float32 (MKL) or bfloat16 (oneDNN), autocast off, not compiled. The packed copy is rebuilt at
@@ -179,8 +176,7 @@ class HFRolloutEngine(RolloutEngine):
             PyTorch operations a layer. ``None`` uses it where it applies; ``False`` keeps PyTorch's operations
             between the kernel's products. The same sampled tokens, log-probs within float32 tolerance (tested).
         inference_mode: sample under ``torch.inference_mode`` instead of ``no_grad`` (less bookkeeping per
-            operation; generation, medians of alternating repeats: tiny benchmark model 90 -> 83 ms, long-prompt
-            2.64 -> 2.42 s); the returned tensors are ordinary copies. ``None`` decides: on for a plain
+            operation); the returned tensors are ordinary copies. ``None`` decides: on for a plain
             ``transformers`` model whose linear layers are ``nn.Linear`` itself, off for quantized layers
             (bitsandbytes builds state in its forward, which must not become inference tensors) and adapters
             (peft). Set ``False`` for a model whose modules keep tensors made during the forward.
@@ -438,7 +434,7 @@ def sample_tokens(probs: Tensor, generator: torch.Generator | None = None) -> Te
     """One token per row ``[N]`` from the distributions ``probs`` ``[N, V]``.
 
     ``torch.multinomial`` draws one exponential variate per vocabulary entry and row (a race): at a 152k-token
-    vocabulary that is 20 ms per decoded token on 2 CPU cores, more than the head's product. From
+    vocabulary that costs more per decoded token than the head's product on a CPU. From
     :data:`INVERSE_CDF_VOCAB` tokens on, each row instead draws one uniform number and takes the first token whose
     cumulative probability (float64) exceeds it: the same distribution from N random numbers instead of N x V. Smaller
     vocabularies keep ``torch.multinomial``, so their runs draw exactly the tokens they always did.

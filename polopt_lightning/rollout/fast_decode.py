@@ -350,7 +350,7 @@ class AdapterProjections(_GroupedProjections):
 class FusedStep:
     """The whole decoding step in one call of :mod:`.rowdot`'s ``polopt_decode_step``: the products on the kernel as
     in :class:`PackedProjections`, and the norms, rotary, attention, activation and residuals between them in C on the
-    same threads (PyTorch spends ~50 small operations a layer on those, ~10 ms a token at the Qwen2.5-0.5B shape).
+    same threads (PyTorch spends ~50 small operations a layer on those).
     Only the embedding lookup and the rotary tables stay in PyTorch. Built at each rollout from the current weights
     (references, no copy); :meth:`fits` says where it applies.
 
@@ -611,7 +611,7 @@ def _step(base: nn.Module, attends: list, token: Tensor, position: Tensor,
     attention output ``[N, heads, 1, D]``."""
     proj = projections or Projections(base)
     # prepacked products need no torch-function handling: skip the mode's Python dispatch (oneDNN's, for one) on each
-    # of the step's ~1,300 operations (Qwen2.5-0.5B shape: rollout 1.51 s against 1.62, the same tokens)
+    # of the step's ~1,300 operations (the same tokens)
     with _without_torch_function() if proj.prepacked else nullcontext():
         return _layers(base, proj, attends, token, position)
 

@@ -4,16 +4,15 @@ A training step on the CPU allocates and frees the same large tensors every step
 Qwen2.5-0.5B's shape the tied 151,936 x 896 table's alone is 545 MiB, made afresh by each lookup and head call),
 the activations, the logits. glibc serves every allocation above its mmap threshold (at most 32 MiB) with a fresh
 ``mmap`` and gives it back with ``munmap`` when freed, and trims the top of its heap on ``free``: the next step's
-tensor lands on pages the kernel has to fault in and zero again, one 4 KiB page at a time. In the VM this project
-measures on a first touch costs ~6 us a page: ~0.8 s for one 545 MiB table, seconds per step in all.
+tensor lands on pages the kernel has to fault in and zero again, one 4 KiB page at a time (seconds a step at 0.5B:
+docs/performance.md).
 
 :class:`KeptHostMemory` turns both off with ``mallopt`` for as long as it is entered (``M_MMAP_MAX=0``: large
 blocks come from the heap too; ``M_TRIM_THRESHOLD=-1``: the heap is never trimmed), so freed blocks are reused
 by the next step's tensors, already faulted in. On leaving, glibc's defaults come back and ``malloc_trim(0)``
 returns the free memory to the system. The process holds its high-water mark until the end of training instead of
 giving memory back between phases, and that mark can sit above what the live tensors need: a large block that finds
-no free space big enough grows the heap (at Qwen2.5-0.5B fp32: 10.95 GiB, then 11.46 from the 11th step of a 40-step
-run, against 10.82 with the defaults).
+no free space big enough grows the heap.
 Numerics are untouched: only where tensors live changes. Other C libraries (musl, macOS) have no ``mallopt``:
 :func:`available` is ``False`` there.
 """

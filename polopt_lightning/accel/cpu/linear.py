@@ -170,8 +170,8 @@ def _four_bit_on_onednn(A: Tensor, B: Tensor, shapeB, absmax: Tensor, blocksize:
                         bias: Tensor | None = None, absmax_8bit: Tensor | None = None,
                         absmax_code: Tensor | None = None, absmax_offset: Tensor | None = None) -> Tensor | None:
     """bitsandbytes' default ``gemm_4bit`` (dequantize the weight to float32, then ``F.linear``) with its product
-    through oneDNN: its own ``F.linear`` runs inside the op, where this mode does not see it, on MKL (the 0.5B nf4
-    reference pass: 0.79 s of its 1.23 in MKL's products). ``None`` where the mode would not take the product
+    through oneDNN: its own ``F.linear`` runs inside the op, where this mode does not see it, on MKL (most of a 4-bit
+    reference pass's time). ``None`` where the mode would not take the product
     (see :func:`_eligible`)."""
 
     if (type(A) not in _PLAIN or A.dtype != torch.float32 or A.device.type != "cpu" or A.dim() < 2
@@ -225,7 +225,7 @@ def _four_bit_forward(layer: nn.Module, x: Tensor, *args, **kwargs) -> Tensor:
 def four_bit_input_gradients(model: nn.Module):
     """Context in which ``model``'s frozen bitsandbytes 4-bit layers (float32 compute, on the CPU) compute their input
     gradient through oneDNN while an :class:`OneDNNLinear` context is open in the thread: bitsandbytes' backward
-    multiplies the dequantized weight on MKL (the 0.5B nf4 QLoRA training pass: 0.77 s of 1.88 in those products).
+    multiplies the dequantized weight on MKL (a large share of a QLoRA training pass).
     The forward is the layer's own; the gradient is the same product in another summation order (float32
     tolerance). Each such layer's ``forward`` is an instance attribute for the context's span, removed after it."""
     layers = [m for m in model.modules() if _frozen_four_bit(m) and "forward" not in vars(m)]

@@ -3,9 +3,8 @@
 Decoding multiplies 8-16 rows by every weight at every token, so the product is bound by how fast the weights stream
 from memory. oneDNN streams a plain ``[out, in]`` weight at about half the rate a plain read reaches and gets close
 to it only on a copy reordered into its blocked layout, which must be made again at every rollout (the policy
-changes between rollouts: 0.22-0.28 s and 1.4 GB at the Qwen2.5-0.5B shape). ``rowdot.c`` reads the plain layout at
-the blocked copy's rate, with no copy, and covers the 152k-row head too (oneDNN on the plain head: 15-21 GB/s; this
-kernel 19-29). It is compiled with the machine's C compiler (``$CC``, else ``cc``) at its first use in a process and
+changes between rollouts). ``rowdot.c`` reads the plain layout at the blocked copy's rate, with no copy, and covers
+a large head too (docs/performance.md). It is compiled with the machine's C compiler (``$CC``, else ``cc``) at its first use in a process and
 kept in ``$POLOPT_CACHE`` (default ``~/.cache/polopt-lightning``) for the next; where there is no compiler, no
 AVX-512 or the build fails, :func:`load` returns ``None`` (with the reason in :func:`why_not`) and decoding keeps
 oneDNN's products. With PyTorch's Linux wheels its OpenMP threads are PyTorch's own: the library asks for
