@@ -157,9 +157,9 @@ class PolicyOptimizationModule(L.LightningModule):
             19% faster at 92 tokens, 25% slower at 1,144); ``True``: every group; both need SDPA attention and no
             sliding-window layers, else the prompt's keys/values are shared as before.
         keep_host_memory: while training, glibc keeps freed memory for the next step's tensors instead of giving it
-            back to the system and faulting it in again (:mod:`polopt_lightning.accel.cpu.host_memory`; the process holds its
-            peak until training ends). ``None``: where the policy trains on the CPU (Qwen2.5-0.5B shape, 2 threads,
-            in the VM measured: the training pass ~2x faster); ``True`` needs glibc.
+            back to the system and faulting it in again (:mod:`polopt_lightning.accel.cpu.host_memory`; the process
+            holds its peak until training ends). ``None``: where the policy trains on the CPU (measured effect:
+            docs/performance.md); ``True`` needs glibc.
         micro_batch_tokens: bound on the tokens (prompt + completion) of one forward/backward; a mini-batch larger
             than this is split and its gradients accumulated (same gradient, bounded memory). ``None``: no split.
         gradient_checkpointing: recompute each decoder layer's activations in the backward pass instead of keeping
@@ -972,7 +972,8 @@ class PolicyOptimizationModule(L.LightningModule):
 
     def configure_callbacks(self) -> list[L.Callback]:
         """The anchor's scheduler, when this module has an anchor and the trainer has none of its own; the callback
-        that keeps host memory for reuse (:class:`~polopt_lightning.accel.cpu.host_memory.KeepHostMemory`) while training."""
+        that keeps host memory for reuse (:class:`~polopt_lightning.accel.cpu.host_memory.KeepHostMemory`) while
+        training."""
         from .callbacks import AnchorScheduler
 
         own = []

@@ -87,7 +87,7 @@ def _cache_key(model: nn.Module, tokenizer: Any, rows: Sequence[dict], cfg: Warm
     # the initial weights matter too: every tensor's bytes (a float sum rounds differently with the thread count)
     for name, p in sorted(model.state_dict().items()):
         h.update(f"{name}:{p.dtype}:{tuple(p.shape)}".encode())
-        h.update(p.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+        h.update(p.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy())  # hashed in place, no bytes copy
     h.update(json.dumps([[r[cfg.prompt_column], r[cfg.answer_column]] for r in rows]).encode())
     return h.hexdigest()[:20]
 
@@ -121,11 +121,12 @@ def supervised_warm_start(model: nn.Module, tokenizer: Any, rows: Sequence[dict[
                     "probe_accuracy": None}
 
     log.info("warm start: %s; a supervised warm start on %d reference answers first (the model must sometimes answer "
-             "right before RL can reward it): up to %d steps of %d examples%s. Its weights are cached for the next run",
+             "right before RL can reward it): up to %d steps of %d examples%s.%s",
              f"no cached weights in {cfg.cache_dir}" if path is not None else "no cache (warm_start.cache_dir=null)",
              len(rows), cfg.steps, cfg.batch_size,
              f", until greedy accuracy on {min(cfg.probe_size, len(rows))} training prompts reaches "
-             f"{cfg.target_accuracy:.0%}" if cfg.target_accuracy is not None else "")
+             f"{cfg.target_accuracy:.0%}" if cfg.target_accuracy is not None else "",
+             " Its weights are cached for the next run" if path is not None else "")
     start = time.perf_counter()
     device = next(model.parameters()).device
     examples = [_encode(tokenizer, str(r[cfg.prompt_column]), str(r[cfg.answer_column])) for r in rows]

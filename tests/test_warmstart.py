@@ -126,6 +126,7 @@ def test_the_warm_start_says_why_it_runs_its_pace_and_each_probe(tmp_path, caplo
     assert lines[0].startswith(f"warm start: no cached weights in {tmp_path}; a supervised warm start on 30 reference "
                                "answers first") and "up to 20 steps of 8 examples" in lines[0]
     assert "until greedy accuracy on 30 training prompts reaches 100%" in lines[0]
+    assert lines[0].endswith("Its weights are cached for the next run")
     assert lines[1].startswith("warm start: ") and "a step: at most ~" in lines[1] and "for all 20 steps" in lines[1]
     probes = [line for line in lines if "probe accuracy" in line and "/20" in line]
     assert [p.split(",")[0] for p in probes] == ["warm start: step 10/20", "warm start: step 20/20"]
@@ -135,3 +136,8 @@ def test_the_warm_start_says_why_it_runs_its_pace_and_each_probe(tmp_path, caplo
     with caplog.at_level("INFO", logger="polopt_lightning.warmstart"):
         supervised_warm_start(tiny()[0], tok, train, cfg)  # cached: one line, no training
     assert [r.getMessage().split(" /")[0] for r in caplog.records] == ["warm start: loaded cached weights"]
+    caplog.clear()
+    with caplog.at_level("INFO", logger="polopt_lightning.warmstart"):  # no cache: nothing is said to be kept
+        supervised_warm_start(tiny()[0], tok, train, WarmStartConfig(steps=2, batch_size=8))
+    first = caplog.records[0].getMessage()
+    assert first.startswith("warm start: no cache (warm_start.cache_dir=null)") and "cached" not in first

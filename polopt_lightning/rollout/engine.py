@@ -137,8 +137,8 @@ class HFRolloutEngine(RolloutEngine):
             policy at each call, with autocast off. ``None`` samples in the precision the training step computes
             in: with the policy itself, or, for an fp32 policy under autocast (a ``bf16-mixed`` / ``16-mixed``
             trainer), with a copy in the autocast dtype: autocast would cast every weight again at every token; the
-            copy costs 2 bytes per parameter. On the CPU inside :class:`~polopt_lightning.accel.cpu.linear.OneDNNLinear` (the
-            module's default for models with weights of 2**18 elements or more) the fp32 policy itself samples with
+            copy costs 2 bytes per parameter. On the CPU inside
+            :class:`~polopt_lightning.accel.cpu.linear.OneDNNLinear` (the module's default for models with weights of 2**18 elements or more) the fp32 policy itself samples with
             autocast off instead, through oneDNN's fp32 products (faster and in less memory there than the copy).
             ``"float32"`` samples the fp32 weights with autocast off. Half-precision
             sampling halves the bytes each token reads (weights and KV cache) and uses bf16 matrix units (AMX

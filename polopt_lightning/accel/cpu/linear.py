@@ -3,8 +3,8 @@
 On the CPU, PyTorch computes a float32 ``F.linear`` and its backward with the BLAS it was built with (MKL in the
 official wheels). oneDNN (also in every official wheel, the library PyTorch already uses for bf16 products)
 computes the same float32 products faster on the CPUs measured, most of all decoding's few-row products and large
-weights (docs/performance.md). Both compute in float32; they round differently (a different summation order), well within float32
-tolerance (tested against ``F.linear``'s values and gradients).
+weights (docs/performance.md). Both compute in float32; they round differently (a different summation order), well
+within float32 tolerance (tested against ``F.linear``'s values and gradients).
 
 :class:`OneDNNLinear` is a ``TorchFunctionMode``: inside it, every ``F.linear`` (so every ``nn.Linear``, also those
 inside ``transformers`` models and peft's base layers) on plain float32 CPU tensors with a weight of at least
@@ -85,10 +85,8 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
                                     or (bias is not None and bias.requires_grad)):
         return _Linear.apply(x, weight, bias)
-    if getattr(_kernel, "on", True):
-
-        if rowdot.takes(x, weight, bias):
-            return rowdot.linear(x, weight, bias)
+    if getattr(_kernel, "on", True) and rowdot.takes(x, weight, bias):
+        return rowdot.linear(x, weight, bias)
     return _product(x, weight, bias)
 
 
@@ -157,7 +155,6 @@ class OneDNNLinear(TorchFunctionMode):
                 return linear(x, weight, bias)
         elif (isinstance(func, torch._ops.OpOverload) and str(func) == "bitsandbytes.gemm_4bit.default"
               and not torch.is_autocast_enabled("cpu") and not torch.compiler.is_compiling()):
-
             out = rowdot.four_bit_product(*args, **kwargs) if getattr(_kernel, "on", True) else None
             if out is None:
                 out = _four_bit_on_onednn(*args, **kwargs)
@@ -173,7 +170,6 @@ def _four_bit_on_onednn(A: Tensor, B: Tensor, shapeB, absmax: Tensor, blocksize:
     through oneDNN: its own ``F.linear`` runs inside the op, where this mode does not see it, on MKL (most of a 4-bit
     reference pass's time). ``None`` where the mode would not take the product
     (see :func:`_eligible`)."""
-
     if (type(A) not in _PLAIN or A.dtype != torch.float32 or A.device.type != "cpu" or A.dim() < 2
             or int(shapeB[0]) * int(shapeB[1]) < MIN_WEIGHT_ELEMENTS
             or (bias is not None and (bias.dtype != torch.float32 or bias.dim() != 1))):

@@ -4,12 +4,12 @@ Decoding multiplies 8-16 rows by every weight at every token, so the product is 
 from memory. oneDNN streams a plain ``[out, in]`` weight at about half the rate a plain read reaches and gets close
 to it only on a copy reordered into its blocked layout, which must be made again at every rollout (the policy
 changes between rollouts). ``rowdot.c`` reads the plain layout at the blocked copy's rate, with no copy, and covers
-a large head too (docs/performance.md). It is compiled with the machine's C compiler (``$CC``, else ``cc``) at its first use in a process and
-kept in ``$POLOPT_CACHE`` (default ``~/.cache/polopt-lightning``) for the next; where there is no compiler, no
-AVX-512 or the build fails, :func:`load` returns ``None`` (with the reason in :func:`why_not`) and decoding keeps
-oneDNN's products. With PyTorch's Linux wheels its OpenMP threads are PyTorch's own: the library asks for
-``libgomp.so.1``, which PyTorch (imported first) has loaded already, so the two share one thread pool (a build of
-PyTorch on another OpenMP runtime gets a second pool beside its own).
+a large head too (docs/performance.md). It is compiled with the machine's C compiler (``$CC``, else ``cc``) at its
+first use in a process and kept in ``$POLOPT_CACHE`` (default ``~/.cache/polopt-lightning``) for the next; where
+there is no compiler, no AVX-512 or the build fails, :func:`load` returns ``None`` (with the reason in
+:func:`why_not`) and decoding keeps oneDNN's products. With PyTorch's Linux wheels its OpenMP threads are PyTorch's
+own: the library asks for ``libgomp.so.1``, which PyTorch (imported first) has loaded already, so the two share one
+thread pool (a build of PyTorch on another OpenMP runtime gets a second pool beside its own).
 """
 
 from __future__ import annotations
