@@ -1,30 +1,59 @@
 #!/usr/bin/env bash
-# The GPU-only checks of the performance issue as one prepared script, for a session whose task is lent a GPU
-# machine through the `device` tool. Not run in CI (CI has no GPU). Untested so far: no session that wrote it was
-# lent a GPU.
+# The GPU-only checks as one prepared script, for a session whose task is lent a GPU machine through the `device`
+# tool. Not run in CI (CI has no GPU). Results and their machine: docs/performance.md ("On a GPU").
 #
-#   here, once:  bash benchmarks/gpu_check.sh --download      (.whl/ is git-ignored)
-#   there:       device run, carry [".whl"], command "bash benchmarks/gpu_check.sh", timeout_s 540
+#   here, once:  bash benchmarks/gpu_check.sh --download      (.whl/ is git-ignored; ~45 MB, bitsandbytes most of it)
+#   there:       device run, carry [".whl"], command "bash benchmarks/gpu_check.sh", timeout_s 500
+#                (or name sections to run only those: "bash benchmarks/gpu_check.sh tests nf4")
 #
-# The GPU image already holds torch, lightning, transformers, torchmetrics, peft, pandas and pyarrow; TRL (the peer)
-# and its datasets dependency travel as wheels in .whl (about 2 MB). Output: $OUT/gpu_check.txt and the JSON rows.
-set -euo pipefail
+# The GPU image holds torch, lightning, transformers, torchmetrics, peft, accelerate, pandas and pyarrow; what it
+# lacks travels as wheels in .whl: hydra-core, omegaconf and antlr (the CLI), bitsandbytes (nf4, 8-bit optimizers),
+# TRL and datasets (the peer). Each section has a time limit of its own, so one that hangs leaves the others their
+# time; everything goes to $OUT/gpu_check.txt and the benchmarks' JSON rows to $OUT.
+set -uo pipefail
 if [[ "${1:-}" == "--download" ]]; then
-  python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-      --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-      -d .whl trl==1.16.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19
+  set -e
+  p=(--no-deps --only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64
+     --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl)
+  for w in trl==1.16.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 hydra-core==1.3.8 omegaconf==2.3.1 \
+           bitsandbytes==0.50.2; do
+    python3 -m pip download -q "${p[@]}" "$w"
+  done
+  python3 -m pip wheel -q --no-deps -w .whl antlr4-python3-runtime==4.9.3  # published as a source archive only
   exit 0
 fi
-OUT=${OUT:-benchmarks/results}
+OUT=${OUT:-benchmarks/results/gpu}
 mkdir -p "$OUT"
+section() {  # section NAME SECONDS COMMAND...: run it under its limit and say how it ended
+  local name=$1 limit=$2 start=$SECONDS rc
+  shift 2
+  echo "=== $name (limit ${limit} s)"
+  timeout -k 10 "$limit" "$@"
+  rc=$?
+  echo "=== $name: exit $rc after $((SECONDS - start)) s"
+}
 {
-  nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || true
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
   export PYTHONPATH="$PWD:/tmp/site" PYTHONUNBUFFERED=1
-  python3 -c "import torch, transformers, lightning, trl; print('torch', torch.__version__, 'cuda', torch.cuda.is_available(), 'transformers', transformers.__version__, 'lightning', lightning.__version__, 'trl', trl.__version__)"
-  # like for like: fp32 without activation checkpointing on both sides, then bf16 mixed precision on both sides
-  python3 benchmarks/throughput.py --device cuda --trials 1 --steps 4 \
-      --impls polopt trl:gradient_checkpointing=false 'polopt:precision="bf16-mixed"' \
-      'trl:bf16=true,gradient_checkpointing=false' \
-      --json "$OUT/throughput_gpu.json"
+  python3 -c "import torch, transformers, lightning, peft, bitsandbytes, trl, hydra; print('torch', torch.__version__, \
+'cuda', torch.cuda.is_available(), 'transformers', transformers.__version__, 'lightning', lightning.__version__, \
+'peft', peft.__version__, 'bitsandbytes', bitsandbytes.__version__, 'trl', trl.__version__)"
+  sections=("${@:-tests fp32 nf4 tiny}")
+  for name in ${sections[*]}; do
+    case $name in
+      # nf4 + LoRA with bitsandbytes' 8-bit optimizers; DDP and FSDP on one device against the plain run (DeepSpeed
+      # is skipped with its reason: it builds from source, which this image cannot)
+      tests) section "pytest -m gpu" 210 python3 -m pytest -m gpu tests/test_gpu.py -q -p no:cacheprovider ;;
+      # the real-scale job (Qwen2.5-0.5B's shape) against TRL: full fine-tuning in fp32, then nf4+LoRA
+      fp32|nf4) setting=$([[ $name == fp32 ]] && echo fp32 || echo nf4+lora)
+        section "real_scale cuda $setting" 150 python3 benchmarks/real_scale.py --device cuda --settings "$setting" \
+            --impls polopt trl --trials 1 --steps 5 --threads 8 --model-dir /tmp/qwen-shape \
+            --json "$OUT/real_scale_gpu_$name.json" ;;
+      # the tiny workload like for like (fp32, no activation checkpointing on either side)
+      tiny) section "throughput cuda" 70 python3 benchmarks/throughput.py --device cuda --workloads tiny --trials 1 \
+            --steps 4 --threads 8 --impls polopt trl:gradient_checkpointing=false --json "$OUT/throughput_gpu.json" ;;
+      *) echo "unknown section $name (tests, fp32, nf4, tiny)"; exit 2 ;;
+    esac
+  done
 } 2>&1 | tee "$OUT/gpu_check.txt"

@@ -93,6 +93,14 @@ def reset_peak() -> None:
         fh.write("5")
 
 
+def synchronize(device: str) -> None:
+    """Wait for the GPU's queued work (a step's time must include it); nothing on the CPU."""
+    if device == "cuda":
+        import torch
+
+        torch.cuda.synchronize()
+
+
 def lora_config():
     from polopt_lightning.models import LLAMA_TARGETS, Adapter
 
@@ -100,11 +108,12 @@ def lora_config():
 
 
 def run_polopt(folder: str, setting: str, steps: int, overrides: dict | None = None, baton=None,
-               phases: Phases | None = None) -> tuple[list[float], float]:
+               phases: Phases | None = None, device: str = "cpu") -> tuple[list[float], float]:
     """``steps`` RL steps of the job; returns each step's seconds and the peak resident memory of loading.
 
     ``overrides``: module arguments changed (the key ``precision`` is the Trainer's); ``baton``: wait for a turn
-    before each step (:class:`throughput.Baton`); ``phases``: record each step's phases (:class:`Phases`)."""
+    before each step (:class:`throughput.Baton`); ``phases``: record each step's phases (:class:`Phases`);
+    ``device``: ``cpu`` or ``cuda`` (the model loads onto GPU 0 and the step is timed between synchronisations)."""
     import lightning as L
 
     from polopt_lightning import PolicyOptimizationModule, PromptDataModule
@@ -117,7 +126,8 @@ def run_polopt(folder: str, setting: str, steps: int, overrides: dict | None = N
 
         overrides["rollout_engine"] = HFRolloutEngine(**overrides.pop("engine"))
     quant, adapter = SETTINGS[setting]
-    model, tok = load_pretrained(folder, dtype="float32", quantization=quant)
+    model, tok = load_pretrained(folder, dtype="float32", quantization=quant,
+                                 device_map={"": 0} if device == "cuda" else None)
     if adapter == "lora":
         model = prepare_policy(model, Quantization(mode=quant), lora_config())
     data = PromptDataModule(train=[{"prompt": p} for p in prompts()], tokenizer=tok, batch_size=JOB["prompts"],
@@ -138,16 +148,18 @@ def run_polopt(folder: str, setting: str, steps: int, overrides: dict | None = N
         def on_train_batch_start(self, *args):
             if baton:
                 baton.wait("polopt")
+            synchronize(device)
             if phases is not None:
                 phases.start()
             self.t = time.perf_counter()
 
         def on_train_batch_end(self, *args):
+            synchronize(device)
             times.append(time.perf_counter() - self.t)
             if phases is not None:
                 phases.end(times[-1])
 
-    trainer = L.Trainer(max_steps=steps, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+    trainer = L.Trainer(max_steps=steps, accelerator="gpu" if device == "cuda" else "cpu", devices=1, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
                         limit_val_batches=0, callbacks=[Timer()], precision=precision)
     load_peak = peak_rss_gib()
@@ -157,7 +169,7 @@ def run_polopt(folder: str, setting: str, steps: int, overrides: dict | None = N
 
 
 def run_trl(folder: str, setting: str, steps: int, overrides: dict | None = None, baton=None,
-            phases: Phases | None = None) -> tuple[list[float], float]:
+            phases: Phases | None = None, device: str = "cpu") -> tuple[list[float], float]:
     """TRL's GRPOTrainer on the same job (see :func:`run_polopt`; ``overrides``: GRPOConfig arguments)."""
     import torch
     from datasets import Dataset
@@ -170,7 +182,7 @@ def run_trl(folder: str, setting: str, steps: int, overrides: dict | None = None
     tok = AutoTokenizer.from_pretrained(folder)
     n = JOB["new_tokens"]
     config = GRPOConfig(**{
-        **dict(output_dir=tempfile.mkdtemp(prefix="trl_memory_"), use_cpu=True, bf16=False, fp16=False,
+        **dict(output_dir=tempfile.mkdtemp(prefix="trl_memory_"), use_cpu=device == "cpu", bf16=False, fp16=False,
                report_to="none", save_strategy="no", per_device_train_batch_size=JOB["prompts"] * JOB["generations"],
                gradient_accumulation_steps=1, num_generations=JOB["generations"], max_completion_length=n,
                generation_kwargs={"min_new_tokens": n}, temperature=1.0, beta=JOB["beta"], num_iterations=1,
@@ -184,11 +196,13 @@ def run_trl(folder: str, setting: str, steps: int, overrides: dict | None = None
         def on_step_begin(self, args, state, control, **kw):
             if baton:
                 baton.wait("trl")
+            synchronize(device)
             if phases is not None:
                 phases.start()
             self.t = time.perf_counter()
 
         def on_step_end(self, args, state, control, **kw):
+            synchronize(device)
             times.append(time.perf_counter() - self.t)
             if phases is not None:
                 phases.end(times[-1])

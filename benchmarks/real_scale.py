@@ -160,7 +160,8 @@ def estimated_peak_gib(numbers: dict, setting: str) -> float:
     return numbers["total"] * (24 if full else 8) / 2**30 + 1.0
 
 
-def child(impl: str, setting: str, folder: str, steps: int, threads: int, baton: Baton | None) -> None:
+def child(impl: str, setting: str, folder: str, steps: int, threads: int, baton: Baton | None,
+          device: str = "cpu") -> None:
     import torch
 
     torch.set_num_threads(threads)
@@ -169,7 +170,7 @@ def child(impl: str, setting: str, folder: str, steps: int, threads: int, baton:
     phases = Phases()
     run = run_polopt if name == "polopt" else run_trl
     times, load_peak = run(folder, base, steps, {**(polopt_extra if name == "polopt" else trl_extra), **overrides},
-                           baton, phases)
+                           baton, phases, device)
     # the phases reset the high-water mark at each of them: the training peak is the highest mark they read
     print("RESULT " + json.dumps({"impl": impl, "setting": setting, "step_s": times, "phases": phases.steps,
                                   "phase_peaks": phases.peaks, "load_peak_gib": load_peak,
@@ -186,10 +187,15 @@ def _mem_total_gib() -> float:
 
 
 def measure(args) -> dict:
-    gflops = {dt: matmul_gflops(args.threads, dtype=dt) for dt in ("float32", "bfloat16")}
-    gbps = memory_gbps(args.threads)
+    gflops = {dt: matmul_gflops(args.threads, dtype=dt, device=args.device) for dt in ("float32", "bfloat16")}
+    gbps = memory_gbps(args.threads, device=args.device)
     numbers = shape_numbers(args.shape)
-    machine = (f"{_cpu_name()}, {os.cpu_count()} CPUs, {args.threads} torch threads, {_mem_total_gib():.0f} GiB; "
+    gpu = ""
+    if args.device == "cuda":
+        import torch
+
+        gpu = f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}; "
+    machine = (f"{gpu}{_cpu_name()}, {os.cpu_count()} CPUs, {args.threads} torch threads, {_mem_total_gib():.0f} GiB; "
                f"matmul {gflops['float32']:.0f} GFLOP/s fp32, {gflops['bfloat16']:.0f} bf16; memory read "
                f"{gbps:.1f} GB/s")
     print(machine, flush=True)
@@ -206,8 +212,10 @@ def measure(args) -> dict:
             for trial in range(args.trials):
                 order = args.impls if trial % 2 == 0 else args.impls[::-1]  # A/B then B/A
                 cmds = [[sys.executable, __file__, "--child", impl, setting, folder, "--steps", str(args.steps),
-                         "--threads", str(args.threads)] for impl in order]
+                         "--threads", str(args.threads), "--device", args.device] for impl in order]
+                began = time.perf_counter()
                 outputs = run_interleaved(cmds) if interleave else [run_child(cmd) for cmd in cmds]
+                print(f"  trial {trial}: {time.perf_counter() - began:.0f} s with loading", flush=True)
                 for impl, (code, out, err) in zip(order, outputs):
                     line = next((x for x in out.splitlines() if x.startswith("RESULT ")), None)
                     if code or line is None:
@@ -338,6 +346,8 @@ def main() -> None:
     parser.add_argument("--trials", type=int, default=2, help="trials per setting and implementation")
     parser.add_argument("--steps", type=int, default=5, help="RL steps per trial (the first is left out)")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                        help="where both trainers run (cuda: GPU 0; peaks stay host memory, floors use the GPU's rates)")
     parser.add_argument("--interleave", action="store_true",
                         help="run a trial's implementations side by side, step by step, where memory allows")
     parser.add_argument("--model-dir", help="where the model is saved (default: a temporary folder)")
@@ -348,7 +358,7 @@ def main() -> None:
     parser.add_argument("--baton", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        return child(*args.child, args.steps, args.threads, Baton(args.baton) if args.baton else None)
+        return child(*args.child, args.steps, args.threads, Baton(args.baton) if args.baton else None, args.device)
     if args.summarize:
         runs = []
         for item in args.summarize:  # FILE or FILE@SETTING,SETTING: only those settings of that run

@@ -13,6 +13,7 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
+import torch
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
 
@@ -57,6 +58,20 @@ class FSDP2Strategy(ModelParallelStrategy):
         self._data_parallel_size = self.num_nodes * self.num_processes
         self._tensor_parallel_size = 1
         super().setup_environment()
+
+    def setup(self, trainer: Any) -> None:
+        no_inference_mode(trainer)
+        super().setup(trainer)
+
+
+def no_inference_mode(trainer: Any) -> None:
+    """Evaluate under ``no_grad`` instead of ``inference_mode`` in ``validate``/``test``/``predict`` (validation
+    inside ``fit`` has ``no_grad`` already), as Lightning does for its own ``FSDPStrategy`` (pytorch/pytorch#95957):
+    under FSDP2 on nccl, the best checkpoint saved at the end of a ``trainer.validate`` detaches the sharded parameters
+    inside inference mode, which they refuse ("Cannot set version_counter for inference tensor"). On gloo Lightning
+    evaluates under ``no_grad`` already."""
+    for loop in (trainer.validate_loop, trainer.test_loop, trainer.predict_loop):
+        loop.inference_mode = False
 
 
 def fsdp(model: nn.Module | None = None, **kwargs: Any) -> FSDP2Strategy:
@@ -108,16 +123,20 @@ def gathered_for_sampling(policy: nn.Module, strategy: Any | None) -> Iterator[N
 
     sharded = [m for m in policy.modules() if isinstance(m, FSDPModule)]
     if sharded:
-        for module in sharded:
-            module.unshard()
-            module.set_reshard_after_forward(False)
+        # outside inference mode even under `trainer.validate` (inference mode on nccl): gathered buffers made there
+        # are inference tensors, and FSDP2's wait for the gather reads their version counters, which they lack
+        with torch.inference_mode(False):
+            for module in sharded:
+                module.unshard()
+                module.set_reshard_after_forward(False)
         try:
             yield
         finally:
             reshard = getattr(strategy, "reshard_after_forward", True)
-            for module in sharded:
-                module.set_reshard_after_forward(reshard)
-                module.reshard()
+            with torch.inference_mode(False):
+                for module in sharded:
+                    module.set_reshard_after_forward(reshard)
+                    module.reshard()
     elif type(strategy).__name__ == "DeepSpeedStrategy" and getattr(strategy, "zero_stage_3", False):
         import deepspeed
 

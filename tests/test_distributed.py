@@ -204,6 +204,7 @@ def test_strategy_group_builds_lightning_strategies(tmp_path):
     from hydra.utils import instantiate
 
     from polopt_lightning.models import build_tiny_model
+    from polopt_lightning.strategies import decoder_layer_classes, no_inference_mode
 
     model, _ = build_tiny_model(hidden_size=16, num_layers=1, num_heads=2, intermediate_size=32)
     cfg = compose_with(["strategy=ddp_cpu"], tmp_path)
@@ -215,8 +216,12 @@ def test_strategy_group_builds_lightning_strategies(tmp_path):
     fsdp = instantiate(compose_with(["strategy=fsdp"], tmp_path).strategy)(model=model)
     assert isinstance(fsdp, L.pytorch.strategies.ModelParallelStrategy) and fsdp.reshard_after_forward
     assert not fsdp._save_distributed_checkpoint  # one file: polopt-export reads it
-    from polopt_lightning.strategies import decoder_layer_classes
-
+    # evaluation under no_grad, as Lightning's FSDPStrategy: checkpoints saved at a validation's end under nccl
+    # failed inside inference mode (seen on an H200; docs/distributed.md)
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=fsdp, logger=False)
+    assert trainer.validate_loop.inference_mode  # Lightning's default (its validation inside fit has no_grad)
+    no_inference_mode(trainer)
+    assert not any(loop.inference_mode for loop in (trainer.validate_loop, trainer.test_loop, trainer.predict_loop))
     assert {c.__name__ for c in decoder_layer_classes(model)} == {"Qwen2DecoderLayer"}
 
 
