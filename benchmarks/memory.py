@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from throughput import length_reward, note_sampling_dtype, peak_rss_gib, run_child  # noqa: E402  (the same harness)
+from throughput import length_reward, module_overrides, note_sampling_dtype, peak_rss_gib, run_child  # noqa: E402  (the same harness)
 
 SHAPES = {
     # Qwen2.5-0.5B: 494M parameters, tied embeddings, q/k/v biases
@@ -119,12 +119,7 @@ def run_polopt(folder: str, setting: str, steps: int, overrides: dict | None = N
     from polopt_lightning import PolicyOptimizationModule, PromptDataModule
     from polopt_lightning.models import Quantization, load_pretrained, prepare_policy
 
-    overrides = dict(overrides or {})
-    precision = overrides.pop("precision", "32-true")
-    if "engine" in overrides:  # HFRolloutEngine arguments, e.g. engine={"dtype":"bfloat16","release_copy":false}
-        from polopt_lightning.rollout import HFRolloutEngine
-
-        overrides["rollout_engine"] = HFRolloutEngine(**overrides.pop("engine"))
+    precision, overrides = module_overrides(overrides)
     quant, adapter = SETTINGS[setting]
     model, tok = load_pretrained(folder, dtype="float32", quantization=quant,
                                  device_map={"": 0} if device == "cuda" else None)

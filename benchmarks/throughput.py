@@ -119,6 +119,20 @@ def note_sampling_dtype(module, facts: dict) -> None:
     module.rollout = noting
 
 
+def module_overrides(overrides: dict | None) -> tuple[str, dict]:
+    """An implementation's overrides as (the Trainer's precision, the module's arguments): ``engine={...}`` are the
+    rollout backend's arguments (e.g. ``engine={"packed_weights":false}``) and ``rollout_dtype`` is short for
+    ``engine={"dtype":...}`` (the name older result files give); every other key is the module's."""
+    overrides = dict(overrides or {})
+    precision = overrides.pop("precision", "32-true")
+    engine = dict(overrides.pop("engine", None) or {})
+    if "rollout_dtype" in overrides:
+        engine["dtype"] = overrides.pop("rollout_dtype")
+    if engine:
+        overrides["rollout_engine"] = {"name": "hf", **engine}
+    return precision, overrides
+
+
 def run_polopt(workload: dict, steps: int, overrides: dict | None = None, device: str = "cpu",
                baton: Baton | None = None, name: str = "polopt", facts: dict | None = None) -> list[float]:
     import lightning as L
@@ -126,13 +140,7 @@ def run_polopt(workload: dict, steps: int, overrides: dict | None = None, device
 
     from polopt_lightning import PolicyOptimizationModule, PromptDataModule
 
-    overrides = dict(overrides or {})
-    precision = overrides.pop("precision", "32-true")  # the Trainer's; every other key is the module's
-    engine = overrides.pop("engine", None)  # HFRolloutEngine arguments, e.g. engine={"packed_weights":false}
-    if engine is not None:
-        from polopt_lightning.rollout import HFRolloutEngine
-
-        overrides["rollout_engine"] = HFRolloutEngine(**engine)
+    precision, overrides = module_overrides(overrides)
     model, tok, prompts = build(workload)
     data = PromptDataModule(train=[{"prompt": p} for p in prompts], tokenizer=tok, batch_size=workload["prompts"],
                             shuffle=False)

@@ -214,6 +214,12 @@ def train(cfg: DictConfig) -> dict[str, Any]:
                    micro_batch_tokens=cfg.module.get("micro_batch_tokens"),
                    optimizer=(cfg.get("optimizer") or {}).get("name"),
                    backend=strategy_cfg.get("process_group_backend"))
+    # the rollout backend before the model: its arguments (and whatever it needs installed) fail in a second
+    try:
+        engine = instantiate(cfg.rollout) if cfg.get("rollout") else None
+    except Exception as err:  # Hydra wraps the backend's own error
+        cause = err.__cause__ or err
+        raise ValueError(f"rollout: {type(cause).__name__}: {cause}") from None
     model, tokenizer = instantiate(cfg.model)
     task_cfg = _container(cfg, "task")
     task_rewards = task_cfg.pop("rewards", None) or {}  # a mixture's per-task reward overrides
@@ -240,7 +246,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     module = PolicyOptimizationModule(
         model, tokenizer, objective=objective, **_rewards(cfg, task, task_rewards),
         generation=OmegaConf.to_container(cfg.generation, resolve=True), seed=cfg.seed,
-        optimizer=instantiate(cfg.optimizer) if cfg.get("optimizer") else None,
+        optimizer=instantiate(cfg.optimizer) if cfg.get("optimizer") else None, rollout_engine=engine,
         ref_quantization=_container(cfg, "reference").get("quantization"),
         anchor=instantiate(anchor_cfg) if anchor_cfg.get("_target_") else None,
         **OmegaConf.to_container(cfg.module, resolve=True),

@@ -52,7 +52,7 @@ from .objectives import Objective, SupervisedAnchor, build_objective
 from .objectives.base import k3_kl, masked_mean
 from .optim import build_optimizer
 from .rewards import MixtureRewards, RewardComposer, RewardOutput
-from .rollout import HFRolloutEngine, RolloutBatch, RolloutEngine, SamplingConfig
+from .rollout import RolloutBatch, RolloutEngine, SamplingConfig, build_engine
 
 LR_SCHEDULES = ("constant", "linear", "cosine")
 
@@ -142,11 +142,10 @@ class PolicyOptimizationModule(L.LightningModule):
         mask_truncated_completions: DAPO's overlong filtering: completions cut by ``max_new_tokens`` do not count.
         disable_dropout: dropout off in the policy (the peers' default; keeps importance ratios exact).
         accuracy_reward: name of the reward function whose mean is ``val/accuracy`` (default: the first).
-        rollout_engine: default :class:`HFRolloutEngine` (with ``rollout_dtype`` and ``compile_rollout``).
-        rollout_dtype: sample with a copy of the policy in this dtype (e.g. ``"bfloat16"``; see
-            :class:`HFRolloutEngine`); ``None`` samples with the policy's own weights, or under a mixed-precision
-            Trainer with a copy in its autocast dtype.
-        compile_rollout: ``torch.compile`` the decoding step (pays on small models; compiles on first use).
+        rollout_engine: the rollout backend (:mod:`polopt_lightning.rollout`): a
+            :class:`~polopt_lightning.rollout.RolloutEngine`, a backend's name, or a dict of its arguments with
+            ``name`` (e.g. ``{"name": "hf", "dtype": "bfloat16"}``: sample with a bf16 copy of the policy);
+            default the transformers backend, :class:`~polopt_lightning.rollout.HFRolloutEngine`.
         share_prompt: run each prompt once per group in the training, reference and old-log-prob passes, the G
             completions attending to its keys/values (same result, fewer FLOPs); off for models whose cache cannot
             be gathered.
@@ -212,9 +211,7 @@ class PolicyOptimizationModule(L.LightningModule):
         mask_truncated_completions: bool = False,
         disable_dropout: bool = True,
         accuracy_reward: str | None = None,
-        rollout_engine: RolloutEngine | None = None,
-        rollout_dtype: str | torch.dtype | None = None,
-        compile_rollout: bool = False,
+        rollout_engine: RolloutEngine | str | Mapping[str, Any] | None = None,
         share_prompt: bool = True,
         pack_groups: bool | None = None,
         keep_host_memory: bool | None = None,
@@ -288,10 +285,7 @@ class PolicyOptimizationModule(L.LightningModule):
         group_relative_advantages(torch.zeros(2), 2, self.advantage_scale)  # validates the name now
         self.dynamic_sampling, self.max_extra_draws = dynamic_sampling, max_extra_draws
         self.mask_truncated_completions = mask_truncated_completions
-        if rollout_engine is not None and (rollout_dtype is not None or compile_rollout):
-            raise ValueError("rollout_dtype and compile_rollout configure the default engine; give them to your "
-                             "rollout_engine instead")
-        self.engine = rollout_engine or HFRolloutEngine(dtype=rollout_dtype, compile=compile_rollout)
+        self.engine = build_engine(rollout_engine)
         self.share_prompt, self.pack_groups = share_prompt, pack_groups
         if keep_host_memory and not host_memory.available():
             raise ValueError("keep_host_memory=True: this process's C library is not glibc (no mallopt)")
@@ -744,6 +738,7 @@ class PolicyOptimizationModule(L.LightningModule):
             else:
                 self.clip_gradients(optimizer, gradient_clip_val=self.max_grad_norm, gradient_clip_algorithm="norm")
         optimizer.step()
+        self.engine.policy_updated(self.policy)
         # gradients are not needed past the step: freeing them leaves their memory to the next rollout (which holds
         # no activations but may hold a sampler copy or prepacked decoding weights)
         optimizer.zero_grad(set_to_none=True)

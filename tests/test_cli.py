@@ -130,8 +130,8 @@ def test_train_function_writes_results_and_metrics(tmp_path):
 
 
 def test_precision_keys_reach_the_module(tmp_path):
-    """`module.rollout_dtype` / `module.ref_dtype` from the command line: validation, then off-policy RL with KL."""
-    cfg = compose_with(FAST + ["module.rollout_dtype=bfloat16", "module.ref_dtype=bf16", "objective.beta=0.04",
+    """`rollout.dtype` / `module.ref_dtype` from the command line: validation, then off-policy RL with KL."""
+    cfg = compose_with(FAST + ["rollout.dtype=bfloat16", "module.ref_dtype=bf16", "objective.beta=0.04",
                                "module.mini_batches=2", "trainer.max_steps=4"], tmp_path)
     set_hydra(cfg)
     results = train(cfg)

@@ -249,7 +249,7 @@ def test_rollout_dtype_steps_aside_for_a_quantized_policy_and_says_so_once(tmp_p
     policy, tok, _ = qlora("nf4", tmp_path)
     engine = HFRolloutEngine(dtype="bfloat16")
     prompts = tok(["1+2="], return_tensors="pt")
-    with pytest.warns(RuntimeWarning, match="rollout_dtype=bfloat16 is off: the policy is quantized"):
+    with pytest.warns(RuntimeWarning, match="rollout.dtype=bfloat16 is off: the policy is quantized"):
         engine.generate(policy, prompts["input_ids"], prompts["attention_mask"], 2, SamplingConfig(max_new_tokens=2),
                         tok.eos_token_id, tok.pad_token_id)
     import warnings

@@ -87,14 +87,14 @@ def test_bf16_sampling_logprobs_are_close_to_the_fp32_forward(tiny):
 
 def test_rollout_dtype_rejects_bad_values_and_quantized_weights(tiny):
     model, tok = tiny
-    with pytest.raises(ValueError, match="rollout_dtype must be one of"):
+    with pytest.raises(ValueError, match="rollout.dtype must be one of"):
         HFRolloutEngine(dtype="int8")
     quantized = copy.deepcopy(model)
     quantized.model.norm.register_parameter("codes", torch.nn.Parameter(torch.zeros(2, dtype=torch.uint8),
                                                                         requires_grad=False))
     # a quantized policy has no floating-point copy to sample with: the lever steps aside and says so (once)
     engine = HFRolloutEngine(dtype="bfloat16")
-    with pytest.warns(RuntimeWarning, match="rollout_dtype=bfloat16 is off: the policy is quantized"):
+    with pytest.warns(RuntimeWarning, match="rollout.dtype=bfloat16 is off: the policy is quantized"):
         assert engine.sampling_model(quantized) is quantized
     with pytest.raises(ValueError, match=r"ref_dtype=torch.bfloat16 needs .* model\.norm\.codes is torch\.uint8"):
         cast_weights(quantized, torch.bfloat16, "ref_dtype")
@@ -104,9 +104,16 @@ def test_rollout_dtype_rejects_bad_values_and_quantized_weights(tiny):
     with pytest.raises(ValueError, match="ref_dtype must be one of"):
         PolicyOptimizationModule(model, tok, objective={"name": "grpo", "beta": 0.1}, ref_dtype="half-ish",
                                  reward_fns=[distinct_chars])
-    with pytest.raises(ValueError, match="give them to your rollout_engine"):
-        PolicyOptimizationModule(model, tok, reward_fns=[lambda prompts, completions, **kw: [0.0] * len(prompts)],
-                                 rollout_engine=HFRolloutEngine(), rollout_dtype="bfloat16")
+    def reward(prompts, completions, **kw):
+        return [0.0] * len(prompts)
+
+    # the backend by name or as a dict of its arguments; a wrong one names the argument
+    module = PolicyOptimizationModule(model, tok, reward_fns=[reward], rollout_engine={"name": "hf", "dtype": "bf16"})
+    assert isinstance(module.engine, HFRolloutEngine) and module.engine.dtype == torch.bfloat16
+    with pytest.raises(ValueError, match=r"rollout_engine: unknown rollout backend 'sglang'; known: \['hf'\]"):
+        PolicyOptimizationModule(model, tok, reward_fns=[reward], rollout_engine="sglang")
+    with pytest.raises(ValueError, match="rollout_engine must be a RolloutEngine"):
+        PolicyOptimizationModule(model, tok, reward_fns=[reward], rollout_engine=42)
 
 
 @pytest.mark.parametrize("rollout_dtype,mini_batches,num_iterations", [(None, 3, 2), ("bfloat16", 3, 2),
@@ -119,7 +126,7 @@ def test_off_policy_old_logprobs_are_the_policy_before_the_first_step(tmp_path, 
     module = PolicyOptimizationModule(model, tok, objective="gspo", reward_fns=[distinct_chars], num_generations=4,
                                       mini_batches=mini_batches, num_iterations=num_iterations,
                                       generation={"max_new_tokens": 4}, lr=1e-2,
-                                      rollout_dtype=rollout_dtype, reuse_sampling_logprobs=False, seed=1)
+                                      rollout_engine={"dtype": rollout_dtype}, reuse_sampling_logprobs=False, seed=1)
     captured = {}
     make_experience, accumulate = module.make_experience, module.accumulate_gradients
 
@@ -255,3 +262,28 @@ def test_the_optimizer_is_unfused_where_lightning_clips(tiny):
         module._trainer = SimpleNamespace(precision_plugin=plugin, max_steps=4)
         module._device_mesh = mesh
         assert bool(module.configure_optimizers()["optimizer"].defaults.get("fused")) is fused
+
+
+def test_a_backend_hears_of_every_optimizer_step_and_samples_the_updated_policy(tmp_path, tiny, arithmetic_rows):
+    """The interface's contract as a backend with weights of its own sees it: `policy_updated` after each optimizer
+    step (4 steps of 2 mini-batches: 4 calls, each after the weights moved), then the next rollout."""
+    from tests.helpers import make, trainer
+
+    class Recording(HFRolloutEngine):
+        def __init__(self):
+            super().__init__()
+            self.events, self.last = [], None
+
+        def generate(self, model, *args, **kwargs):
+            self.events.append("generate")
+            return super().generate(model, *args, **kwargs)
+
+        def policy_updated(self, model):
+            weights = torch.cat([p.detach().flatten() for p in model.parameters()])
+            self.events.append("updated" if self.last is None or not torch.equal(weights, self.last) else "unchanged")
+            self.last = weights.clone()
+
+    engine = Recording()
+    module, dm = make(tiny, arithmetic_rows, mini_batches=2, rollout_engine=engine, lr=1e-2)
+    trainer(tmp_path, 4, limit_val_batches=0).fit(module, datamodule=dm)
+    assert engine.events == ["generate", "updated", "updated"] * 2

@@ -1,0 +1,137 @@
+"""The rollout interface: sampling settings, the batch a rollout returns, the backend's contract, and the sampling
+helpers every backend shares (filtering, drawing a token)."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+
+@dataclass
+class SamplingConfig:
+    """How completions are sampled.
+
+    Attributes:
+        max_new_tokens: completion length cap (tokens).
+        min_new_tokens: EOS is forbidden before this many tokens (benchmarks force full length with it).
+        temperature: softmax temperature; 0 means greedy.
+        top_p: nucleus sampling mass (1.0 disables).
+        top_k: keep the k most likely tokens (0 disables).
+    """
+
+    max_new_tokens: int = 16
+    min_new_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"generation.max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if not 0 <= self.min_new_tokens <= self.max_new_tokens:
+            raise ValueError(
+                f"generation.min_new_tokens must be in [0, max_new_tokens={self.max_new_tokens}], got {self.min_new_tokens}"
+            )
+        if self.temperature < 0:
+            raise ValueError(f"generation.temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"generation.top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"generation.top_k must be >= 0, got {self.top_k}")
+
+    @property
+    def logprob_temperature(self) -> float:
+        """Temperature at which the returned log-probs are computed (1 for greedy decoding)."""
+        return self.temperature if self.temperature > 0 else 1.0
+
+
+@dataclass
+class RolloutBatch:
+    """Completions for ``P`` prompts times ``G`` generations, ``N = P * G`` rows laid out group by group.
+
+    Attributes:
+        prompt_ids, prompt_mask: ``[N, Lp]`` left-padded prompts (each prompt repeated G times).
+        completion_ids: ``[N, T]`` sampled tokens (pad after EOS).
+        completion_mask: ``[N, T]`` 1 on completion tokens, EOS included, 0 after.
+        sampling_logprobs: ``[N, T]`` log-probs of the sampled tokens under the tempered, unfiltered distribution
+            (what a fresh forward pass at the same temperature gives).
+        finished: ``[N]`` True when the completion ended with EOS, False when it hit ``max_new_tokens``.
+        group_size: ``G``.
+    """
+
+    prompt_ids: Tensor
+    prompt_mask: Tensor
+    completion_ids: Tensor
+    completion_mask: Tensor
+    sampling_logprobs: Tensor
+    finished: Tensor
+    group_size: int
+
+    @property
+    def completion_lengths(self) -> Tensor:
+        return self.completion_mask.sum(-1)
+
+
+class RolloutEngine(ABC):
+    """A rollout backend: turns prompts into ``G`` completions each, with the sampled tokens' log-probs.
+
+    The module calls :meth:`generate` for every rollout (training and validation), :meth:`logprobs_match` before an
+    off-policy update, and :meth:`policy_updated` after every optimizer step. Backends: ``"hf"``
+    (:class:`~polopt_lightning.rollout.hf.HFRolloutEngine`, the default); a new one is a subclass in a file of its own,
+    registered in :data:`polopt_lightning.rollout.ENGINES` and given a ``conf/rollout/<name>.yaml``.
+    """
+
+    @abstractmethod
+    def generate(
+        self, model: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, num_generations: int,
+        sampling: SamplingConfig, eos_token_id: int | list[int], pad_token_id: int,
+        generator: torch.Generator | None = None,
+    ) -> RolloutBatch: ...
+
+    def logprobs_match(self, model: nn.Module) -> bool:
+        """Whether the sampling log-probs equal what a training forward of ``model`` computes (then an off-policy
+        update may use them as old log-probs instead of a forward pass). Engines with other numerics return False."""
+        return True
+
+    def policy_updated(self, model: nn.Module) -> None:
+        """``model``'s weights changed (an optimizer step): a backend that samples from weights of its own (another
+        process, an inference engine) refreshes them before its next :meth:`generate`. Default: nothing (the
+        backend samples ``model`` itself)."""
+        return None
+
+
+def filter_logits(logits: Tensor, top_k: int, top_p: float) -> Tensor:
+    """Top-k then nucleus filtering (sets removed logits to -inf)."""
+    if top_k and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
+        cum = torch.softmax(sorted_logits, dim=-1).cumsum(-1)
+        remove_sorted = cum - torch.softmax(sorted_logits, dim=-1) >= top_p  # keep the token that crosses top_p
+        remove = torch.zeros_like(remove_sorted).scatter(-1, order, remove_sorted)
+        logits = logits.masked_fill(remove, float("-inf"))
+    return logits
+
+
+INVERSE_CDF_VOCAB = 32768  # from this vocabulary size on, tokens are drawn by inverse CDF (see sample_tokens)
+
+
+def sample_tokens(probs: Tensor, generator: torch.Generator | None = None) -> Tensor:
+    """One token per row ``[N]`` from the distributions ``probs`` ``[N, V]``.
+
+    ``torch.multinomial`` draws one exponential variate per vocabulary entry and row (a race): at a 152k-token
+    vocabulary that costs more per decoded token than the head's product on a CPU. From
+    :data:`INVERSE_CDF_VOCAB` tokens on, each row instead draws one uniform number and takes the first token whose
+    cumulative probability (float64) exceeds it: the same distribution from N random numbers instead of N x V. Smaller
+    vocabularies keep ``torch.multinomial``, so their runs draw exactly the tokens they always did.
+    """
+    if probs.shape[-1] < INVERSE_CDF_VOCAB:
+        return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    cdf = probs.double().cumsum(-1)  # [N, V]
+    u = torch.rand(probs.shape[0], 1, generator=generator, device=probs.device, dtype=torch.float64) * cdf[:, -1:]
+    # the first index whose cumulative mass exceeds u; a zero-probability token (a flat cdf step) is never chosen
+    return torch.searchsorted(cdf, u, right=True).squeeze(-1).clamp(max=probs.shape[-1] - 1)
