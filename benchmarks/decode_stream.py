@@ -86,11 +86,10 @@ def rollout_pieces(model, tok, rounds: int, engine_args: dict | None = None) -> 
     ``HFRolloutEngine``'s)."""
     import torch
 
-    import polopt_lightning.rollout.engine as engine
+    import polopt_lightning.rollout.hf as engine
     from polopt_lightning.accel.cpu.host_memory import KeptHostMemory
     from polopt_lightning.accel.cpu.linear import OneDNNLinear
-    from polopt_lightning.rollout import HFRolloutEngine
-    from polopt_lightning.rollout.engine import SamplingConfig
+    from polopt_lightning.rollout import HFRolloutEngine, SamplingConfig
 
     spent: Counter = Counter()
 

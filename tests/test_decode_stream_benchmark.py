@@ -26,7 +26,7 @@ def small():
 
 @pytest.mark.parametrize("engine_args", [{}, {"fast_decode": False}], ids=["lean-step", "model-forward"])
 def test_the_rollout_pieces_add_up_and_the_wrappers_come_off(small, engine_args):
-    import polopt_lightning.rollout.engine as engine
+    import polopt_lightning.rollout.hf as engine
 
     model, tok = small
     before = (torch.log_softmax, torch.softmax, engine.decode_step, engine.sample_tokens, type(model).forward)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from polopt_lightning.module import _grad_norm, _scale_gradients
-from polopt_lightning.rollout.engine import INVERSE_CDF_VOCAB, sample_tokens
+from polopt_lightning.rollout.base import INVERSE_CDF_VOCAB, sample_tokens
 
 
 def test_inverse_cdf_sampler_draws_the_distribution_and_never_a_zero_probability_token():
@@ -126,7 +126,7 @@ def test_the_head_gets_a_contiguous_input_and_the_values_of_an_int_logits_to_kee
     from polopt_lightning._hf import positions_from_mask
     from polopt_lightning.logprobs import completion_logprobs, shared_prompt_completion_logprobs
     from polopt_lightning.models import build_tiny_model
-    from polopt_lightning.rollout.engine import HFRolloutEngine, SamplingConfig
+    from polopt_lightning.rollout import HFRolloutEngine, SamplingConfig
     from polopt_lightning.rollout.fast_decode import PackedProjections, llama_like
 
     model, _ = build_tiny_model(hidden_size=32, num_layers=2, num_heads=2, vocab_size=128)

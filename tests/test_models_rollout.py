@@ -370,7 +370,7 @@ def test_inference_mode_sampling_gives_the_same_rollout_as_ordinary_tensors(tiny
 
 
 def test_inference_mode_is_left_off_for_quantized_or_adapter_layers(tiny):
-    from polopt_lightning.rollout.engine import _stateless
+    from polopt_lightning.rollout.hf import _stateless
 
     model, _ = tiny
     assert _stateless(model)

@@ -9,8 +9,7 @@ from torch.nn import functional as F
 from polopt_lightning.accel.cpu import linear as cpu_linear
 from polopt_lightning.accel.cpu import rowdot
 from polopt_lightning.models import build_tiny_model
-from polopt_lightning.rollout import HFRolloutEngine, fast_decode
-from polopt_lightning.rollout.engine import SamplingConfig
+from polopt_lightning.rollout import HFRolloutEngine, SamplingConfig, fast_decode
 
 from .helpers import close, greedy_on_the_modules, one_decoding_step, onednn_model
 
