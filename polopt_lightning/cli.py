@@ -174,6 +174,20 @@ def _validate(trainer, module, datamodule) -> dict[str, float]:
     return {k: float(v) for k, v in (results[0] if results else {}).items()}
 
 
+def _built_early(cfg: DictConfig, group: str) -> Any:
+    """The group's object (``_target_``), or ``None`` where the group is empty; its error (Hydra wraps it) raised
+    again as a ValueError that names the group."""
+    from hydra.utils import instantiate
+
+    if not cfg.get(group):
+        return None
+    try:
+        return instantiate(cfg[group])
+    except Exception as err:
+        cause = err.__cause__ or err
+        raise ValueError(f"{group}: {type(cause).__name__}: {cause}") from None
+
+
 def train(cfg: DictConfig) -> dict[str, Any]:
     """Build everything from ``cfg`` and run: warm start, validation before, RL, validation after.
 
@@ -214,12 +228,9 @@ def train(cfg: DictConfig) -> dict[str, Any]:
                    micro_batch_tokens=cfg.module.get("micro_batch_tokens"),
                    optimizer=(cfg.get("optimizer") or {}).get("name"),
                    backend=strategy_cfg.get("process_group_backend"))
-    # the rollout backend before the model: its arguments (and whatever it needs installed) fail in a second
-    try:
-        engine = instantiate(cfg.rollout) if cfg.get("rollout") else None
-    except Exception as err:  # Hydra wraps the backend's own error
-        cause = err.__cause__ or err
-        raise ValueError(f"rollout: {type(cause).__name__}: {cause}") from None
+    # the rollout backend and the CPU fast path before the model: their arguments (and whatever they need installed)
+    # fail in a second
+    engine, accel = _built_early(cfg, "rollout"), _built_early(cfg, "accel")
     model, tokenizer = instantiate(cfg.model)
     task_cfg = _container(cfg, "task")
     task_rewards = task_cfg.pop("rewards", None) or {}  # a mixture's per-task reward overrides
@@ -246,7 +257,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     module = PolicyOptimizationModule(
         model, tokenizer, objective=objective, **_rewards(cfg, task, task_rewards),
         generation=OmegaConf.to_container(cfg.generation, resolve=True), seed=cfg.seed,
-        optimizer=instantiate(cfg.optimizer) if cfg.get("optimizer") else None, rollout_engine=engine,
+        optimizer=instantiate(cfg.optimizer) if cfg.get("optimizer") else None, rollout_engine=engine, accel=accel,
         ref_quantization=_container(cfg, "reference").get("quantization"),
         anchor=instantiate(anchor_cfg) if anchor_cfg.get("_target_") else None,
         **OmegaConf.to_container(cfg.module, resolve=True),
@@ -395,6 +406,28 @@ def _override_key(override: str) -> str:
     return override.lstrip("+~").split("=", 1)[0]
 
 
+# keys that moved, old -> new: a command line or a saved run that uses the old name still works (renamed, said once)
+MOVED_KEYS = {"module.rollout_dtype": "rollout.dtype", "module.compile_rollout": "rollout.compile",
+              "module.onednn_linear": "accel.onednn_linear", "module.keep_host_memory": "accel.keep_host_memory"}
+# groups added since runs were first saved: a saved run without them took their defaults
+NEW_GROUPS = ("rollout", "accel")
+
+
+def renamed(overrides: list[str], said: list[str] | None = None) -> list[str]:
+    """``overrides`` with every moved key (:data:`MOVED_KEYS`) under its new name; each renaming is appended to
+    ``said`` (``old -> new``)."""
+    out = []
+    for override in overrides:
+        key = _override_key(override)
+        if key in MOVED_KEYS:
+            prefix = override[: len(override) - len(override.lstrip("+~"))]
+            override = prefix + MOVED_KEYS[key] + override[len(prefix) + len(key):]
+            if said is not None:
+                said.append(f"{key} -> {MOVED_KEYS[key]}")
+        out.append(override)
+    return out
+
+
 # Lightning's names for a checkpoint it looks up itself (fit(ckpt_path="last"), ...)
 _CKPT_KEYWORDS = ("last", "best", "hpc", "registry")
 # what resume_overrides found, for train() to say in the run's log
@@ -439,7 +472,7 @@ def resume_overrides(argv: list[str]) -> list[str]:
                             "the configuration is the one composed from this command line")
         return argv
     now = [a for a in argv if "=" in a and not _override_key(a).startswith("hydra.")]
-    replayed = [o for o in OmegaConf.load(saved / "overrides.yaml") if _override_key(o) not in given]
+    replayed = [o for o in renamed(list(OmegaConf.load(saved / "overrides.yaml"))) if _override_key(o) not in given]
     differ = config_differences(OmegaConf.load(saved / "config.yaml"), [*replayed, *now],
                                 {_override_key(a) for a in now})
     if differ:  # before Hydra writes the composed configuration over the saved one
@@ -463,25 +496,34 @@ def _flatten(node: Any, prefix: str = "") -> dict[str, Any]:
 
 def config_differences(saved: DictConfig, overrides: list[str], now: set[str]) -> list[str]:
     """``key: saved X, now Y`` for every key where ``train.yaml`` composed with ``overrides`` differs from ``saved``
-    (a run's ``.hydra/config.yaml``), the keys given now (``now``, and everything under them) left out."""
+    (a run's ``.hydra/config.yaml``; a moved key read under its new name), the keys given now (``now``, and
+    everything under them) left out."""
     from hydra import compose, initialize_config_dir
 
     with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
         composed = compose(config_name="train", overrides=overrides)
-    before = _flatten(OmegaConf.to_container(saved, resolve=False))
+    before = {MOVED_KEYS.get(k, k): v for k, v in _flatten(OmegaConf.to_container(saved, resolve=False)).items()}
     after = _flatten(OmegaConf.to_container(composed, resolve=False))
 
     def set_now(key: str) -> bool:
         return any(key == k or key.startswith(k + ".") for k in now)
 
-    keys = sorted(k for k in set(before) | set(after) if not set_now(k) and before.get(k) != after.get(k))
+    def added_since(key: str) -> bool:
+        return key not in before and key.split(".")[0] in NEW_GROUPS
+
+    keys = sorted(k for k in set(before) | set(after)
+                  if not set_now(k) and not added_since(k) and before.get(k) != after.get(k))
     return [f"{k}: saved {before.get(k, '(absent)')!r}, now {after.get(k, '(absent)')!r}" for k in keys]
 
 
 def main() -> None:
     import sys
 
-    sys.argv = [sys.argv[0], *launcher_overrides(resume_overrides(sys.argv[1:]))]
+    said: list[str] = []
+    argv = renamed(sys.argv[1:], said)
+    if said:
+        print(f"polopt-train: moved keys renamed: {', '.join(said)}", file=sys.stderr)
+    sys.argv = [sys.argv[0], *launcher_overrides(resume_overrides(argv))]
     _hydra_main()
 
 

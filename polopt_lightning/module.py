@@ -20,8 +20,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
 from torchmetrics import MeanMetric
 
-from .accel.cpu import host_memory
-from .accel.cpu import linear as cpu_linear
+from .accel.cpu.fast_path import CPUFastPath
 from .advantages import group_relative_advantages, zero_std_groups
 from .distributed import all_gather_objects, all_gather_rows, all_reduce, world_size
 from .logprobs import (
@@ -33,7 +32,6 @@ from .logprobs import (
 )
 from .models import (
     Quantization,
-    align_weights,
     as_quantization,
     cast_weights,
     evaluating,
@@ -120,14 +118,9 @@ class PolicyOptimizationModule(L.LightningModule):
         lr_schedule: ``"constant"``, ``"linear"`` or ``"cosine"`` decay over ``trainer.max_steps``, after
             ``warmup_steps`` of linear warm-up; ``min_lr_ratio`` is the floor as a fraction of the peak.
         max_grad_norm: gradient clipping by global norm (``None`` or 0 disables).
-        onednn_linear: on the CPU, run every float32 linear layer with a weight of at least 2**18 elements (the
-            policy's and the reference's, in sampling, the reference pass and the training pass, forward and
-            backward) through oneDNN's products instead of the BLAS behind ``F.linear``
-            (:mod:`polopt_lightning.accel.cpu.linear`: the same float32 arithmetic, rounded in another order), also the
-            products of the policy's frozen bitsandbytes 4-bit layers with float32 compute (QLoRA), their input
-            gradients included. ``None`` decides: on where the policy has such a weight on the CPU (measured
-            effect: docs/performance.md); a model whose weights are all smaller (the default tiny model) computes as
-            before.
+        accel: the CPU fast path's training settings (:class:`~polopt_lightning.accel.cpu.fast_path.CPUFastPath`, or a dict of
+            them: ``onednn_linear``, ``keep_host_memory``); by default each is on where it applies, and nothing acts
+            on other devices.
         ref_model: reference policy for the KL term, used only when the objective's ``beta > 0``. Default: for a
             policy with an adapter (peft), the policy itself with its adapters disabled (its frozen base: no second
             copy of the weights); otherwise a frozen copy of ``model`` taken at construction.
@@ -155,10 +148,6 @@ class PolicyOptimizationModule(L.LightningModule):
             most ``PACKED_MAX_TOKENS`` (192) packed tokens (Qwen2.5-0.5B shape, 2 CPU threads: the training pass
             19% faster at 92 tokens, 25% slower at 1,144); ``True``: every group; both need SDPA attention and no
             sliding-window layers, else the prompt's keys/values are shared as before.
-        keep_host_memory: while training, glibc keeps freed memory for the next step's tensors instead of giving it
-            back to the system and faulting it in again (:mod:`polopt_lightning.accel.cpu.host_memory`; the process
-            holds its peak until training ends). ``None``: where the policy trains on the CPU (measured effect:
-            docs/performance.md); ``True`` needs glibc.
         micro_batch_tokens: bound on the tokens (prompt + completion) of one forward/backward; a mini-batch larger
             than this is split and its gradients accumulated (same gradient, bounded memory). ``None``: no split.
         gradient_checkpointing: recompute each decoder layer's activations in the backward pass instead of keeping
@@ -201,7 +190,7 @@ class PolicyOptimizationModule(L.LightningModule):
         warmup_steps: int = 0,
         min_lr_ratio: float = 0.0,
         max_grad_norm: float | None = 1.0,
-        onednn_linear: bool | None = None,
+        accel: CPUFastPath | Mapping[str, Any] | None = None,
         ref_model: nn.Module | None = None,
         ref_dtype: str | torch.dtype | None = None,
         ref_quantization: Quantization | str | Mapping[str, Any] | None = None,
@@ -214,7 +203,6 @@ class PolicyOptimizationModule(L.LightningModule):
         rollout_engine: RolloutEngine | str | Mapping[str, Any] | None = None,
         share_prompt: bool = True,
         pack_groups: bool | None = None,
-        keep_host_memory: bool | None = None,
         reuse_sampling_logprobs: bool = True,
         micro_batch_tokens: int | None = None,
         gradient_checkpointing: bool = False,
@@ -278,18 +266,13 @@ class PolicyOptimizationModule(L.LightningModule):
         self.lr, self.weight_decay, self.betas, self.optimizer_factory = lr, weight_decay, tuple(betas), optimizer
         self.lr_schedule, self.warmup_steps, self.min_lr_ratio = lr_schedule, warmup_steps, min_lr_ratio
         self.max_grad_norm = max_grad_norm
-        if onednn_linear and not cpu_linear.available():
-            raise ValueError("onednn_linear=True: this PyTorch build has no oneDNN (torch.backends.mkldnn)")
-        self.onednn_linear = onednn_linear
+        self.accel = CPUFastPath.of(accel)
         self.advantage_scale = advantage_scale or objective.advantage_scale
         group_relative_advantages(torch.zeros(2), 2, self.advantage_scale)  # validates the name now
         self.dynamic_sampling, self.max_extra_draws = dynamic_sampling, max_extra_draws
         self.mask_truncated_completions = mask_truncated_completions
         self.engine = build_engine(rollout_engine)
         self.share_prompt, self.pack_groups = share_prompt, pack_groups
-        if keep_host_memory and not host_memory.available():
-            raise ValueError("keep_host_memory=True: this process's C library is not glibc (no mallopt)")
-        self.keep_host_memory = keep_host_memory
         self.micro_batch_tokens = micro_batch_tokens
         self.gradient_checkpointing = gradient_checkpointing
         if gradient_checkpointing:
@@ -344,7 +327,7 @@ class PolicyOptimizationModule(L.LightningModule):
         self._gathered = False  # the sharded policy is gathered whole (see _whole_parameters)
         self._extra_draws = 0  # prompt batches drawn by dynamic sampling so far: their position survives a resume
         self.save_hyperparameters(ignore=["model", "tokenizer", "objective", "reward_fns", "ref_model",
-                                          "rollout_engine", "optimizer", "ref_quantization", "anchor"])
+                                          "rollout_engine", "accel", "optimizer", "ref_quantization", "anchor"])
         self.hparams["ref_quantization"] = ref_quant.mode
         self.hparams["anchor"] = None if anchor is None else {k: v for k, v in vars(anchor).items() if k != "value"}
 
@@ -389,16 +372,13 @@ class PolicyOptimizationModule(L.LightningModule):
 
     def configure_model(self) -> None:
         """Under ``strategy=fsdp`` (FSDP2), shard the policy and the reference copy over the processes: each decoder
-        layer, then the rest of the model (Lightning calls this hook once the processes exist). Training on the CPU,
-        copy the weights that do not start on a 64-byte boundary into aligned memory (a model from
-        ``from_pretrained`` keeps its safetensors file's offsets: :func:`~polopt_lightning.models.align_weights`),
-        the same values and parameter objects. Other cases: nothing to do."""
+        layer, then the rest of the model (Lightning calls this hook once the processes exist). Otherwise the CPU fast
+        path prepares the weights (:meth:`~polopt_lightning.accel.cpu.fast_path.CPUFastPath.prepare`; nothing on other
+        devices)."""
         mesh = getattr(self, "_device_mesh", None)
         if mesh is None:
-            if self._trainer is not None and self.trainer.strategy.root_device.type == "cpu":
-                for model in (self.policy, self.ref_model):
-                    if model is not None:
-                        align_weights(model)
+            if self._trainer is not None:
+                self.accel.prepare((self.policy, self.ref_model), self.trainer.strategy.root_device)
             return
         from .strategies import shard_fully
 
@@ -585,16 +565,8 @@ class PolicyOptimizationModule(L.LightningModule):
         with evaluating(self.policy, keep_quantized=True), reference_context(self.policy):
             return self.sequence_logprobs(self.policy, exp, slice(None))[0]
 
-    def _linear_mode(self):
-        """The context the step computes in: :class:`~polopt_lightning.accel.cpu.linear.OneDNNLinear` where
-        ``onednn_linear`` says so (see the class's arguments), else none."""
-        use = self.onednn_linear
-        if use is None:
-            use = self.device.type == "cpu" and cpu_linear.pays_for(self.policy)
-        return cpu_linear.OneDNNLinear(self.policy) if use else nullcontext()
-
     def training_step(self, batch: Mapping[str, Any], batch_idx: int) -> None:
-        with self._linear_mode():
+        with self.accel.compute(self.policy, self.device):
             self._training_step(batch)
 
     def _training_step(self, batch: Mapping[str, Any]) -> None:
@@ -864,7 +836,7 @@ class PolicyOptimizationModule(L.LightningModule):
                 metric.reset()
 
     def validation_step(self, batch: Mapping[str, Any], batch_idx: int) -> None:
-        with self._linear_mode():
+        with self.accel.compute(self.policy, self.device):
             rollout = self.rollout(batch, self.val_sampling, 1)
         rewards = self.score(batch, rollout)
         columns = batch.get("columns", {})
@@ -966,25 +938,14 @@ class PolicyOptimizationModule(L.LightningModule):
                 self._pending_rng = [{"sampling_generator": state["sampling_generator"], "torch": state["torch_rng"]}]
 
     def configure_callbacks(self) -> list[L.Callback]:
-        """The anchor's scheduler, when this module has an anchor and the trainer has none of its own; the callback
-        that keeps host memory for reuse (:class:`~polopt_lightning.accel.cpu.host_memory.KeepHostMemory`) while
-        training."""
+        """The anchor's scheduler, when this module has an anchor and the trainer has none of its own; the CPU fast
+        path's (:meth:`~polopt_lightning.accel.cpu.fast_path.CPUFastPath.callbacks`)."""
         from .callbacks import AnchorScheduler
 
         own = []
         if self.anchor is not None and not any(isinstance(c, AnchorScheduler) for c in self.trainer.callbacks):
             own.append(AnchorScheduler())
-        if self.keep_host_memory is not False and not any(isinstance(c, host_memory.KeepHostMemory)
-                                                          for c in self.trainer.callbacks):
-            own.append(host_memory.KeepHostMemory())
-        return own
-
-    def keeps_host_memory(self) -> bool:
-        """Whether training keeps freed host memory for reuse: ``keep_host_memory``, or where it is ``None`` when the
-        policy trains on the CPU (and the process runs on glibc)."""
-        if self.keep_host_memory is None:
-            return self.device.type == "cpu" and host_memory.available()
-        return self.keep_host_memory
+        return own + self.accel.callbacks(self.trainer.callbacks)
 
     def on_train_start(self) -> None:
         # restored here, not at loading: the generator lives on the training device, known only once fit has started

@@ -342,6 +342,32 @@ def test_resume_takes_the_runs_own_configuration_and_refuses_before_writing(tmp_
     assert (run / "csv" / "version_1").is_dir()
 
 
+def test_a_run_saved_with_the_old_keys_resumes_and_old_keys_on_the_command_line_still_work(tmp_path):
+    """Keys that moved (module.rollout_dtype -> rollout.dtype, module.onednn_linear -> accel.onednn_linear, ...): a
+    run saved before the move resumes with its settings, and a command line with the old names runs, saying so."""
+    run = tmp_path / "run"
+    proc = run_cli(FAST + ["module.onednn_linear=false", "module.rollout_dtype=float32", f"hydra.run.dir={run}"],
+                   tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "moved keys renamed: module.onednn_linear -> accel.onednn_linear, module.rollout_dtype -> rollout.dtype" \
+        in proc.stderr
+    saved = OmegaConf.load(run / ".hydra" / "config.yaml")
+    assert saved.accel.onednn_linear is False and saved.rollout.dtype == "float32"
+    # the run as it was saved before the move: the old keys under module, no rollout or accel group
+    old = OmegaConf.to_container(saved)
+    old["module"].update(onednn_linear=False, keep_host_memory=None, rollout_dtype="float32", compile_rollout=False)
+    del old["rollout"], old["accel"]
+    OmegaConf.save(OmegaConf.create(old), run / ".hydra" / "config.yaml")
+    overrides = [o.replace("accel.onednn_linear", "module.onednn_linear").replace("rollout.dtype", "module.rollout_dtype")
+                 for o in OmegaConf.load(run / ".hydra" / "overrides.yaml")]
+    OmegaConf.save(OmegaConf.create(overrides), run / ".hydra" / "overrides.yaml")
+    proc = run_cli([f"ckpt_path={run}/checkpoints/last.ckpt", "trainer.max_steps=4"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads((run / "results.json").read_text())["steps"] == 4
+    resumed = OmegaConf.load(run / ".hydra" / "config.yaml")
+    assert resumed.accel.onednn_linear is False and resumed.rollout.dtype == "float32"
+
+
 def test_a_bad_module_setting_fails_before_the_warm_start_and_writes_no_checkpoint(tmp_path):
     proc = run_cli(FAST + ["module.lr=-1", "warm_start.steps=50", f"hydra.run.dir={tmp_path}/run"], tmp_path)
     assert proc.returncode != 0 and "module.lr must be > 0, got -1" in proc.stderr, proc.stderr[-2000:]

@@ -122,21 +122,24 @@ def test_active_counts_this_threads_open_contexts():
 
 def test_module_turns_it_on_only_for_models_with_large_cpu_weights():
     def mode(model, tok, **kw):
-        return PolicyOptimizationModule(model, tok, reward_fns=[ExactMatchReward()], **kw)._linear_mode()
+        module = PolicyOptimizationModule(model, tok, reward_fns=[ExactMatchReward()], **kw)
+        return module.accel.compute(module.policy, module.device)
 
     config = OmegaConf.load(Path(__file__).parents[1] / "conf" / "model" / "tiny.yaml")
     model, tok = instantiate(config, seed=0)  # the default job's model: every weight below 2**18 elements
     assert isinstance(mode(model, tok), nullcontext)
-    assert isinstance(mode(model, tok, onednn_linear=True), cpu_linear.OneDNNLinear)
+    assert isinstance(mode(model, tok, accel={"onednn_linear": True}), cpu_linear.OneDNNLinear)
     big, tok = onednn_model()
     assert isinstance(mode(big, tok), cpu_linear.OneDNNLinear)
-    assert isinstance(mode(big, tok, onednn_linear=False), nullcontext)
+    assert isinstance(mode(big, tok, accel={"onednn_linear": False}), nullcontext)
 
 
 def test_onednn_linear_true_without_onednn_names_the_key(monkeypatch, tiny):
     monkeypatch.setattr(cpu_linear, "available", lambda: False)
-    with pytest.raises(ValueError, match="onednn_linear=True"):
-        PolicyOptimizationModule(*tiny, reward_fns=[ExactMatchReward()], onednn_linear=True)
+    with pytest.raises(ValueError, match="accel.onednn_linear=True"):
+        PolicyOptimizationModule(*tiny, reward_fns=[ExactMatchReward()], accel={"onednn_linear": True})
+    with pytest.raises(ValueError, match=r"accel: unknown settings \['onednn'\]"):
+        PolicyOptimizationModule(*tiny, reward_fns=[ExactMatchReward()], accel={"onednn": True})
 
 
 def test_a_training_step_gives_the_same_loss_and_gradients(monkeypatch):
@@ -147,10 +150,10 @@ def test_a_training_step_gives_the_same_loss_and_gradients(monkeypatch):
     results = {}
     for use in (False, True):
         module = PolicyOptimizationModule(copy.deepcopy(model), tok, objective={"name": "grpo", "beta": 0.04},
-                                          reward_fns=[ExactMatchReward()], num_generations=2, onednn_linear=use,
+                                          reward_fns=[ExactMatchReward()], num_generations=2, accel={"onednn_linear": use},
                                           generation={"max_new_tokens": 4, "min_new_tokens": 4}, seed=0)
         module.manual_backward = lambda loss: loss.backward()  # no Trainer here
-        with module._linear_mode():
+        with module.accel.compute(module.policy, module.device):
             assert cpu_linear.active() is use
             if use:
                 exp = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in results[False][0].items()}

@@ -75,7 +75,7 @@ def test_the_module_keeps_host_memory_while_training_only(tmp_path, tiny, arithm
     module._training_step = spying
     trainer(tmp_path, steps=2).fit(module, datamodule=dm)
     assert seen == [True, True] and not host_memory.active()
-    assert module.keeps_host_memory()
+    assert module.accel.keeps_host_memory(module.device)
 
 
 def test_a_failed_run_gives_the_defaults_back(tmp_path, tiny, arithmetic_rows):
@@ -90,13 +90,14 @@ def test_a_failed_run_gives_the_defaults_back(tmp_path, tiny, arithmetic_rows):
 
 def test_off_and_impossible_settings(tmp_path, tiny, arithmetic_rows, monkeypatch):
     seen = []
-    module, dm = make(tiny, arithmetic_rows, keep_host_memory=False)
+    module, dm = make(tiny, arithmetic_rows, accel={"keep_host_memory": False})
     step = module._training_step
     module._training_step = lambda batch: (seen.append(host_memory.active()), step(batch))[1]
     t = trainer(tmp_path, steps=1)
     t.fit(module, datamodule=dm)
     assert seen == [False] and not any(isinstance(c, KeepHostMemory) for c in t.callbacks)
     monkeypatch.setattr(host_memory, "available", lambda: False)
-    with pytest.raises(ValueError, match="keep_host_memory=True: .* not glibc"):
-        make(tiny, arithmetic_rows, keep_host_memory=True)
-    assert not make(tiny, arithmetic_rows)[0].keeps_host_memory()  # None: off where there is no glibc
+    with pytest.raises(ValueError, match="accel.keep_host_memory=True: .* not glibc"):
+        make(tiny, arithmetic_rows, accel={"keep_host_memory": True})
+    module = make(tiny, arithmetic_rows)[0]
+    assert not module.accel.keeps_host_memory(module.device)  # None: off where there is no glibc

@@ -99,7 +99,8 @@ def _resident_kib(path_suffix: str) -> int:
 def test_copied_weights_hand_their_file_pages_back_at_once(tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from polopt_lightning.models import build_tiny_model, release_weight_files
+    from polopt_lightning.accel.cpu.weights import release_weight_files
+    from polopt_lightning.models import build_tiny_model
 
     # weights of many whole pages each (the tiny fixture's fit in a page or two): 2.2 MB in all
     model, _ = build_tiny_model(hidden_size=128, num_layers=2, num_heads=2, intermediate_size=512, seed=0)

@@ -156,7 +156,7 @@ def _misaligned(model):
 
 
 def test_weights_off_a_cache_line_are_copied_into_aligned_memory(tmp_path, tiny, arithmetic_rows):
-    from polopt_lightning.models import align_weights
+    from polopt_lightning.accel.cpu.weights import align_weights
 
     model, tok = tiny
     policy, reference = copy.deepcopy(model), copy.deepcopy(model).requires_grad_(False)

@@ -126,7 +126,7 @@ def test_lora_without_quantization_shares_the_reference_and_keeps_the_base(tmp_p
 
 
 def test_the_modules_cpu_context_takes_the_four_bit_input_gradients_the_lora_gradients_unchanged(monkeypatch, tmp_path):
-    """On the CPU the module's oneDNN context (``onednn_linear``) is given its policy: a QLoRA policy's frozen nf4
+    """On the CPU the module's oneDNN context (``accel.onednn_linear``) is given its policy: a QLoRA policy's frozen nf4
     layers compute their input gradients through oneDNN (bitsandbytes' own backward: MKL). The adapter's gradients of
     a pass outside the context within float32 tolerance; the layers as before after it."""
     from polopt_lightning.accel.cpu import linear as cpu_linear
@@ -137,14 +137,14 @@ def test_the_modules_cpu_context_takes_the_four_bit_input_gradients_the_lora_gra
         for name, p in policy.named_parameters():
             if "lora_B" in name:
                 p.normal_(0, 0.1)
-    module = module_for(policy, tok, onednn_linear=True)
+    module = module_for(policy, tok, accel={"onednn_linear": True})
     ran = []
     backward = cpu_linear._FourBitLinear.backward
     monkeypatch.setattr(cpu_linear._FourBitLinear, "backward", lambda ctx, g: ran.append(1) or backward(ctx, g))
     ids = tok(["1+2=", "3+4="], return_tensors="pt", padding=True)
     completions = torch.randint(3, 40, (2, 5))
     grads = []
-    for context in (module._linear_mode, lambda: torch.enable_grad()):
+    for context in (lambda: module.accel.compute(module.policy, module.device), lambda: torch.enable_grad()):
         policy.zero_grad(set_to_none=True)
         with context():
             logprobs = completion_logprobs(policy, ids["input_ids"], ids["attention_mask"], completions,

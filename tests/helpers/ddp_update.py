@@ -107,7 +107,7 @@ def main() -> None:
         metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("train/")}
         torch.save({"weights": {k: v.detach().clone() for k, v in weights.items()},
                     "metrics": metrics, "advantages": module.advantages, "world": trainer.world_size,
-                    "onednn": isinstance(module._linear_mode(), OneDNNLinear)}, out)
+                    "onednn": isinstance(module.accel.compute(module.policy, module.device), OneDNNLinear)}, out)
 
 
 if __name__ == "__main__":

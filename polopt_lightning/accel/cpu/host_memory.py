@@ -82,15 +82,16 @@ def active() -> bool:
 
 
 class KeepHostMemory(L.Callback):
-    """Enters :class:`KeptHostMemory` when training starts, where the module's ``keeps_host_memory()`` says so, and
-    leaves it when training ends, fails or is torn down."""
+    """Enters :class:`KeptHostMemory` when training starts, where the module's CPU fast path says so
+    (``pl_module.accel.keeps_host_memory(device)``, :class:`~polopt_lightning.accel.cpu.fast_path.CPUFastPath`), and leaves it
+    when training ends, fails or is torn down."""
 
     def __init__(self) -> None:
         self._kept: KeptHostMemory | None = None
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        keeps = getattr(pl_module, "keeps_host_memory", None)
-        if self._kept is None and keeps is not None and keeps():
+        keeps = getattr(getattr(pl_module, "accel", None), "keeps_host_memory", None)
+        if self._kept is None and keeps is not None and keeps(pl_module.device):
             self._kept = KeptHostMemory().__enter__()
 
     def _leave(self) -> None:
