@@ -43,14 +43,14 @@ def main() -> None:
         exp, _ = module.make_experience({"prompt_ids": enc.input_ids, "prompt_mask": enc.attention_mask,
                                          "prompts": prompts[:2], "columns": {}})
         g = torch.Generator().manual_seed(0)
-        lengths = torch.randint(8, T + 1, (exp["completion_ids"].shape[0],), generator=g)
-        exp["completion_mask"] = (torch.arange(T)[None] < lengths[:, None]).long()
+        lengths = torch.randint(8, T + 1, (exp.completion_ids.shape[0],), generator=g)
+        exp.completion_mask = (torch.arange(T)[None] < lengths[:, None]).long()
         rows = torch.randperm(len(lengths), generator=g)
         by_length = module._micro_batches
 
         def plain(exp, rows, budget=args.budget):
-            width = int(exp["completion_mask"][rows].sum(-1).max())
-            return list(rows.split(max(1, budget // (exp["prompt_ids"].shape[1] + width))))
+            width = int(exp.completion_mask[rows].sum(-1).max())
+            return list(rows.split(max(1, budget // (exp.prompt_ids.shape[1] + width))))
 
         times: dict[str, list[float]] = {"plain split": [], "by length": []}
         for _ in range(args.repeats):

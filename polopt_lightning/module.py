@@ -21,8 +21,8 @@ from torch import Tensor, nn
 from torchmetrics import MeanMetric
 
 from .accel.cpu.fast_path import CPUFastPath
-from .advantages import group_relative_advantages, zero_std_groups
-from .distributed import all_gather_objects, all_gather_rows, all_reduce, world_size
+from .distributed import all_gather_objects, all_reduce, world_size
+from .experience import Experience, ExperienceMaker
 from .logprobs import (
     PACKED_MAX_TOKENS,
     completion_logprobs,
@@ -267,10 +267,10 @@ class PolicyOptimizationModule(L.LightningModule):
         self.lr_schedule, self.warmup_steps, self.min_lr_ratio = lr_schedule, warmup_steps, min_lr_ratio
         self.max_grad_norm = max_grad_norm
         self.accel = CPUFastPath.of(accel)
-        self.advantage_scale = advantage_scale or objective.advantage_scale
-        group_relative_advantages(torch.zeros(2), 2, self.advantage_scale)  # validates the name now
-        self.dynamic_sampling, self.max_extra_draws = dynamic_sampling, max_extra_draws
-        self.mask_truncated_completions = mask_truncated_completions
+        # rollout, rewards, dynamic sampling, advantages and the anchor's targets: one step's experience
+        self.experience = ExperienceMaker(self.tokenizer, self.rewards, num_generations,
+                                          advantage_scale or objective.advantage_scale, dynamic_sampling,
+                                          max_extra_draws, mask_truncated_completions, anchor)
         self.engine = build_engine(rollout_engine)
         self.share_prompt, self.pack_groups = share_prompt, pack_groups
         self.micro_batch_tokens = micro_batch_tokens
@@ -404,13 +404,8 @@ class PolicyOptimizationModule(L.LightningModule):
                 self._gathered = False
 
     def score(self, batch: Mapping[str, Any], rollout: RolloutBatch) -> RewardOutput:
-        """Decode completions and run the reward functions; columns are repeated for the G completions."""
-        G = rollout.group_size
-        ids = [row[mask.bool()].tolist() for row, mask in zip(rollout.completion_ids, rollout.completion_mask)]
-        completions = self.tokenizer.batch_decode(ids, skip_special_tokens=True)
-        prompts = [p for p in batch["prompts"] for _ in range(G)]
-        columns = {k: [v for v in col for _ in range(G)] for k, col in batch.get("columns", {}).items()}
-        return self.rewards(prompts, completions, completion_ids=ids, **columns)
+        """Decode completions and run the reward functions (:meth:`ExperienceMaker.score`)."""
+        return self.experience.score(batch, rollout)
 
     def _next_prompts(self) -> Mapping[str, Any]:
         """Another batch of prompts for dynamic sampling.
@@ -433,117 +428,28 @@ class PolicyOptimizationModule(L.LightningModule):
                 return self._next_prompts()
         return {k: (v.to(self.device) if isinstance(v, Tensor) else v) for k, v in batch.items()}
 
-    def make_experience(self, batch: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Tensor]]:
-        """Rollout, rewards and advantages for one training batch (with DAPO dynamic sampling if enabled).
+    def make_experience(self, batch: Mapping[str, Any]) -> tuple[Experience, dict[str, Tensor]]:
+        """Rollout, rewards and advantages for one training batch (:meth:`ExperienceMaker.make`, with DAPO dynamic
+        sampling if enabled).
 
         Under a sharded strategy the policy is gathered once for all the step's draws: gathering is collective, and
         dynamic sampling may draw more often on one process than on another.
         """
         with self._whole_parameters():
-            return self._make_experience(batch)
+            return self.experience.make(batch, lambda prompts: self.rollout(prompts, self.sampling, self.num_generations),
+                                        self._next_prompts, self.device)
 
-    def _make_experience(self, batch: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Tensor]]:
-        G = self.num_generations
-        num_prompts = batch["prompt_ids"].shape[0]
-        parts, kept_groups, dropped, draws = [], 0, 0, 0
-        metrics: dict[str, Tensor] = {}
-        while True:
-            rollout = self.rollout(batch, self.sampling, G)
-            rewards = self.score(batch, rollout)
-            if not parts:  # the first draw is what the step's reward metrics describe
-                metrics.update({f"train/{k}": v for k, v in self._batch_reward_metrics(rewards).items()})
-                zero = zero_std_groups(rewards.total, G).float()
-                metrics["train/frac_zero_std"] = all_reduce(zero.sum().to(self.device)) / all_reduce(
-                    torch.tensor(float(zero.numel()), device=self.device))
-                if self.tasks:
-                    metrics.update(self._task_signal(batch, zero.bool()))
-            keep = torch.ones(num_prompts, dtype=torch.bool)
-            if self.dynamic_sampling:
-                keep = ~zero_std_groups(rewards.total, G)
-                dropped += int((~keep).sum())
-            parts.append((rollout, rewards.total, keep, self._anchor_targets(batch)))
-            kept_groups += int(keep.sum())
-            if not self.dynamic_sampling or kept_groups >= num_prompts or draws >= self.max_extra_draws:
-                break
-            batch = self._next_prompts()
-            draws += 1
-        if self.dynamic_sampling:  # totals over the processes
-            metrics["train/dynamic_sampling/dropped_groups"] = all_reduce(torch.tensor(float(dropped), device=self.device))
-            metrics["train/dynamic_sampling/extra_draws"] = all_reduce(torch.tensor(float(draws), device=self.device))
-            if kept_groups == 0:  # nothing learnable after every draw: train on the last draw (advantages are 0)
-                parts[-1] = (parts[-1][0], parts[-1][1], torch.ones_like(parts[-1][2]), parts[-1][3])
-        exp = _concat_groups(parts, G, num_prompts if self.dynamic_sampling else None)
-        rewards = exp.pop("rewards")
-        batch_std = self._batch_std(rewards) if self.advantage_scale == "batch" else None
-        exp["advantages"] = group_relative_advantages(rewards, G, self.advantage_scale, batch_std).to(self.device)
-        if self.mask_truncated_completions:
-            exp["completion_mask"] = exp["completion_mask"] * exp["finished"][:, None].long()
-        return exp, metrics
-
-    def _task_signal(self, batch: Mapping[str, Any], zero: Tensor) -> dict[str, Tensor]:
-        """A mixture's per-task prompts in the step and share of their groups with equal rewards (no gradient), over
-        every process: ``train/<task>/prompts`` and ``train/<task>/frac_zero_std`` (NaN for a task with no prompt)."""
-        ids = self.rewards.task_ids(batch["columns"], zero.numel())
-        counts = torch.stack([torch.stack([(ids == t).sum(), ((ids == t) & zero.cpu()).sum()])
-                              for t in range(len(self.tasks))]).float().to(self.device)
-        counts = all_reduce(counts)
-        metrics = {}
-        for t, task in enumerate(self.tasks):
-            prompts, zero_groups = counts[t]
-            metrics[f"train/{task}/prompts"] = prompts
-            metrics[f"train/{task}/frac_zero_std"] = (zero_groups / prompts if prompts > 0
-                                                      else torch.tensor(float("nan"), device=self.device))
-        return metrics
-
-    def _anchor_targets(self, batch: Mapping[str, Any]) -> dict[str, Tensor]:
-        """Each prompt's reference answer as ``answer + EOS`` token ids ``[P, Ta]`` with their mask (zero where the
-        answer is None), for the supervised anchor; empty without one."""
-        if self.anchor is None:
-            return {}
-        column = self.anchor.column
-        columns = batch.get("columns", {})
-        if column not in columns:
-            raise KeyError(f"anchor.column={column!r}: the batch has no such column (its columns: {sorted(columns)})")
-        eos = self.tokenizer.eos_token_id
-        encoded = [[] if a is None else self.tokenizer(str(a), add_special_tokens=False)["input_ids"] + [eos]
-                   for a in columns[column]]
-        width = max(max(len(ids) for ids in encoded), 1)
-        ids = torch.full((len(encoded), width), self.tokenizer.pad_token_id, dtype=torch.long)
-        mask = torch.zeros((len(encoded), width), dtype=torch.long)
-        for i, row in enumerate(encoded):
-            ids[i, :len(row)] = torch.tensor(row, dtype=torch.long)
-            mask[i, :len(row)] = 1
-        return {"anchor_ids": ids.to(self.device), "anchor_mask": mask.to(self.device)}
-
-    def _batch_reward_metrics(self, rewards: RewardOutput) -> dict[str, Tensor]:
-        """The reward metrics of the whole batch: over every process's completions (gathered), not a mean of means."""
-        if world_size() == 1:
-            return rewards.metrics
-        per_function = all_gather_rows(rewards.per_function.to(self.device)).cpu()
-        errors = torch.stack([rewards.metrics[f"reward_errors/{name}"] for name in self.rewards.names])
-        return self.rewards.summarize(per_function, all_reduce(errors.to(self.device)).cpu())
-
-    def _batch_std(self, rewards: Tensor) -> Tensor:
-        """The standard deviation of every valid reward of the step, over all processes (``advantage_scale="batch"``)."""
-        valid = rewards[torch.isfinite(rewards)].double()
-        moments = all_reduce(torch.stack([valid.new_tensor(float(valid.numel())), valid.sum(), (valid ** 2).sum()])
-                             .to(self.device)).cpu()
-        count, total, squares = moments.unbind()
-        if count < 2:
-            return torch.zeros(())
-        return ((squares - total ** 2 / count) / (count - 1)).clamp(min=0).sqrt().float()
-
-    def sequence_logprobs(self, model: nn.Module, exp: Mapping[str, Any], rows: Tensor | slice, width: int | None = None,
+    def sequence_logprobs(self, model: nn.Module, exp: Experience, rows: Tensor | slice, width: int | None = None,
                           with_entropy: bool = False) -> tuple[Tensor, Tensor | None]:
         """Log-probs ``[n, width]`` of the completions ``rows`` under ``model`` (prompt shared per group if set)."""
-        width = exp["completion_ids"].shape[1] if width is None else width
-        args = (model, exp["prompt_ids"][rows], exp["prompt_mask"][rows], exp["completion_ids"][rows, :width],
-                exp["completion_mask"][rows, :width])
+        width = exp.completion_ids.shape[1] if width is None else width
+        args = (model, exp.prompt_ids[rows], exp.prompt_mask[rows], exp.completion_ids[rows, :width],
+                exp.completion_mask[rows, :width])
         # checkpointed layers drop the cache the shared prompt is passed through; without gradient they keep it
         checkpointed = self.gradient_checkpointing and model is self.policy and torch.is_grad_enabled()
         with evaluating(model, keep_quantized=True) if model is self.ref_model else nullcontext():
             if self.share_prompt and not checkpointed:
-                groups = exp["group_index"][rows]
+                groups = exp.group_index[rows]
                 return shared_prompt_completion_logprobs(*args, groups, self.sampling.logprob_temperature,
                                                          with_entropy=with_entropy,
                                                          packed=self._packs(model, args[1].shape[1], width, groups))
@@ -556,7 +462,7 @@ class PolicyOptimizationModule(L.LightningModule):
         length, even = packed_length(prompt_len, completion_len, groups)
         return bool(self.pack_groups) or (even and length <= PACKED_MAX_TOKENS)
 
-    def reference_logprobs(self, exp: Mapping[str, Any]) -> Tensor:
+    def reference_logprobs(self, exp: Experience) -> Tensor:
         """Log-probs ``[N, T]`` of the rollout's completions under the KL reference."""
         if not self.shared_reference:
             return self.sequence_logprobs(self.ref_model, exp, slice(None))[0]
@@ -573,33 +479,33 @@ class PolicyOptimizationModule(L.LightningModule):
         optimizer = self.optimizers()
         scheduler = self.lr_schedulers()
         exp, metrics = self.make_experience(batch)
-        n = exp["completion_ids"].shape[0]
+        n = exp.completion_ids.shape[0]
         if n < self.mini_batches:
             raise ValueError(f"mini_batches={self.mini_batches} is more than the rollout's {n} completions "
                              f"(prompts per batch x num_generations={self.num_generations})")
-        mask = exp["completion_mask"]
+        mask = exp.completion_mask
         lengths = mask.sum(-1).float()
         # every process holds as many completions (whole groups of equal batches): means of means are exact
         metrics["train/completion_len"] = all_reduce(lengths.mean()) / world_size()
         metrics["train/completion_len_max"] = all_reduce(lengths.max(), "max")
-        metrics["train/truncated_frac"] = all_reduce((~exp["finished"]).float().mean()) / world_size()
+        metrics["train/truncated_frac"] = all_reduce((~exp.finished).float().mean()) / world_size()
         size = math.ceil(n / self.mini_batches)
         # the mini-batch orders of every pass, drawn up front: the first mini-batch needs no old-log-prob pass
-        orders = [self._mini_batch_order(exp["group_index"].cpu(), i * self.mini_batches)
+        orders = [self._mini_batch_order(exp.group_index.cpu(), i * self.mini_batches)
                   for i in range(self.num_iterations)]
         own_old = False  # whether the first update records its rows' old log-probs itself
         with torch.no_grad():
             if self.off_policy:  # on-policy, old == current log-probs detached: no pass needed
                 if self.reuse_sampling_logprobs and self.engine.logprobs_match(self.policy):
-                    exp["old_logprobs"] = exp["sampling_logprobs"]
+                    exp.old_logprobs = exp.sampling_logprobs
                 else:
                     later = orders[0][size:].to(self.device)
-                    exp["old_logprobs"] = torch.zeros_like(exp["sampling_logprobs"])
+                    exp.old_logprobs = torch.zeros_like(exp.sampling_logprobs)
                     if later.numel():  # none when one mini-batch holds the whole rollout (mu > 1)
-                        exp["old_logprobs"][later] = self.sequence_logprobs(self.policy, exp, later)[0]
+                        exp.old_logprobs[later] = self.sequence_logprobs(self.policy, exp, later)[0]
                     own_old = True
             if self.objective.beta > 0 or self.track_kl:  # only the KL term (or its tracking) needs the reference
-                exp["ref_logprobs"] = self.reference_logprobs(exp)
+                exp.ref_logprobs = self.reference_logprobs(exp)
 
         step_metrics: list[dict[str, Tensor]] = []
         updates = [(i, start) for i in range(len(orders)) for start in range(0, n, size)]
@@ -634,7 +540,7 @@ class PolicyOptimizationModule(L.LightningModule):
             order = order[torch.sort(group_rank, stable=True).indices]
         return order
 
-    def _micro_batches(self, exp: Mapping[str, Any], rows: Tensor) -> list[Tensor]:
+    def _micro_batches(self, exp: Experience, rows: Tensor) -> list[Tensor]:
         """Split a mini-batch so each piece holds at most ``micro_batch_tokens`` (prompt + completion) tokens.
 
         Rows go longest completion first (with ``share_prompt``, whole groups by their longest completion, so a group
@@ -644,16 +550,16 @@ class PolicyOptimizationModule(L.LightningModule):
         """
         if not self.micro_batch_tokens:
             return self._even_pieces([rows])
-        lengths = exp["completion_mask"][rows].sum(-1).clamp(min=1)
+        lengths = exp.completion_mask[rows].sum(-1).clamp(min=1)
         key = lengths
         if self.share_prompt:  # sort groups (not rows) by their longest completion; ties keep groups contiguous
-            group = exp["group_index"][rows]
+            group = exp.group_index[rows]
             longest = torch.zeros(int(group.max()) + 1, dtype=lengths.dtype, device=lengths.device)
             longest = longest.scatter_reduce(0, group, lengths, reduce="amax")
             key = longest[group] * (int(group.max()) + 1) + group
         order = torch.sort(key, descending=True, stable=True).indices
         rows, lengths = rows[order], lengths[order].tolist()
-        prompt_width = exp["prompt_ids"].shape[1]
+        prompt_width = exp.prompt_ids.shape[1]
         pieces, current, width = [], [], 0
         for i, length in enumerate(lengths):  # fill each piece while its rows x (prompt + widest) fit the budget
             if current and (len(current) + 1) * (prompt_width + max(width, length)) > self.micro_batch_tokens:
@@ -682,7 +588,7 @@ class PolicyOptimizationModule(L.LightningModule):
             pieces[largest:largest] = [piece[:half], piece[half:]]
         return pieces
 
-    def _update(self, exp: Mapping[str, Any], rows: Tensor, optimizer, scheduler,
+    def _update(self, exp: Experience, rows: Tensor, optimizer, scheduler,
                 record_old: bool = False) -> dict[str, Tensor]:
         """One optimizer step on the completions ``rows`` of the rollout (see :meth:`accumulate_gradients`)."""
         optimizer.zero_grad(set_to_none=True)
@@ -734,13 +640,13 @@ class PolicyOptimizationModule(L.LightningModule):
 
         return not any(isinstance(p, DTensor) or isinstance(p.grad, DTensor) for p in self.policy.parameters())
 
-    def accumulate_gradients(self, exp: Mapping[str, Any], rows: Tensor, record_old: bool = False) -> dict[str, Tensor]:
+    def accumulate_gradients(self, exp: Experience, rows: Tensor, record_old: bool = False) -> dict[str, Tensor]:
         """Backward of the objective on the completions ``rows``, in micro-batches; returns the step's metrics.
 
         ``record_old``: the policy has not moved since sampling, so these rows' old log-probs are their current
-        ones; they are used as such and stored in ``exp["old_logprobs"]`` for later passes.
+        ones; they are used as such and stored in ``exp.old_logprobs`` for later passes.
         """
-        full_mask = exp["completion_mask"][rows]
+        full_mask = exp.completion_mask[rows]
         # Under data parallelism each process holds its share of the mini-batch and the strategy averages the
         # gradients over the W processes: dividing by the normaliser of the whole mini-batch (summed over processes)
         # and multiplying by W gives exactly the gradient of one process holding every row. Token-level objectives
@@ -754,16 +660,16 @@ class PolicyOptimizationModule(L.LightningModule):
             sums.update(self._anchor_backward(exp, rows))
         for k, micro in enumerate(pieces):
             # trim padding past the longest completion of this piece (the objectives do not depend on the width)
-            width = max(int(exp["completion_mask"][micro].sum(-1).max()), 1)
-            mask = exp["completion_mask"][micro, :width]
+            width = max(int(exp.completion_mask[micro].sum(-1).max()), 1)
+            mask = exp.completion_mask[micro, :width]
             with self._gradient_sync(last=k == len(pieces) - 1):
                 logprobs, entropy = self.sequence_logprobs(self.policy, exp, micro, width, with_entropy=True)
                 if record_old:
-                    exp["old_logprobs"][micro, :width] = logprobs.detach()
-                old = (logprobs.detach() if record_old or "old_logprobs" not in exp
-                       else exp["old_logprobs"][micro, :width])
-                ref = exp["ref_logprobs"][micro, :width] if "ref_logprobs" in exp else None
-                out = self.objective(logprobs=logprobs, old_logprobs=old, advantages=exp["advantages"][micro],
+                    exp.old_logprobs[micro, :width] = logprobs.detach()
+                old = (logprobs.detach() if record_old or exp.old_logprobs is None
+                       else exp.old_logprobs[micro, :width])
+                ref = exp.ref_logprobs[micro, :width] if exp.ref_logprobs is not None else None
+                out = self.objective(logprobs=logprobs, old_logprobs=old, advantages=exp.advantages[micro],
                                      mask=mask, ref_logprobs=ref)
                 if ref is not None and "kl" not in out.metrics:  # track_kl: watched, not trained on
                     valid = mask.bool()  # padding may hold -inf/NaN log-probs: zeros there, as the objectives do
@@ -786,19 +692,19 @@ class PolicyOptimizationModule(L.LightningModule):
         metrics["entropy"] = all_reduce(entropy_sum.detach()) / tokens.clamp(min=1)
         return metrics
 
-    def _anchor_backward(self, exp: Mapping[str, Any], rows: Tensor) -> dict[str, Tensor]:
+    def _anchor_backward(self, exp: Experience, rows: Tensor) -> dict[str, Tensor]:
         """Backward of ``lambda x NLL`` of the reference answers of the prompts that the completions ``rows`` answer
         (one forward over those prompts; gradients accumulate with the objective's before they are reduced). The NLL is
         the token mean over every process's prompts: each process divides its sum by the global count, times the
         processes the strategy averages over. With ``lambda = 0`` the NLL is measured without a backward."""
-        groups = torch.unique(exp["group_index"][rows])
+        groups = torch.unique(exp.group_index[rows])
         first = groups * self.num_generations  # the rows of each group are contiguous, from group x G on
-        mask = exp["anchor_mask"][groups]
+        mask = exp.anchor_mask[groups]
         width = max(int(mask.sum(-1).max()), 1)
-        mask, ids = mask[:, :width], exp["anchor_ids"][groups, :width]
+        mask, ids = mask[:, :width], exp.anchor_ids[groups, :width]
         tokens = all_reduce(mask.sum().float())
         with self._gradient_sync(last=False), torch.set_grad_enabled(self.anchor.value > 0):
-            logprobs, _ = completion_logprobs(self.policy, exp["prompt_ids"][first], exp["prompt_mask"][first], ids,
+            logprobs, _ = completion_logprobs(self.policy, exp.prompt_ids[first], exp.prompt_mask[first], ids,
                                               mask)
             loss, nll = self.anchor.loss(logprobs, mask, tokens)
             if self.anchor.value > 0:
@@ -1004,45 +910,3 @@ def _scale_gradients(model: nn.Module, max_norm: float, norm: Tensor) -> None:
         grads = [p.grad for p in model.parameters() if p.grad is not None]
         for device in dict.fromkeys(g.device for g in grads):
             torch._foreach_mul_([g for g in grads if g.device == device], factor.to(device))
-
-
-def _pad_cat(tensors: list[Tensor], value: int | float, left: bool = False) -> Tensor:
-    width = max(t.shape[1] for t in tensors)
-    padded = []
-    for t in tensors:
-        extra = width - t.shape[1]
-        pad = (extra, 0) if left else (0, extra)
-        padded.append(nn.functional.pad(t, pad, value=value))
-    return torch.cat(padded)
-
-
-# RolloutBatch fields carried into the experience, and the side their padding goes on (None: [N], no padding)
-_ROLLOUT_FIELDS = {"prompt_ids": "left", "prompt_mask": "left", "completion_ids": "right", "completion_mask": "right",
-                   "sampling_logprobs": "right", "finished": None}
-
-
-def _concat_groups(parts, G: int, limit: int | None) -> dict[str, Any]:
-    """Join the kept groups of one or more rollouts (dynamic sampling), at most ``limit`` groups. Each part's last
-    element holds per-prompt tensors ``[P, ...]`` (the anchor's targets), joined by group and right-padded."""
-    fields: dict[str, list[Tensor]] = {k: [] for k in (*_ROLLOUT_FIELDS, "rewards", "group_index")}
-    per_group: dict[str, list[Tensor]] = {}
-    kept = 0
-    for rollout, rewards, keep, group_fields in parts:
-        idx = torch.nonzero(keep).flatten()
-        if limit is not None:
-            idx = idx[: max(0, limit - kept)]
-        rows = (idx[:, None] * G + torch.arange(G)).flatten()
-        dev_rows = rows.to(rollout.completion_ids.device)
-        for name in _ROLLOUT_FIELDS:
-            fields[name].append(getattr(rollout, name)[dev_rows])
-        for name, value in group_fields.items():
-            per_group.setdefault(name, []).append(value[idx.to(value.device)])
-        fields["rewards"].append(rewards[rows])
-        fields["group_index"].append(kept + torch.arange(len(idx)).repeat_interleave(G))
-        kept += len(idx)
-    out = {name: torch.cat(fields[name]) if side is None else _pad_cat(fields[name], 0, left=side == "left")
-           for name, side in _ROLLOUT_FIELDS.items()}
-    out.update({name: _pad_cat(values, 0) for name, values in per_group.items()})
-    out["rewards"] = torch.cat(fields["rewards"])
-    out["group_index"] = torch.cat(fields["group_index"]).to(out["completion_ids"].device)
-    return out

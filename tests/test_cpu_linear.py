@@ -2,6 +2,7 @@
 float32 tolerance, only where they apply, and the module's rule for turning them on."""
 
 import copy
+import dataclasses
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -156,15 +157,17 @@ def test_a_training_step_gives_the_same_loss_and_gradients(monkeypatch):
         with module.accel.compute(module.policy, module.device):
             assert cpu_linear.active() is use
             if use:
-                exp = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in results[False][0].items()}
-                exp.pop("ref_logprobs", None)
+                given = results[False][0]  # the same rollout, scored again
+                exp = dataclasses.replace(given, **{f.name: getattr(given, f.name).clone() for f in dataclasses.fields(given)
+                                                    if isinstance(getattr(given, f.name), torch.Tensor)})
+                exp.ref_logprobs = None
             else:
                 exp, _ = module.make_experience(batch)
-            exp["ref_logprobs"] = module.reference_logprobs(exp)
-            metrics = module.accumulate_gradients(exp, torch.arange(exp["completion_ids"].shape[0]))
+            exp.ref_logprobs = module.reference_logprobs(exp)
+            metrics = module.accumulate_gradients(exp, torch.arange(exp.completion_ids.shape[0]))
         results[use] = (exp, metrics, {n: p.grad.clone() for n, p in module.policy.named_parameters()})
     (exp0, m0, g0), (exp1, m1, g1) = results[False], results[True]
-    assert close(exp1["ref_logprobs"], exp0["ref_logprobs"])
+    assert close(exp1.ref_logprobs, exp0.ref_logprobs)
     assert float(m1["loss"]) == pytest.approx(float(m0["loss"]), rel=1e-5, abs=1e-7)
     for name in g0:
         assert close(g1[name], g0[name], rel=1e-4), name

@@ -32,9 +32,9 @@ def experience(objective, mini_batches=1, num_iterations=1):
     exp, _ = module.make_experience(batch)
     with torch.no_grad():
         if module.off_policy:
-            exp["old_logprobs"] = exp["sampling_logprobs"] + 0.05 * torch.randn_like(exp["sampling_logprobs"])
+            exp.old_logprobs = exp.sampling_logprobs + 0.05 * torch.randn_like(exp.sampling_logprobs)
         if module.objective.beta > 0:
-            exp["ref_logprobs"] = module.sequence_logprobs(module.ref_model, exp, slice(None))[0]
+            exp.ref_logprobs = module.sequence_logprobs(module.ref_model, exp, slice(None))[0]
     return module, exp
 
 
@@ -83,19 +83,19 @@ def test_micro_batches_go_by_length_and_trim_their_own_padding(share_prompt):
     """Longest first, each piece at its own width and filled to the token budget; the gradient does not change."""
     module, exp = experience({"name": "grpo", "beta": 0.04}, mini_batches=2)
     lengths = torch.tensor([1, 6, 2, 5, 3, 6, 1, 4, 2, 1, 3, 1])
-    exp["completion_mask"] = (torch.arange(exp["completion_mask"].shape[1])[None] < lengths[:, None]).long()
+    exp.completion_mask = (torch.arange(exp.completion_mask.shape[1])[None] < lengths[:, None]).long()
     rows = torch.tensor([3, 0, 11, 7, 1, 9, 4, 2, 10, 5, 8, 6])
-    budget = 3 * (exp["prompt_ids"].shape[1] + 6)
+    budget = 3 * (exp.prompt_ids.shape[1] + 6)
     module.share_prompt, module.micro_batch_tokens = share_prompt, budget
     pieces = module._micro_batches(exp, rows)
     assert sorted(torch.cat(pieces).tolist()) == list(range(12))
     widths = [int(lengths[p].max()) for p in pieces]
     assert len(set(widths)) > 1 and len(pieces) < 12
     for p, w in zip(pieces, widths):
-        assert len(p) * (exp["prompt_ids"].shape[1] + w) <= budget
+        assert len(p) * (exp.prompt_ids.shape[1] + w) <= budget
     if share_prompt:  # groups (4 rows each) stay together and go by their longest completion
-        order = exp["group_index"][torch.cat(pieces)].tolist()
-        assert order == sorted(order, key=lambda g: (-int(lengths[exp["group_index"] == g].max()), -g))
+        order = exp.group_index[torch.cat(pieces)].tolist()
+        assert order == sorted(order, key=lambda g: (-int(lengths[exp.group_index == g].max()), -g))
     else:
         assert widths == sorted(widths, reverse=True)
     _, whole = gradients(module, exp, rows, micro_batch_tokens=None)
@@ -110,8 +110,8 @@ def test_sampling_logprobs_match_the_training_numerics():
     module.policy.train()
     with torch.no_grad():
         fresh = module.sequence_logprobs(module.policy, exp, slice(None))[0]
-    m = exp["completion_mask"].bool()
-    torch.testing.assert_close(fresh[m], exp["sampling_logprobs"][m], atol=1e-5, rtol=1e-5)
+    m = exp.completion_mask.bool()
+    torch.testing.assert_close(fresh[m], exp.sampling_logprobs[m], atol=1e-5, rtol=1e-5)
 
 
 def test_shared_prompt_logprobs_equal_plain():
@@ -166,7 +166,7 @@ def test_groups_are_packed_where_it_pays_and_the_model_takes_the_mask(monkeypatc
     with torch.no_grad():
         module.sequence_logprobs(module.policy, exp, slice(None))
     assert calls == [True]  # the default: 3 groups of 4 short completions
-    groups, width, prompt_len = exp["group_index"], exp["completion_ids"].shape[1], exp["prompt_ids"].shape[1]
+    groups, width, prompt_len = exp.group_index, exp.completion_ids.shape[1], exp.prompt_ids.shape[1]
     assert module._packs(module.policy, prompt_len, width, groups)
     long_width = (PACKED_MAX_TOKENS - prompt_len) // 4 + 2  # one packed group over the bound
     assert not module._packs(module.policy, prompt_len, long_width, groups)

@@ -107,10 +107,10 @@ def test_shared_reference_equals_the_base_model(mode, tmp_path):
     with torch.no_grad():
         reference = module.reference_logprobs(exp)
         base.train()  # the reference keeps the training kernels (bitsandbytes' int8 layers have others in eval)
-        expected = completion_logprobs(base, exp["prompt_ids"], exp["prompt_mask"], exp["completion_ids"],
-                                       exp["completion_mask"])[0]
+        expected = completion_logprobs(base, exp.prompt_ids, exp.prompt_mask, exp.completion_ids,
+                                       exp.completion_mask)[0]
         policy = module.sequence_logprobs(module.policy, exp, slice(None))[0]
-    mask = exp["completion_mask"].bool()
+    mask = exp.completion_mask.bool()
     torch.testing.assert_close(reference[mask], expected[mask], atol=1e-5, rtol=1e-5)
     assert (policy[mask] - reference[mask]).abs().max() > 1e-4, "the adapter did not move the policy"
 
@@ -236,9 +236,9 @@ def test_micro_batches_give_the_same_gradient_on_quantized_lora(tmp_path):
         module._generator = torch.Generator().manual_seed(0)
         exp, _ = module.make_experience(batch)
         with torch.no_grad():
-            exp["ref_logprobs"] = module.reference_logprobs(exp)
-        exp["old_logprobs"] = torch.zeros_like(exp["sampling_logprobs"])  # filled by the pass (record_old)
-        module.accumulate_gradients(exp, torch.arange(exp["completion_ids"].shape[0]), record_old=True)
+            exp.ref_logprobs = module.reference_logprobs(exp)
+        exp.old_logprobs = torch.zeros_like(exp.sampling_logprobs)  # filled by the pass (record_old)
+        module.accumulate_gradients(exp, torch.arange(exp.completion_ids.shape[0]), record_old=True)
         grads.append({n: p.grad.clone() for n, p in policy.named_parameters() if p.grad is not None})
     assert grads[0].keys() == grads[1].keys() and grads[0]
     for name in grads[0]:

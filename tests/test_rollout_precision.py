@@ -152,10 +152,10 @@ def test_off_policy_old_logprobs_are_the_policy_before_the_first_step(tmp_path, 
     assert rollout_dtype is None or module.engine._sampler is not None
     exp = captured["exp"]
     with torch.no_grad():
-        expected, _ = completion_logprobs(captured["before"].train(), exp["prompt_ids"], exp["prompt_mask"],
-                                          exp["completion_ids"], exp["completion_mask"])
-    m = exp["completion_mask"].bool()
-    torch.testing.assert_close(exp["old_logprobs"][m], expected[m], atol=1e-5, rtol=1e-5)
+        expected, _ = completion_logprobs(captured["before"].train(), exp.prompt_ids, exp.prompt_mask,
+                                          exp.completion_ids, exp.completion_mask)
+    m = exp.completion_mask.bool()
+    torch.testing.assert_close(exp.old_logprobs[m], expected[m], atol=1e-5, rtol=1e-5)
     assert not any(torch.equal(a, b) for a, b in zip(captured["before"].parameters(), module.policy.parameters()))
 
 
@@ -191,7 +191,7 @@ def test_bf16_reference_gives_the_kl_term_within_rounding(tmp_path, tiny, arithm
     with torch.no_grad():
         half = module.sequence_logprobs(module.ref_model, exp, slice(None))[0]
         full = module.sequence_logprobs(model, exp, slice(None))[0]  # the policy has not moved: same weights
-    m = exp["completion_mask"].bool()
+    m = exp.completion_mask.bool()
     assert 0 < (half[m] - full[m]).abs().max() < 0.1
     given = copy.deepcopy(model)
     assert PolicyOptimizationModule(model, tok, ref_model=given, ref_dtype="bf16", **kwargs).ref_model is given

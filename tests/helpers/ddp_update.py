@@ -20,8 +20,8 @@ from polopt_lightning import PolicyOptimizationModule, PromptDataModule
 from polopt_lightning.accel.cpu.linear import OneDNNLinear
 from polopt_lightning.data import ArithmeticTask
 from polopt_lightning.distributed import all_gather_objects
+from polopt_lightning.experience import pad_cat
 from polopt_lightning.models import build_tiny_model
-from polopt_lightning.module import _pad_cat
 from polopt_lightning.rewards.builtin import ExactMatchReward
 from polopt_lightning.rollout import HFRolloutEngine, RolloutBatch
 
@@ -46,7 +46,7 @@ class PerPromptEngine(HFRolloutEngine):
         fields = {}
         for name, side in (("prompt_ids", "left"), ("prompt_mask", "left"), ("completion_ids", "right"),
                            ("completion_mask", "right"), ("sampling_logprobs", "right")):
-            fields[name] = _pad_cat([getattr(p, name) for p in parts], 0, left=side == "left")
+            fields[name] = pad_cat([getattr(p, name) for p in parts], 0, left=side == "left")
         fields["finished"] = torch.cat([p.finished for p in parts])
         return RolloutBatch(group_size=num_generations, **fields)
 
@@ -60,7 +60,7 @@ class Recording(PolicyOptimizationModule):
     def make_experience(self, batch):
         exp, metrics = super().make_experience(batch)
         G = self.num_generations
-        local = {p: exp["advantages"][i * G:(i + 1) * G].tolist() for i, p in enumerate(batch["prompts"])}
+        local = {p: exp.advantages[i * G:(i + 1) * G].tolist() for i, p in enumerate(batch["prompts"])}
         self.advantages = {k: v for part in all_gather_objects(local) for k, v in part.items()}
         return exp, metrics
 

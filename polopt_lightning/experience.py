@@ -1,0 +1,228 @@
+"""Making experience: the rollout's completions scored, grouped and turned into advantages, as one typed
+:class:`Experience` the update reads. :class:`ExperienceMaker` holds the settings (group size, dynamic sampling,
+advantage scale, overlong filtering, the anchor's targets) and runs the draws; the module gives it the sampler."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from .advantages import group_relative_advantages, zero_std_groups
+from .distributed import all_gather_rows, all_reduce, world_size
+from .rewards import MixtureRewards, RewardComposer, RewardOutput
+from .rollout import RolloutBatch
+
+
+@dataclass
+class Experience:
+    """One step's rollout, ready for the update: ``N = P x G`` rows laid out group by group.
+
+    Attributes:
+        prompt_ids, prompt_mask: ``[N, Lp]`` left-padded prompts, each repeated for its G completions.
+        completion_ids, completion_mask: ``[N, T]`` sampled tokens; the mask is 1 up to and including EOS (0 for a
+            truncated completion under overlong filtering).
+        sampling_logprobs: ``[N, T]`` the sampler's log-probs of its tokens.
+        finished: ``[N]`` whether each completion ended with EOS.
+        group_index: ``[N]`` the group (prompt) of each row, ``0..P-1``.
+        advantages: ``[N]`` group-relative advantages.
+        anchor_ids, anchor_mask: ``[P, Ta]`` each prompt's reference answer (``answer + EOS``) for the supervised
+            anchor; ``None`` without one.
+        old_logprobs: ``[N, T]`` the policy's log-probs before the step's first update (off-policy updates);
+            ``None`` on-policy.
+        ref_logprobs: ``[N, T]`` the KL reference's log-probs; ``None`` when no KL is computed or watched.
+    """
+
+    prompt_ids: Tensor
+    prompt_mask: Tensor
+    completion_ids: Tensor
+    completion_mask: Tensor
+    sampling_logprobs: Tensor
+    finished: Tensor
+    group_index: Tensor
+    advantages: Tensor
+    anchor_ids: Tensor | None = None
+    anchor_mask: Tensor | None = None
+    old_logprobs: Tensor | None = None
+    ref_logprobs: Tensor | None = None
+
+    @property
+    def num_rows(self) -> int:
+        return self.completion_ids.shape[0]
+
+
+# RolloutBatch fields carried into the experience, and the side their padding goes on (None: [N], no padding)
+ROLLOUT_FIELDS = {"prompt_ids": "left", "prompt_mask": "left", "completion_ids": "right", "completion_mask": "right",
+                  "sampling_logprobs": "right", "finished": None}
+
+
+class ExperienceMaker:
+    """Draws, scores and groups one step's completions (see :meth:`make`).
+
+    Args:
+        tokenizer: decodes completions for the reward functions and encodes the anchor's answers.
+        rewards: a :class:`~polopt_lightning.rewards.RewardComposer` or a task mixture's
+            :class:`~polopt_lightning.rewards.MixtureRewards`.
+        num_generations: ``G``, completions per prompt.
+        advantage_scale: ``"group"``, ``"batch"`` or ``"none"``.
+        dynamic_sampling, max_extra_draws: DAPO's dynamic sampling (groups with equal rewards dropped, more prompts
+            drawn, at most ``max_extra_draws`` extra batches).
+        mask_truncated_completions: DAPO's overlong filtering.
+        anchor: the supervised anchor (its ``column`` names the reference answers), or ``None``.
+    """
+
+    def __init__(self, tokenizer: Any, rewards: RewardComposer | MixtureRewards, num_generations: int,
+                 advantage_scale: str, dynamic_sampling: bool = False, max_extra_draws: int = 4,
+                 mask_truncated_completions: bool = False, anchor: Any = None) -> None:
+        group_relative_advantages(torch.zeros(2), 2, advantage_scale)  # validates the name now
+        self.tokenizer, self.rewards, self.num_generations = tokenizer, rewards, num_generations
+        self.advantage_scale = advantage_scale
+        self.dynamic_sampling, self.max_extra_draws = dynamic_sampling, max_extra_draws
+        self.mask_truncated_completions = mask_truncated_completions
+        self.anchor = anchor
+        self.tasks = list(rewards.tasks) if isinstance(rewards, MixtureRewards) else []
+
+    def score(self, batch: Mapping[str, Any], rollout: RolloutBatch) -> RewardOutput:
+        """Decode completions and run the reward functions; columns are repeated for the G completions."""
+        G = rollout.group_size
+        ids = [row[mask.bool()].tolist() for row, mask in zip(rollout.completion_ids, rollout.completion_mask)]
+        completions = self.tokenizer.batch_decode(ids, skip_special_tokens=True)
+        prompts = [p for p in batch["prompts"] for _ in range(G)]
+        columns = {k: [v for v in col for _ in range(G)] for k, col in batch.get("columns", {}).items()}
+        return self.rewards(prompts, completions, completion_ids=ids, **columns)
+
+    def make(self, batch: Mapping[str, Any], sample: Callable[[Mapping[str, Any]], RolloutBatch],
+             next_prompts: Callable[[], Mapping[str, Any]], device: torch.device) -> tuple[Experience, dict]:
+        """The step's experience and its metrics: ``sample`` draws a rollout of a prompt batch; with dynamic
+        sampling, ``next_prompts`` gives more prompts until the batch's groups are filled again. Metrics are over
+        every process (collective: every process calls this once per step)."""
+        G = self.num_generations
+        num_prompts = batch["prompt_ids"].shape[0]
+        parts, kept_groups, dropped, draws = [], 0, 0, 0
+        metrics: dict[str, Tensor] = {}
+        while True:
+            rollout = sample(batch)
+            rewards = self.score(batch, rollout)
+            if not parts:  # the first draw is what the step's reward metrics describe
+                metrics.update({f"train/{k}": v for k, v in self.batch_reward_metrics(rewards, device).items()})
+                zero = zero_std_groups(rewards.total, G).float()
+                metrics["train/frac_zero_std"] = all_reduce(zero.sum().to(device)) / all_reduce(
+                    torch.tensor(float(zero.numel()), device=device))
+                if self.tasks:
+                    metrics.update(self.task_signal(batch, zero.bool(), device))
+            keep = torch.ones(num_prompts, dtype=torch.bool)
+            if self.dynamic_sampling:
+                keep = ~zero_std_groups(rewards.total, G)
+                dropped += int((~keep).sum())
+            parts.append((rollout, rewards.total, keep, self.anchor_targets(batch, device)))
+            kept_groups += int(keep.sum())
+            if not self.dynamic_sampling or kept_groups >= num_prompts or draws >= self.max_extra_draws:
+                break
+            batch = next_prompts()
+            draws += 1
+        if self.dynamic_sampling:  # totals over the processes
+            metrics["train/dynamic_sampling/dropped_groups"] = all_reduce(torch.tensor(float(dropped), device=device))
+            metrics["train/dynamic_sampling/extra_draws"] = all_reduce(torch.tensor(float(draws), device=device))
+            if kept_groups == 0:  # nothing learnable after every draw: train on the last draw (advantages are 0)
+                parts[-1] = (parts[-1][0], parts[-1][1], torch.ones_like(parts[-1][2]), parts[-1][3])
+        fields, rewards = concat_groups(parts, G, num_prompts if self.dynamic_sampling else None)
+        batch_std = self.batch_std(rewards, device) if self.advantage_scale == "batch" else None
+        advantages = group_relative_advantages(rewards, G, self.advantage_scale, batch_std).to(device)
+        if self.mask_truncated_completions:
+            fields["completion_mask"] = fields["completion_mask"] * fields["finished"][:, None].long()
+        return Experience(advantages=advantages, **fields), metrics
+
+    def task_signal(self, batch: Mapping[str, Any], zero: Tensor, device: torch.device) -> dict[str, Tensor]:
+        """A mixture's per-task prompts in the step and share of their groups with equal rewards (no gradient), over
+        every process: ``train/<task>/prompts`` and ``train/<task>/frac_zero_std`` (NaN for a task with no prompt)."""
+        ids = self.rewards.task_ids(batch["columns"], zero.numel())
+        counts = torch.stack([torch.stack([(ids == t).sum(), ((ids == t) & zero.cpu()).sum()])
+                              for t in range(len(self.tasks))]).float().to(device)
+        counts = all_reduce(counts)
+        metrics = {}
+        for t, task in enumerate(self.tasks):
+            prompts, zero_groups = counts[t]
+            metrics[f"train/{task}/prompts"] = prompts
+            metrics[f"train/{task}/frac_zero_std"] = (zero_groups / prompts if prompts > 0
+                                                      else torch.tensor(float("nan"), device=device))
+        return metrics
+
+    def anchor_targets(self, batch: Mapping[str, Any], device: torch.device) -> dict[str, Tensor]:
+        """Each prompt's reference answer as ``answer + EOS`` token ids ``[P, Ta]`` with their mask (zero where the
+        answer is None), for the supervised anchor; empty without one."""
+        if self.anchor is None:
+            return {}
+        column = self.anchor.column
+        columns = batch.get("columns", {})
+        if column not in columns:
+            raise KeyError(f"anchor.column={column!r}: the batch has no such column (its columns: {sorted(columns)})")
+        eos = self.tokenizer.eos_token_id
+        encoded = [[] if a is None else self.tokenizer(str(a), add_special_tokens=False)["input_ids"] + [eos]
+                   for a in columns[column]]
+        width = max(max(len(ids) for ids in encoded), 1)
+        ids = torch.full((len(encoded), width), self.tokenizer.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((len(encoded), width), dtype=torch.long)
+        for i, row in enumerate(encoded):
+            ids[i, :len(row)] = torch.tensor(row, dtype=torch.long)
+            mask[i, :len(row)] = 1
+        return {"anchor_ids": ids.to(device), "anchor_mask": mask.to(device)}
+
+    def batch_reward_metrics(self, rewards: RewardOutput, device: torch.device) -> dict[str, Tensor]:
+        """The reward metrics of the whole batch: over every process's completions (gathered), not a mean of means."""
+        if world_size() == 1:
+            return rewards.metrics
+        per_function = all_gather_rows(rewards.per_function.to(device)).cpu()
+        errors = torch.stack([rewards.metrics[f"reward_errors/{name}"] for name in self.rewards.names])
+        return self.rewards.summarize(per_function, all_reduce(errors.to(device)).cpu())
+
+    @staticmethod
+    def batch_std(rewards: Tensor, device: torch.device) -> Tensor:
+        """The standard deviation of every valid reward of the step, over all processes (``advantage_scale="batch"``)."""
+        valid = rewards[torch.isfinite(rewards)].double()
+        moments = all_reduce(torch.stack([valid.new_tensor(float(valid.numel())), valid.sum(), (valid ** 2).sum()])
+                             .to(device)).cpu()
+        count, total, squares = moments.unbind()
+        if count < 2:
+            return torch.zeros(())
+        return ((squares - total ** 2 / count) / (count - 1)).clamp(min=0).sqrt().float()
+
+
+def pad_cat(tensors: Sequence[Tensor], value: int | float, left: bool = False) -> Tensor:
+    """Concatenate ``[n_i, w_i]`` tensors along rows, padded with ``value`` to the widest (on the left or right)."""
+    width = max(t.shape[1] for t in tensors)
+    padded = []
+    for t in tensors:
+        extra = width - t.shape[1]
+        pad = (extra, 0) if left else (0, extra)
+        padded.append(nn.functional.pad(t, pad, value=value))
+    return torch.cat(padded)
+
+
+def concat_groups(parts, G: int, limit: int | None) -> tuple[dict[str, Tensor], Tensor]:
+    """Join the kept groups of one or more draws (dynamic sampling), at most ``limit`` groups: the experience's fields
+    (but advantages) and the rows' rewards. Each part is ``(rollout, rewards, keep, per_prompt)``; ``per_prompt``
+    holds tensors ``[P, ...]`` (the anchor's targets), joined by group and right-padded."""
+    fields: dict[str, list[Tensor]] = {k: [] for k in (*ROLLOUT_FIELDS, "rewards", "group_index")}
+    per_group: dict[str, list[Tensor]] = {}
+    kept = 0
+    for rollout, rewards, keep, group_fields in parts:
+        idx = torch.nonzero(keep).flatten()
+        if limit is not None:
+            idx = idx[: max(0, limit - kept)]
+        rows = (idx[:, None] * G + torch.arange(G)).flatten()
+        dev_rows = rows.to(rollout.completion_ids.device)
+        for name in ROLLOUT_FIELDS:
+            fields[name].append(getattr(rollout, name)[dev_rows])
+        for name, value in group_fields.items():
+            per_group.setdefault(name, []).append(value[idx.to(value.device)])
+        fields["rewards"].append(rewards[rows])
+        fields["group_index"].append(kept + torch.arange(len(idx)).repeat_interleave(G))
+        kept += len(idx)
+    out = {name: torch.cat(fields[name]) if side is None else pad_cat(fields[name], 0, left=side == "left")
+           for name, side in ROLLOUT_FIELDS.items()}
+    out.update({name: pad_cat(values, 0) for name, values in per_group.items()})
+    out["group_index"] = torch.cat(fields["group_index"]).to(out["completion_ids"].device)
+    return out, torch.cat(fields["rewards"])
