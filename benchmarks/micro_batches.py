@@ -46,7 +46,7 @@ def main() -> None:
         lengths = torch.randint(8, T + 1, (exp.completion_ids.shape[0],), generator=g)
         exp.completion_mask = (torch.arange(T)[None] < lengths[:, None]).long()
         rows = torch.randperm(len(lengths), generator=g)
-        by_length = module._micro_batches
+        by_length = module.micro_batches
 
         def plain(exp, rows, budget=args.budget):
             width = int(exp.completion_mask[rows].sum(-1).max())
@@ -55,7 +55,7 @@ def main() -> None:
         times: dict[str, list[float]] = {"plain split": [], "by length": []}
         for _ in range(args.repeats):
             for name, split in (("plain split", plain), ("by length", by_length)):
-                module._micro_batches = split
+                module.micro_batches = split
                 start = time.perf_counter()
                 module.accumulate_gradients(exp, rows)
                 times[name].append(time.perf_counter() - start)

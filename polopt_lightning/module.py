@@ -32,25 +32,31 @@ from .logprobs import (
 )
 from .models import (
     Quantization,
-    as_quantization,
-    cast_weights,
     evaluating,
-    frozen_copy,
     frozen_quantized_state,
     has_adapter,
     is_quantized,
     prepare_quantized,
     prepare_tokenizer,
-    quantized_copy,
     reference_context,
-    resolve_dtype,
 )
 from .models import disable_dropout as _disable_dropout
 from .objectives import Objective, SupervisedAnchor, build_objective
 from .objectives.base import k3_kl, masked_mean
 from .optim import build_optimizer
+from .reference import build_reference
 from .rewards import MixtureRewards, RewardComposer, RewardOutput
+from .rng import restore_rng, rng_state
 from .rollout import RolloutBatch, RolloutEngine, SamplingConfig, build_engine
+from .update import (
+    even_pieces,
+    grad_norm,
+    gradient_sync,
+    lr_factor,
+    micro_batches,
+    mini_batch_order,
+    scale_gradients,
+)
 
 LR_SCHEDULES = ("constant", "linear", "cosine")
 
@@ -289,31 +295,10 @@ class PolicyOptimizationModule(L.LightningModule):
         self.seed = seed
         if disable_dropout:
             _disable_dropout(self.policy)
-        # The reference exists only when the KL term needs it: no copy, no forward pass otherwise.
-        # a new name: save_hyperparameters reads the arguments from this frame, and a torch.dtype cannot go to YAML
-        ref_torch_dtype = resolve_dtype(ref_dtype, "ref_dtype", auto=False)
-        ref_quant = as_quantization(ref_quantization, "ref_quantization")
-        if ref_quant.enabled and ref_torch_dtype is not None:
-            raise ValueError("ref_quantization and ref_dtype both set: a quantized reference computes in "
-                             "ref_quantization.compute_dtype; leave ref_dtype unset")
-        self.ref_model = None
-        # with an adapter, the adapter-disabled policy is the reference: the base the adapters started from
         # the reference exists when the KL term needs it, or when the KL is to be watched (track_kl)
         self.track_kl = track_kl
-        uses_reference = objective.beta > 0 or track_kl
-        self.shared_reference = uses_reference and ref_model is None and reference_context(model) is not None
-        if self.shared_reference and (ref_torch_dtype is not None or ref_quant.enabled):
-            key, value = ("ref_dtype", ref_dtype) if ref_torch_dtype is not None else ("ref_quantization",
-                                                                                     ref_quant.mode)
-            raise ValueError(f"{key}={value!r} has nothing to act on: the policy has an adapter, so its reference is "
-                             f"its own base with the adapter disabled (no copy to cast or quantize); leave {key} unset")
-        if uses_reference and ref_model is not None:
-            self.ref_model = ref_model
-            if ref_torch_dtype is not None:
-                cast_weights(ref_model, ref_torch_dtype, "ref_dtype")
-        elif uses_reference and not self.shared_reference:
-            self.ref_model = (quantized_copy(model, ref_quant).requires_grad_(False) if ref_quant.enabled
-                              else frozen_copy(model, ref_torch_dtype, "ref_dtype"))
+        self.ref_model, self.shared_reference, ref_quant = build_reference(
+            model, objective.beta > 0 or track_kl, ref_model, ref_dtype, ref_quantization)
         if self.ref_model is not None:
             # Lightning asks every submodule to be in training mode when fit starts (and warns about each one that is
             # not); the reference only ever runs inside `evaluating`, which puts it in eval mode for its pass.
@@ -352,7 +337,7 @@ class PolicyOptimizationModule(L.LightningModule):
         optimizer = factory(params)
         total = self.trainer.max_steps if self.trainer is not None and self.trainer.max_steps > 0 else 0
         scheduler = torch.optim.lr_scheduler.LambdaLR(
-            optimizer, partial(_lr_factor, schedule=self.lr_schedule, warmup=self.warmup_steps, total=total,
+            optimizer, partial(lr_factor, schedule=self.lr_schedule, warmup=self.warmup_steps, total=total,
                                floor=self.min_lr_ratio))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
@@ -491,8 +476,8 @@ class PolicyOptimizationModule(L.LightningModule):
         metrics["train/truncated_frac"] = all_reduce((~exp.finished).float().mean()) / world_size()
         size = math.ceil(n / self.mini_batches)
         # the mini-batch orders of every pass, drawn up front: the first mini-batch needs no old-log-prob pass
-        orders = [self._mini_batch_order(exp.group_index.cpu(), i * self.mini_batches)
-                  for i in range(self.num_iterations)]
+        orders = [mini_batch_order(exp.group_index.cpu(), self.seed + self.global_step + i * self.mini_batches,
+                                   self.share_prompt) for i in range(self.num_iterations)]
         own_old = False  # whether the first update records its rows' old log-probs itself
         with torch.no_grad():
             if self.off_policy:  # on-policy, old == current log-probs detached: no pass needed
@@ -527,66 +512,11 @@ class PolicyOptimizationModule(L.LightningModule):
                       batch_size=batch["prompt_ids"].shape[0])
         self.log("reward", metrics["train/reward"].float(), prog_bar=True, on_step=True, logger=False)
 
-    def _mini_batch_order(self, group_index: Tensor, offset: int = 0) -> Tensor:
-        """A random order of the rollout's rows for splitting into mini-batches.
-
-        With ``share_prompt`` the order shuffles whole groups and the rows inside each group, so a mini-batch holds
-        as few distinct prompts as possible and each prompt's forward pass is shared by more completions.
-        """
-        generator = torch.Generator().manual_seed(self.seed + self.global_step + offset)
-        order = torch.randperm(group_index.numel(), generator=generator)
-        if self.share_prompt:
-            group_rank = torch.randperm(int(group_index.max()) + 1, generator=generator)[group_index[order]]
-            order = order[torch.sort(group_rank, stable=True).indices]
-        return order
-
-    def _micro_batches(self, exp: Experience, rows: Tensor) -> list[Tensor]:
-        """Split a mini-batch so each piece holds at most ``micro_batch_tokens`` (prompt + completion) tokens.
-
-        Rows go longest completion first (with ``share_prompt``, whole groups by their longest completion, so a group
-        stays together) and each piece is filled up to the budget at the width of its own longest row: short
-        completions are not padded to the longest of the mini-batch, and more of them fit in one piece. The
-        accumulated gradient is the same whatever the split.
-        """
-        if not self.micro_batch_tokens:
-            return self._even_pieces([rows])
-        lengths = exp.completion_mask[rows].sum(-1).clamp(min=1)
-        key = lengths
-        if self.share_prompt:  # sort groups (not rows) by their longest completion; ties keep groups contiguous
-            group = exp.group_index[rows]
-            longest = torch.zeros(int(group.max()) + 1, dtype=lengths.dtype, device=lengths.device)
-            longest = longest.scatter_reduce(0, group, lengths, reduce="amax")
-            key = longest[group] * (int(group.max()) + 1) + group
-        order = torch.sort(key, descending=True, stable=True).indices
-        rows, lengths = rows[order], lengths[order].tolist()
-        prompt_width = exp.prompt_ids.shape[1]
-        pieces, current, width = [], [], 0
-        for i, length in enumerate(lengths):  # fill each piece while its rows x (prompt + widest) fit the budget
-            if current and (len(current) + 1) * (prompt_width + max(width, length)) > self.micro_batch_tokens:
-                pieces.append(rows[current])
-                current, width = [], 0
-            current.append(i)
-            width = max(width, length)
-        pieces.append(rows[current])
-        return self._even_pieces(pieces)
-
-    def _even_pieces(self, pieces: list[Tensor]) -> list[Tensor]:
-        """As many pieces on every process: under FSDP2 each forward and backward gathers weights collectively, so
-        a process with fewer pieces would leave the others waiting. The largest pieces are halved until the counts
-        match (the accumulated gradient does not depend on the split)."""
-        from torch.distributed.fsdp import FSDPModule
-
-        if world_size() == 1 or not isinstance(self.policy, FSDPModule):
-            return pieces
-        target = int(all_reduce(torch.tensor(len(pieces), device=self.device), "max"))
-        while len(pieces) < target:
-            largest = max(range(len(pieces)), key=lambda i: pieces[i].numel())
-            piece = pieces.pop(largest)
-            if piece.numel() < 2:
-                raise RuntimeError(f"cannot split the mini-batch into {target} pieces to match the other processes")
-            half = piece.numel() // 2
-            pieces[largest:largest] = [piece[:half], piece[half:]]
-        return pieces
+    def micro_batches(self, exp: Experience, rows: Tensor) -> list[Tensor]:
+        """The mini-batch ``rows`` in pieces of at most ``micro_batch_tokens`` tokens (:func:`.update.micro_batches`),
+        as many on every process (:func:`.update.even_pieces`)."""
+        pieces = micro_batches(exp, rows, self.micro_batch_tokens, self.share_prompt)
+        return even_pieces(pieces, self.policy, self.device)
 
     def _update(self, exp: Experience, rows: Tensor, optimizer, scheduler,
                 record_old: bool = False) -> dict[str, Tensor]:
@@ -599,7 +529,7 @@ class PolicyOptimizationModule(L.LightningModule):
         # in-place change). Dropping the cache once the backward is done also frees that copy (1 GB at 0.5B in bf16)
         # before the optimizer step.
         torch.clear_autocast_cache()
-        metrics["grad_norm"] = _grad_norm(self.policy)
+        metrics["grad_norm"] = grad_norm(self.policy)
         # A non-finite loss or gradient never reaches the weights: the gradients are dropped, so the optimizer's step
         # leaves every parameter and its state as they are (it skips parameters without a gradient) while the step
         # still counts. `train/skipped_updates` says so, and the collapse monitor acts on it. The norm is the same on
@@ -612,7 +542,7 @@ class PolicyOptimizationModule(L.LightningModule):
                            f"({float(metrics['grad_norm']):.4g}); the update is skipped")
         elif self.max_grad_norm:
             if self._clips_in_place():  # the norm is known: one scaling pass, and none when it is within the limit
-                _scale_gradients(self.policy, self.max_grad_norm, metrics["grad_norm"])
+                scale_gradients(self.policy, self.max_grad_norm, metrics["grad_norm"])
             else:
                 self.clip_gradients(optimizer, gradient_clip_val=self.max_grad_norm, gradient_clip_algorithm="norm")
         optimizer.step()
@@ -624,7 +554,7 @@ class PolicyOptimizationModule(L.LightningModule):
         return metrics
 
     def _clips_in_place(self) -> bool:
-        """Whether clipping can scale the gradients by the norm :func:`_grad_norm` measured, instead of Lightning's
+        """Whether clipping can scale the gradients by the norm :func:`.update.grad_norm` measured, instead of Lightning's
         ``clip_gradients`` measuring it again: gradients that no loss scaler holds scaled (``16-mixed`` has one), that
         no DeepSpeed engine clips itself and that are whole on each process (FSDP2's are sharded DTensors, under a
         device mesh). The same rule picks :meth:`configure_optimizers`' kernel, before any gradient exists."""
@@ -639,6 +569,10 @@ class PolicyOptimizationModule(L.LightningModule):
         from torch.distributed.tensor import DTensor
 
         return not any(isinstance(p, DTensor) or isinstance(p.grad, DTensor) for p in self.policy.parameters())
+
+    def _strategy_model(self) -> nn.Module | None:
+        """The model as the strategy wraps it (DDP's wrapper), or ``None`` without a Trainer."""
+        return self.trainer.strategy.model if self._trainer is not None else None
 
     def accumulate_gradients(self, exp: Experience, rows: Tensor, record_old: bool = False) -> dict[str, Tensor]:
         """Backward of the objective on the completions ``rows``, in micro-batches; returns the step's metrics.
@@ -655,14 +589,14 @@ class PolicyOptimizationModule(L.LightningModule):
         total_weight = all_reduce(self.objective.normaliser(full_mask))
         sums: dict[str, Tensor] = {}
         entropy_sum = torch.zeros((), device=self.device)
-        pieces = self._micro_batches(exp, rows)
+        pieces = self.micro_batches(exp, rows)
         if self.anchor is not None:
             sums.update(self._anchor_backward(exp, rows))
         for k, micro in enumerate(pieces):
             # trim padding past the longest completion of this piece (the objectives do not depend on the width)
             width = max(int(exp.completion_mask[micro].sum(-1).max()), 1)
             mask = exp.completion_mask[micro, :width]
-            with self._gradient_sync(last=k == len(pieces) - 1):
+            with gradient_sync(self._strategy_model(), self.policy, last=k == len(pieces) - 1):
                 logprobs, entropy = self.sequence_logprobs(self.policy, exp, micro, width, with_entropy=True)
                 if record_old:
                     exp.old_logprobs[micro, :width] = logprobs.detach()
@@ -703,7 +637,7 @@ class PolicyOptimizationModule(L.LightningModule):
         width = max(int(mask.sum(-1).max()), 1)
         mask, ids = mask[:, :width], exp.anchor_ids[groups, :width]
         tokens = all_reduce(mask.sum().float())
-        with self._gradient_sync(last=False), torch.set_grad_enabled(self.anchor.value > 0):
+        with gradient_sync(self._strategy_model(), self.policy, last=False), torch.set_grad_enabled(self.anchor.value > 0):
             logprobs, _ = completion_logprobs(self.policy, exp.prompt_ids[first], exp.prompt_mask[first], ids,
                                               mask)
             loss, nll = self.anchor.loss(logprobs, mask, tokens)
@@ -711,27 +645,6 @@ class PolicyOptimizationModule(L.LightningModule):
                 self.manual_backward(loss * world_size())
         # summed over the processes by the caller's reduction, like the objective's metrics: the global token mean
         return {"anchor_nll": nll, "anchor_coef": torch.tensor(self.anchor.value / world_size(), device=self.device)}
-
-    @contextmanager
-    def _gradient_sync(self, last: bool) -> Iterator[None]:
-        """No gradient reduction in the backward passes of a mini-batch's pieces but the last: they accumulate
-        locally and the last one reduces the sum (DDP's ``no_sync``, FSDP2's ``set_requires_gradient_sync``)."""
-        from torch.distributed.fsdp import FSDPModule
-
-        model = self.trainer.strategy.model if self._trainer is not None else None
-        if last:
-            yield
-        elif isinstance(model, torch.nn.parallel.DistributedDataParallel):
-            with model.no_sync():
-                yield
-        elif isinstance(self.policy, FSDPModule):
-            self.policy.set_requires_gradient_sync(False)
-            try:
-                yield
-            finally:
-                self.policy.set_requires_gradient_sync(True)
-        else:
-            yield
 
     # ------------------------------------------------------------------------------------------------------------
     def on_validation_epoch_start(self) -> None:
@@ -782,40 +695,12 @@ class PolicyOptimizationModule(L.LightningModule):
         checkpoint[CHECKPOINT_KEY] = {
             "reward_weights": self.rewards.weights.tolist(),
             # every process's random states, in rank order: each process samples with its own generator
-            "rng": all_gather_objects(self._rng_state()),
+            "rng": all_gather_objects(rng_state(self._sampling_generator())),
             "extra_draws": self._extra_draws,
             "anchor": self.anchor.state_dict() if self.anchor is not None else None,
             # what `polopt-export CKPT OUT` needs to rebuild a Hugging Face folder from this file alone
             "hf": self._hf_metadata,
         }
-
-    def _rng_state(self) -> dict[str, Any]:
-        """Every random state a step draws from: the sampler's generator, torch's (CPU and CUDA), Python's, NumPy's."""
-        import random
-
-        import numpy as np
-
-        kind, keys, pos, has_gauss, gauss = np.random.get_state()
-        # tensors and plain numbers only: checkpoints load with torch.load(weights_only=True)
-        state = {"sampling_generator": self._sampling_generator().get_state(), "torch": torch.get_rng_state(),
-                 "python": random.getstate(),
-                 "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(gauss)]}
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            state["cuda"] = torch.cuda.get_rng_state_all()
-        return state
-
-    def _set_rng_state(self, state: Mapping[str, Any]) -> None:
-        import random
-
-        import numpy as np
-
-        torch.set_rng_state(state["torch"])
-        random.setstate(state["python"])
-        kind, keys, pos, has_gauss, gauss = state["numpy"]
-        np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
-        if "cuda" in state and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(state["cuda"])
-        self._sampling_generator().set_state(state["sampling_generator"])
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False):
         """``nn.Module.load_state_dict``, except that the frozen part of a quantized base is checked against the base
@@ -856,57 +741,5 @@ class PolicyOptimizationModule(L.LightningModule):
     def on_train_start(self) -> None:
         # restored here, not at loading: the generator lives on the training device, known only once fit has started
         pending, self._pending_rng = self._pending_rng, None
-        if pending is None:
-            return
-        if len(pending) != world_size():
-            rank_zero_warn(f"the checkpoint holds the random states of {len(pending)} process(es) and this run has "
-                           f"{world_size()}: each process continues from the states of process (its rank modulo "
-                           f"{len(pending)}); the data order continues, the samples will differ from the "
-                           "uninterrupted run's")
-        state = pending[self.global_rank % len(pending)]
-        if "python" in state:
-            self._set_rng_state(state)
-        else:
-            torch.set_rng_state(state["torch"])
-            self._sampling_generator().set_state(state["sampling_generator"])
-
-
-def _lr_factor(step: int, schedule: str, warmup: int, total: int, floor: float) -> float:
-    if warmup and step < warmup:
-        return (step + 1) / warmup
-    if schedule == "constant" or total <= warmup:
-        return 1.0
-    progress = min(1.0, (step - warmup) / max(1, total - warmup))
-    if schedule == "linear":
-        return floor + (1 - floor) * (1 - progress)
-    return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
-
-
-def _grad_norm(model: nn.Module) -> Tensor:
-    """The global L2 norm of the gradients; for sharded (DTensor) gradients, of every process's shards together."""
-    from torch.distributed.tensor import DTensor
-
-    grads = [p.grad.detach() for p in model.parameters() if p.grad is not None]
-    if not grads:
-        return torch.zeros(())
-    if not any(isinstance(g, DTensor) for g in grads):
-        # what torch.nn.utils.clip_grad_norm_ computes, the same way (one multi-tensor pass per device and dtype), so
-        # clipping with it (_scale_gradients) gives the same bits
-        groups: dict[tuple, list[Tensor]] = {}
-        for g in grads:
-            groups.setdefault((g.device, g.dtype), []).append(g)
-        norms = [n.to(grads[0].device) for group in groups.values() for n in torch._foreach_norm(group, 2)]
-        return torch.linalg.vector_norm(torch.stack(norms).float())
-    squares = sum((g.to_local() if isinstance(g, DTensor) else g).float().pow(2).sum() for g in grads)
-    return all_reduce(squares).sqrt()
-
-
-def _scale_gradients(model: nn.Module, max_norm: float, norm: Tensor) -> None:
-    """Clip by global norm with the norm already measured, as ``torch.nn.utils.clip_grad_norm_`` does (the same
-    factor ``max_norm / (norm + 1e-6)``, computed the same way, so the same bits), except that it skips the
-    multiplication when the factor is 1 (a pass over every gradient that changes nothing)."""
-    factor = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-    if float(factor) < 1.0:
-        grads = [p.grad for p in model.parameters() if p.grad is not None]
-        for device in dict.fromkeys(g.device for g in grads):
-            torch._foreach_mul_([g for g in grads if g.device == device], factor.to(device))
+        if pending is not None:
+            restore_rng(pending, self.global_rank, world_size(), self._sampling_generator())

@@ -8,8 +8,8 @@ import copy
 import pytest
 import torch
 
-from polopt_lightning.module import _grad_norm, _scale_gradients
 from polopt_lightning.rollout.base import INVERSE_CDF_VOCAB, sample_tokens
+from polopt_lightning.update import grad_norm, scale_gradients
 
 
 def test_inverse_cdf_sampler_draws_the_distribution_and_never_a_zero_probability_token():
@@ -46,8 +46,8 @@ def test_clipping_with_the_measured_norm_is_torchs_clip_to_the_bit(max_norm):
     x = torch.randn(8, 50)
     for m in (model, twin):
         m(x).pow(2).sum().backward()
-    norm = _grad_norm(model)
-    _scale_gradients(model, max_norm, norm)
+    norm = grad_norm(model)
+    scale_gradients(model, max_norm, norm)
     expected = torch.nn.utils.clip_grad_norm_(list(twin.parameters()), max_norm)
     assert torch.equal(norm, expected)
     assert all(torch.equal(a.grad, b.grad) for a, b in zip(model.parameters(), twin.parameters()))

@@ -71,7 +71,7 @@ def test_micro_batching_splits_and_still_matches():
     module, exp = experience({"name": "grpo"})
     rows = torch.arange(12)
     module.micro_batch_tokens = 30
-    assert len(module._micro_batches(exp, rows)) > 2
+    assert len(module.micro_batches(exp, rows)) > 2
     _, whole = gradients(module, exp, rows, micro_batch_tokens=None, share_prompt=False)
     _, split = gradients(module, exp, rows, micro_batch_tokens=30, share_prompt=False)
     for name in whole:
@@ -87,7 +87,7 @@ def test_micro_batches_go_by_length_and_trim_their_own_padding(share_prompt):
     rows = torch.tensor([3, 0, 11, 7, 1, 9, 4, 2, 10, 5, 8, 6])
     budget = 3 * (exp.prompt_ids.shape[1] + 6)
     module.share_prompt, module.micro_batch_tokens = share_prompt, budget
-    pieces = module._micro_batches(exp, rows)
+    pieces = module.micro_batches(exp, rows)
     assert sorted(torch.cat(pieces).tolist()) == list(range(12))
     widths = [int(lengths[p].max()) for p in pieces]
     assert len(set(widths)) > 1 and len(pieces) < 12
