@@ -61,7 +61,7 @@ def run(runs: Path, objective: str, weights: str, anchor: str, seed: int, rollou
     if not results_file.is_file():
         args = [sys.executable, "-m", "polopt_lightning", "experiment=multitask", f"objective={objective}",
                 f"weights={weights}", f"anchor={anchor}", f"seed={seed}", f"warm_start.target_accuracy={warm_start}",
-                f"module.lr={lr}",
+                f"optimizer.lr={lr}",
                 f"trainer.max_steps={rollouts * 2}", f"trainer.val_check_interval={val_every}",
                 f"data.batch_size={PROMPTS}", f"module.num_generations={GENERATIONS}", "module.mini_batches=2",
                 # no checkpoint files: nothing resumes here
@@ -194,7 +194,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--rollouts", type=int, default=300, help="rollouts per run (64 completions each)")
     parser.add_argument("--val-every", type=int, default=25, help="validate every this many rollouts")
-    parser.add_argument("--lr", type=float, default=1e-4, help="module.lr (the default job's 4e-5 barely moves these "
+    parser.add_argument("--lr", type=float, default=1e-4, help="optimizer.lr (the default job's 4e-5 barely moves these "
                                                                   "tasks in 300 rollouts)")
     parser.add_argument("--warm-start", type=float, default=0.5,
                         help="warm_start.target_accuracy: greedy accuracy on a probe of the mixture's training prompts")

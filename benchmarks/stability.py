@@ -58,7 +58,7 @@ def run(runs: Path, objective: str, warm: str, off: str, lr: float, seed: int, m
     if not results_file.is_file():
         args = [sys.executable, "-m", "polopt_lightning", f"objective={objective}", f"seed={seed}",
                 f"warm_start.target_accuracy={WARM_STARTS[warm]}", f"module.num_iterations={mu}",
-                f"module.mini_batches={mb}", f"module.lr={lr}", "module.track_kl=true",
+                f"module.mini_batches={mb}", f"optimizer.lr={lr}", "module.track_kl=true",
                 f"trainer.max_steps={rollouts * mu * mb}", f"trainer.val_check_interval={val_every}",
                 f"data.batch_size={PROMPTS}", f"module.num_generations={GENERATIONS}",
                 # no checkpoint files: 72 runs of them would fill the disk, and nothing resumes here

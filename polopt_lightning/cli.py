@@ -213,6 +213,11 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         check_settings(**OmegaConf.to_container(cfg.module, resolve=True))
     except ValueError as err:
         raise ValueError(f"module.{err}") from None
+    optimizer_cfg = _container(cfg, "optimizer")
+    try:  # the learning rate's one home
+        check_settings(**{k: optimizer_cfg[k] for k in ("lr", "weight_decay", "betas") if k in optimizer_cfg})
+    except ValueError as err:
+        raise ValueError(f"optimizer.{err}") from None
     run_dir = _run_dir(cfg)
     run_dir.mkdir(parents=True, exist_ok=True)
     if cfg.get("num_threads"):
@@ -408,7 +413,9 @@ def _override_key(override: str) -> str:
 
 # keys that moved, old -> new: a command line or a saved run that uses the old name still works (renamed, said once)
 MOVED_KEYS = {"module.rollout_dtype": "rollout.dtype", "module.compile_rollout": "rollout.compile",
-              "module.onednn_linear": "accel.onednn_linear", "module.keep_host_memory": "accel.keep_host_memory"}
+              "module.onednn_linear": "accel.onednn_linear", "module.keep_host_memory": "accel.keep_host_memory",
+              "module.lr": "optimizer.lr", "module.weight_decay": "optimizer.weight_decay",
+              "module.betas": "optimizer.betas"}
 # groups added since runs were first saved: a saved run without them took their defaults
 NEW_GROUPS = ("rollout", "accel")
 
@@ -502,7 +509,10 @@ def config_differences(saved: DictConfig, overrides: list[str], now: set[str]) -
 
     with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
         composed = compose(config_name="train", overrides=overrides)
-    before = {MOVED_KEYS.get(k, k): v for k, v in _flatten(OmegaConf.to_container(saved, resolve=False)).items()}
+    flat = _flatten(OmegaConf.to_container(saved, resolve=False))
+    # a moved key's saved value wins over what its new place held then (optimizer.lr was ${module.lr})
+    before = {**{k: v for k, v in flat.items() if k not in MOVED_KEYS},
+              **{MOVED_KEYS[k]: v for k, v in flat.items() if k in MOVED_KEYS}}
     after = _flatten(OmegaConf.to_container(composed, resolve=False))
 
     def set_now(key: str) -> bool:

@@ -20,7 +20,7 @@ HEADER = """# Configuration reference
 
 Generated from the shipped configs (`conf/`) by `python -m polopt_lightning.confdoc > docs/configuration.md`;
 a test fails when this page and the configs disagree. Every key can be overridden on the command line
-(`polopt-train module.lr=1e-5`), a group option is chosen with `group=option` (`polopt-train objective=gspo`),
+(`polopt-train optimizer.lr=1e-5`), a group option is chosen with `group=option` (`polopt-train objective=gspo`),
 and a key that a file does not have is added with `+key=value`. Values in `${...}` are Hydra interpolations.
 """
 

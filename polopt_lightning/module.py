@@ -314,6 +314,12 @@ class PolicyOptimizationModule(L.LightningModule):
         self.save_hyperparameters(ignore=["model", "tokenizer", "objective", "reward_fns", "ref_model",
                                           "rollout_engine", "accel", "optimizer", "ref_quantization", "anchor"])
         self.hparams["ref_quantization"] = ref_quant.mode
+        if optimizer is not None:  # the factory's settings (a partial's keywords), not the unused lr/betas defaults
+            for key in ("lr", "weight_decay", "betas"):
+                self.hparams.pop(key, None)
+            keywords = getattr(optimizer, "keywords", None) or {}
+            self.hparams["optimizer"] = {k: list(v) if isinstance(v, tuple) else v for k, v in keywords.items()
+                                         if isinstance(v, (bool, int, float, str, list, tuple))}
         self.hparams["anchor"] = None if anchor is None else {k: v for k, v in vars(anchor).items() if k != "value"}
 
     # ------------------------------------------------------------------------------------------------------------

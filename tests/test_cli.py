@@ -63,7 +63,7 @@ def test_every_group_value_composes_and_builds(group, value, tmp_path):
         return
     if group == "optimizer":
         factory = instantiate(node)
-        assert factory.keywords["name"] == value and factory.keywords["lr"] == cfg.module.lr
+        assert factory.keywords["name"] == value and factory.keywords["lr"] == cfg.optimizer.lr
         return
     if group == "task":  # as the CLI builds it: a mixture's reward overrides apart, its tasks built
         task_cfg = OmegaConf.to_container(node, resolve=True)
@@ -346,31 +346,34 @@ def test_a_run_saved_with_the_old_keys_resumes_and_old_keys_on_the_command_line_
     """Keys that moved (module.rollout_dtype -> rollout.dtype, module.onednn_linear -> accel.onednn_linear, ...): a
     run saved before the move resumes with its settings, and a command line with the old names runs, saying so."""
     run = tmp_path / "run"
-    proc = run_cli(FAST + ["module.onednn_linear=false", "module.rollout_dtype=float32", f"hydra.run.dir={run}"],
+    proc = run_cli(FAST + ["module.onednn_linear=false", "module.rollout_dtype=float32", "module.lr=1e-3", f"hydra.run.dir={run}"],
                    tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "moved keys renamed: module.onednn_linear -> accel.onednn_linear, module.rollout_dtype -> rollout.dtype" \
-        in proc.stderr
+    assert ("moved keys renamed: module.onednn_linear -> accel.onednn_linear, module.rollout_dtype -> rollout.dtype, "
+            "module.lr -> optimizer.lr") in proc.stderr
     saved = OmegaConf.load(run / ".hydra" / "config.yaml")
-    assert saved.accel.onednn_linear is False and saved.rollout.dtype == "float32"
+    assert saved.accel.onednn_linear is False and saved.rollout.dtype == "float32" and saved.optimizer.lr == 1e-3
     # the run as it was saved before the move: the old keys under module, no rollout or accel group
     old = OmegaConf.to_container(saved)
-    old["module"].update(onednn_linear=False, keep_host_memory=None, rollout_dtype="float32", compile_rollout=False)
+    old["module"].update(onednn_linear=False, keep_host_memory=None, rollout_dtype="float32", compile_rollout=False,
+                         lr=1e-3, weight_decay=0.0, betas=[0.9, 0.999])
+    old["optimizer"].update(lr="${module.lr}", weight_decay="${module.weight_decay}", betas="${module.betas}")
     del old["rollout"], old["accel"]
     OmegaConf.save(OmegaConf.create(old), run / ".hydra" / "config.yaml")
     overrides = [o.replace("accel.onednn_linear", "module.onednn_linear").replace("rollout.dtype", "module.rollout_dtype")
+                 .replace("optimizer.lr", "module.lr")
                  for o in OmegaConf.load(run / ".hydra" / "overrides.yaml")]
     OmegaConf.save(OmegaConf.create(overrides), run / ".hydra" / "overrides.yaml")
     proc = run_cli([f"ckpt_path={run}/checkpoints/last.ckpt", "trainer.max_steps=4"], tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads((run / "results.json").read_text())["steps"] == 4
     resumed = OmegaConf.load(run / ".hydra" / "config.yaml")
-    assert resumed.accel.onednn_linear is False and resumed.rollout.dtype == "float32"
+    assert resumed.accel.onednn_linear is False and resumed.rollout.dtype == "float32" and resumed.optimizer.lr == 1e-3
 
 
 def test_a_bad_module_setting_fails_before_the_warm_start_and_writes_no_checkpoint(tmp_path):
-    proc = run_cli(FAST + ["module.lr=-1", "warm_start.steps=50", f"hydra.run.dir={tmp_path}/run"], tmp_path)
-    assert proc.returncode != 0 and "module.lr must be > 0, got -1" in proc.stderr, proc.stderr[-2000:]
+    proc = run_cli(FAST + ["optimizer.lr=-1", "warm_start.steps=50", f"hydra.run.dir={tmp_path}/run"], tmp_path)
+    assert proc.returncode != 0 and "optimizer.lr must be > 0, got -1" in proc.stderr, proc.stderr[-2000:]
     assert "warm start" not in proc.stdout + proc.stderr and not (tmp_path / "run" / "checkpoints").exists()
 
 
@@ -397,7 +400,7 @@ def test_every_process_torchrun_started_resumes_with_the_runs_overrides(tmp_path
     (run / ".hydra").mkdir(parents=True)
     (run / "checkpoints").mkdir()
     (run / "checkpoints" / "last.ckpt").write_bytes(b"")
-    started = ["trainer.max_steps=7", "module.lr=1e-4"]
+    started = ["trainer.max_steps=7", "optimizer.lr=1e-4"]
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         OmegaConf.save(compose(config_name="train", overrides=started), run / ".hydra" / "config.yaml")
     OmegaConf.save(OmegaConf.create(started), run / ".hydra" / "overrides.yaml")
@@ -406,7 +409,7 @@ def test_every_process_torchrun_started_resumes_with_the_runs_overrides(tmp_path
         monkeypatch.setenv("RANK", rank)
         monkeypatch.setenv("WORLD_SIZE", "2")
         argv = launcher_overrides(resume_overrides(command))
-        assert argv[:3] == ["module.lr=1e-4", *command[:2]], argv  # the run's lr, the new length
+        assert argv[:3] == ["optimizer.lr=1e-4", *command[:2]], argv  # the run's lr, the new length
         assert ("hydra.job.name=train_ddp_process_1" in argv) == (rank == "1")
     monkeypatch.setenv("RANK", "1")  # a later process of a new run finds the first one's files: no refusal
     assert resume_overrides(["trainer.max_steps=9", f"hydra.run.dir={run}"]) == ["trainer.max_steps=9",

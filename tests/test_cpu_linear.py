@@ -17,9 +17,9 @@ from polopt_lightning.accel.cpu import linear as cpu_linear
 from polopt_lightning.rewards import ExactMatchReward
 from polopt_lightning.rollout import HFRolloutEngine, SamplingConfig, fast_decode
 
-from .helpers import close, greedy_on_the_modules, one_decoding_step, onednn_model
+from .helpers import close, greedy_on_the_modules, one_decoding_step, onednn_model, run_if
 
-pytestmark = pytest.mark.skipif(not cpu_linear.available(), reason="this PyTorch build has no oneDNN")
+pytestmark = run_if("onednn")
 
 
 def _counting(monkeypatch, kernel: bool = False):

@@ -91,7 +91,7 @@ def test_two_process_resume_continues_every_process(strategy, tmp_path):
     """Every process's random states come back: a 2-process run resumed from its checkpoint logs what the
     uninterrupted one does (FSDP2: the sharded weights and optimizer state gathered into one file and back)."""
     args = FAST + [f"strategy={strategy}", "trainer.devices=2", "num_threads=1", "task.val_size=9", "data.batch_size=3", "module.num_generations=3",
-                   "callbacks.checkpoint.every_n_train_steps=2", "module.lr=1e-3"]
+                   "callbacks.checkpoint.every_n_train_steps=2", "optimizer.lr=1e-3"]
     whole = run_cli(args + ["trainer.max_steps=6", f"hydra.run.dir={tmp_path}/whole"], tmp_path)
     assert whole.returncode == 0, whole.stderr[-3000:]
     first = run_cli(args + ["trainer.max_steps=2", f"hydra.run.dir={tmp_path}/part"], tmp_path)

@@ -10,12 +10,9 @@ from polopt_lightning.data import ArithmeticTask
 from polopt_lightning.models import Adapter, Quantization, build_tiny_model, load_pretrained, prepare_policy
 from polopt_lightning.rewards import ExactMatchReward
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run with -m gpu there)")]
+from .helpers import distinct_chars, run_if
 
-
-def distinct_chars(prompts, completions, **kw):
-    return [float(len(set(c))) for c in completions]
+pytestmark = [pytest.mark.gpu, run_if("cuda")]
 
 
 @pytest.mark.parametrize("optimizer", ["paged_adamw_8bit", "adamw_8bit"])
@@ -56,7 +53,7 @@ STRATEGY_RUN = ["trainer=gpu", "trainer.precision=32-true", "model.hidden_size=6
                 "model.num_heads=2", "model.intermediate_size=128", "task.digits=1", "task.train_size=40",
                 "task.val_size=8", "data.batch_size=2", "module.num_generations=4", "generation.max_new_tokens=4",
                 "warm_start.steps=3", "warm_start.batch_size=4", "trainer.max_steps=4",
-                "trainer.enable_progress_bar=false", "module.lr=1e-3"]
+                "trainer.enable_progress_bar=false", "optimizer.lr=1e-3"]
 
 
 def _strategy_run(tmp_path, name, overrides):
@@ -87,7 +84,7 @@ def test_strategy_on_one_device_logs_what_the_plain_run_logs(strategy, tmp_path)
             assert abs(float(a[key]) - float(b[key])) < 1e-4, (strategy, key, a[key], b[key])
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+@run_if("2 cuda")
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp", "deepspeed_zero3"])
 def test_strategy_on_two_devices(strategy, tmp_path):
     if strategy.startswith("deepspeed"):

@@ -10,9 +10,9 @@ import pytest
 from polopt_lightning.accel.cpu import host_memory
 from polopt_lightning.accel.cpu.host_memory import KeepHostMemory, KeptHostMemory
 
-from .helpers import make, trainer
+from .helpers import make, run_if, trainer
 
-pytestmark = pytest.mark.skipif(not host_memory.available(), reason="needs glibc's allocator (mallopt)")
+pytestmark = run_if("glibc")
 
 BLOCK = 64 * 2**20  # above glibc's largest mmap threshold (32 MiB): by default always a fresh mapping
 

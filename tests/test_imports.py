@@ -97,3 +97,17 @@ def test_no_test_module_imports_another():
             if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[-1].startswith("test_"):
                 offenders.append(f"{path.name}:{node.lineno}")
     assert offenders == []
+
+
+def test_a_missing_need_skips_with_its_reason_and_an_unknown_one_is_refused():
+    import pytest
+
+    from tests.helpers import NEEDS, run_if
+
+    mark = run_if("2 cuda", "procfs")
+    expected = not NEEDS["2 cuda"][0]() or not NEEDS["procfs"][0]()
+    assert mark.args == (expected,)
+    if expected:
+        assert "needs 2 CUDA devices" in mark.kwargs["reason"]
+    with pytest.raises(KeyError, match="run_if: unknown needs"):
+        run_if("avx1024")

@@ -1,6 +1,5 @@
 import copy
 import logging
-import os
 import re
 
 import pytest
@@ -11,7 +10,7 @@ from polopt_lightning.logprobs import completion_logprobs, selective_log_softmax
 from polopt_lightning.models import build_tiny_model, char_tokenizer, load_pretrained, prepare_tokenizer
 from polopt_lightning.rollout import HFRolloutEngine, SamplingConfig
 
-from .helpers import one_decoding_step
+from .helpers import one_decoding_step, run_if
 
 
 def test_char_tokenizer_roundtrip():
@@ -63,7 +62,7 @@ def _mapped_files(tensors) -> set[str]:
     return {path for t in tensors for start, end, path in spans if start <= t.data_ptr() < end}
 
 
-@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="reads the process's mappings from /proc (Linux)")
+@run_if("procfs")
 def test_load_pretrained_copies_the_weights_out_of_the_mapped_file_into_aligned_memory(tmp_path, tiny):
     from transformers import AutoModelForCausalLM
 
@@ -95,7 +94,7 @@ def _resident_kib(path_suffix: str) -> int:
     return total
 
 
-@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="reads the process's mappings from /proc (Linux)")
+@run_if("procfs")
 def test_copied_weights_hand_their_file_pages_back_at_once(tmp_path):
     from transformers import AutoModelForCausalLM
 

@@ -207,3 +207,16 @@ def test_a_drop_in_run_stops_at_max_steps_and_prints_no_dependency_deprecation(t
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "global_step 3" in proc.stdout
     assert "LeafSpec" not in proc.stderr and "Warning" not in proc.stderr, proc.stderr
+
+
+def test_the_hyperparameters_name_the_learning_rate_the_optimizer_uses(tiny, arithmetic_rows):
+    """With an optimizer factory (what polopt-train gives: optimizer.lr is the one home of the learning rate) the
+    saved hyperparameters hold the factory's settings, not the module's unused lr default."""
+    from functools import partial
+
+    from polopt_lightning.optim import build_optimizer
+
+    module, _ = make(tiny, arithmetic_rows, optimizer=partial(build_optimizer, name="adamw", lr=3e-4, betas=(0.9, 0.99)))
+    assert "lr" not in module.hparams and module.hparams["optimizer"] == {"name": "adamw", "lr": 3e-4,
+                                                                          "betas": [0.9, 0.99]}
+    assert make(tiny, arithmetic_rows, lr=2e-3)[0].hparams["lr"] == 2e-3  # no factory: the module's own AdamW

@@ -32,7 +32,7 @@ RUN = FAST + [
     "trainer.max_steps=24", "data.batch_size=3", "task.train_size=16", "module.num_generations=3",
     "callbacks.checkpoint.every_n_train_steps=4", "trainer.val_check_interval=3", "logger.csv.flush_logs_every_n_steps=1",
     "num_threads=1", "+reward.functions.slow._target_=hydra.utils.get_method",
-    "+reward.functions.slow.path=slow_reward.reward", "module.lr=1e-3",
+    "+reward.functions.slow.path=slow_reward.reward", "optimizer.lr=1e-3",
 ]
 
 

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import lightning as L
+import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
@@ -46,6 +47,38 @@ def run_cli(args, cwd, env_extra=None):
     env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env_extra or {})}
     return subprocess.run([sys.executable, "-m", "polopt_lightning", *args], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=300)
+
+
+# what a test may need of the machine: a check, and the reason a skip prints where it is missing
+NEEDS = {
+    "cuda": (lambda: torch.cuda.is_available(), "needs a CUDA device (run with -m gpu there)"),
+    "2 cuda": (lambda: torch.cuda.device_count() >= 2, "needs 2 CUDA devices"),
+    "onednn": (lambda: _cpu_linear().available(), "this PyTorch build has no oneDNN"),
+    "glibc": (lambda: _host_memory().available(), "needs glibc's allocator (mallopt)"),
+    "procfs": (lambda: os.path.exists("/proc/self/smaps"), "reads the process's mappings from /proc (Linux)"),
+}
+
+
+def _cpu_linear():
+    from polopt_lightning.accel.cpu import linear
+
+    return linear
+
+
+def _host_memory():
+    from polopt_lightning.accel.cpu import host_memory
+
+    return host_memory
+
+
+def run_if(*needs):
+    """A mark that skips the test where the machine lacks one of ``needs`` (:data:`NEEDS`' names), printing each
+    missing one's reason; as Lightning's ``RunIf``."""
+    unknown = [n for n in needs if n not in NEEDS]
+    if unknown:
+        raise KeyError(f"run_if: unknown needs {unknown}; known: {sorted(NEEDS)}")
+    missing = [NEEDS[n][1] for n in needs if not NEEDS[n][0]()]
+    return pytest.mark.skipif(bool(missing), reason="; ".join(missing) or "all present")
 
 
 def distinct_chars(prompts, completions, **kw):
