@@ -443,10 +443,10 @@ class PolicyOptimizationModule(L.LightningModule):
                 groups = exp.group_index[rows]
                 return shared_prompt_completion_logprobs(*args, groups, self.sampling.logprob_temperature,
                                                          with_entropy=with_entropy,
-                                                         packed=self._packs(model, args[1].shape[1], width, groups))
+                                                         packed=self.packs(model, args[1].shape[1], width, groups))
             return completion_logprobs(*args, self.sampling.logprob_temperature, with_entropy=with_entropy)
 
-    def _packs(self, model: nn.Module, prompt_len: int, completion_len: int, groups: Tensor) -> bool:
+    def packs(self, model: nn.Module, prompt_len: int, completion_len: int, groups: Tensor) -> bool:
         """Whether these rows' groups run as packed sequences (see ``pack_groups``)."""
         if self.pack_groups is False or not packing_supported(model):
             return False

@@ -167,23 +167,23 @@ def test_groups_are_packed_where_it_pays_and_the_model_takes_the_mask(monkeypatc
         module.sequence_logprobs(module.policy, exp, slice(None))
     assert calls == [True]  # the default: 3 groups of 4 short completions
     groups, width, prompt_len = exp.group_index, exp.completion_ids.shape[1], exp.prompt_ids.shape[1]
-    assert module._packs(module.policy, prompt_len, width, groups)
+    assert module.packs(module.policy, prompt_len, width, groups)
     long_width = (PACKED_MAX_TOKENS - prompt_len) // 4 + 2  # one packed group over the bound
-    assert not module._packs(module.policy, prompt_len, long_width, groups)
+    assert not module.packs(module.policy, prompt_len, long_width, groups)
     module.pack_groups = True
-    assert module._packs(module.policy, prompt_len, long_width, groups)
-    assert module._packs(module.policy, prompt_len, width, groups[:-2])  # uneven groups, forced
+    assert module.packs(module.policy, prompt_len, long_width, groups)
+    assert module.packs(module.policy, prompt_len, width, groups[:-2])  # uneven groups, forced
     module.pack_groups = None
-    assert not module._packs(module.policy, prompt_len, width, groups[torch.tensor([0, 4, 8, 9])])  # 6 slots, 4 rows
+    assert not module.packs(module.policy, prompt_len, width, groups[torch.tensor([0, 4, 8, 9])])  # 6 slots, 4 rows
     module.pack_groups = False
-    assert not module._packs(module.policy, prompt_len, width, groups)
+    assert not module.packs(module.policy, prompt_len, width, groups)
     module.pack_groups = None
     config = module.policy.config
     monkeypatch.setattr(config, "_attn_implementation", "eager")
-    assert not module._packs(module.policy, prompt_len, width, groups)
+    assert not module.packs(module.policy, prompt_len, width, groups)
     monkeypatch.setattr(config, "_attn_implementation", "sdpa")
     monkeypatch.setattr(config, "layer_types", ["full_attention", "sliding_attention"])
-    assert not module._packs(module.policy, prompt_len, width, groups)
+    assert not module.packs(module.policy, prompt_len, width, groups)
 
 
 def test_logprob_memory_stays_flat_with_a_150k_vocabulary():
