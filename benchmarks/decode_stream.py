@@ -45,7 +45,7 @@ def stream(model, rounds: int) -> dict[str, list[float]] | str:
     import torch
 
     from polopt_lightning.accel.cpu import rowdot
-    from polopt_lightning.rollout.fast_decode import _groups
+    from polopt_lightning.accel.cpu.decode import _groups
 
     if rowdot.load() is None:
         return f"the decoding kernel does not run here: {rowdot.why_not()}"

@@ -12,10 +12,11 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf
 from torch.nn import functional as F
 
-from polopt_lightning import PolicyOptimizationModule, PromptDataModule
+from polopt_lightning import PolicyOptimizationModule, PromptDataModule, lean_step
+from polopt_lightning.accel.cpu import decode as cpu_decode
 from polopt_lightning.accel.cpu import linear as cpu_linear
 from polopt_lightning.rewards import ExactMatchReward
-from polopt_lightning.rollout import HFRolloutEngine, SamplingConfig, fast_decode
+from polopt_lightning.rollout import HFRolloutEngine, SamplingConfig
 
 from .helpers import close, greedy_on_the_modules, one_decoding_step, onednn_model, run_if
 
@@ -178,21 +179,21 @@ def test_decoding_under_the_mode_packs_the_body_in_onednns_layout_and_keeps_the_
     model decodes on a copy of its body in oneDNN's blocked layout (one per weight, no MKL packing, no concatenation)
     and on its head as it is, with the plain decoding's tokens and log-probs."""
     model, tok, ids, mask, sampling, want = greedy_on_the_modules()
-    base = fast_decode.llama_like(model)
+    base = lean_step.llama_like(model)
     reordered, mkl = [], []
-    init = fast_decode._Packed.__init__
+    init = cpu_decode._Packed.__init__
 
     def packing(self, linears, rows, onednn=False):
         init(self, linears, rows, onednn)
         (reordered if self.weight is None else mkl).append([tuple(m.weight.shape) for m in linears])
 
-    monkeypatch.setattr(fast_decode._Packed, "__init__", packing)
+    monkeypatch.setattr(cpu_decode._Packed, "__init__", packing)
     calls = _counting(monkeypatch)
     with cpu_linear.OneDNNLinear():
-        assert fast_decode.PackedProjections.supported(base) and fast_decode.PackedProjections.onednn_float32(base)
+        assert cpu_decode.PackedProjections.supported(base) and cpu_decode.PackedProjections.onednn_float32(base)
         got = HFRolloutEngine(decode_kernel=False).generate(model, ids, mask, 2, sampling, tok.eos_token_id,
                                                             tok.pad_token_id)
-        proj = fast_decode.PackedProjections(base, 4, kernel=False)
+        proj = cpu_decode.PackedProjections(base, 4, kernel=False)
     layer = model.model.layers[0]
     # every body weight on its own (q, k, v, o, gate, up, down), the head not at all
     shapes = [tuple(m.weight.shape) for m in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj,

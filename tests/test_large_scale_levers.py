@@ -124,10 +124,11 @@ def test_the_head_gets_a_contiguous_input_and_the_values_of_an_int_logits_to_kee
     contiguous input (a sliced view sends frozen bf16 weights through a batched product on an expanded copy of the
     weight, 10-80x slower on the CPU; see ``_hf.last_positions``) and computes what ``logits_to_keep=n`` computes."""
     from polopt_lightning._hf import positions_from_mask
+    from polopt_lightning.accel.cpu.decode import PackedProjections
+    from polopt_lightning.lean_step import llama_like
     from polopt_lightning.logprobs import completion_logprobs, shared_prompt_completion_logprobs
     from polopt_lightning.models import build_tiny_model
     from polopt_lightning.rollout import HFRolloutEngine, SamplingConfig
-    from polopt_lightning.rollout.fast_decode import PackedProjections, llama_like
 
     model, _ = build_tiny_model(hidden_size=32, num_layers=2, num_heads=2, vocab_size=128)
     model = model.to(dtype).eval().requires_grad_(False)  # a frozen reference copy or sampler

@@ -249,16 +249,16 @@ def test_shared_prompt_kv_is_chosen_where_it_measured_faster():
 @pytest.mark.parametrize("architecture,heads,kv_heads", [("qwen2", 2, 2), ("llama", 4, 2)])
 def test_packed_decode_weights_give_the_modules_results(architecture, heads, kv_heads, dtype, monkeypatch):
     """Prepacked products (q/k/v and gate/up fused; Qwen2's q/k/v biases concatenated) against the modules' own."""
-    from polopt_lightning.rollout import fast_decode
+    from polopt_lightning.accel.cpu import decode as cpu_decode
 
     model, tok = build_tiny_model(architecture=architecture, hidden_size=32, num_layers=2, num_heads=heads,
                                   num_kv_heads=kv_heads, intermediate_size=64, seed=5)
     model = model.to(dtype)
-    if not fast_decode.PackedProjections.supported(model):
+    if not cpu_decode.PackedProjections.supported(model):
         pytest.skip(f"this PyTorch build or CPU cannot prepack {dtype} weights (MKL / oneDNN bf16 missing)")
     calls = []
-    call = fast_decode._Packed.__call__
-    monkeypatch.setattr(fast_decode._Packed, "__call__", lambda self, x: calls.append(1) or call(self, x))
+    call = cpu_decode._Packed.__call__
+    monkeypatch.setattr(cpu_decode._Packed, "__call__", lambda self, x: calls.append(1) or call(self, x))
     ids, mask = _prompts(tok, ["12+34=", "5+6=", "1+100+2="])
     sampling = SamplingConfig(max_new_tokens=6, min_new_tokens=6)
     out = {packed: HFRolloutEngine(packed_weights=packed, shared_prompt_kv=False).generate(
@@ -276,7 +276,7 @@ def test_packed_decode_weights_give_the_modules_results(architecture, heads, kv_
 
 def test_packed_decode_weights_step_aside_where_they_cannot_apply(tiny):
     """A Linear subclass (how quantized and LoRA layers look) or autocast: the modules run, with the same results."""
-    from polopt_lightning.rollout.fast_decode import PackedProjections
+    from polopt_lightning.accel.cpu.decode import PackedProjections
 
     model, tok = tiny
     model = copy.deepcopy(model)
@@ -302,16 +302,16 @@ def test_packed_decode_weights_step_aside_where_they_cannot_apply(tiny):
 
 
 def test_packing_that_fails_falls_back_to_the_modules_with_a_warning(tiny, monkeypatch):
-    from polopt_lightning.rollout import fast_decode
+    from polopt_lightning.accel.cpu import decode as cpu_decode
 
     model, tok = tiny
-    if not fast_decode.PackedProjections.supported(model):
+    if not cpu_decode.PackedProjections.supported(model):
         pytest.skip("this PyTorch build cannot prepack float32 weights (no MKL)")
 
     def refuse(self, base, rows, kernel=None, fused=None):
         raise RuntimeError("reorder refused")
 
-    monkeypatch.setattr(fast_decode.PackedProjections, "__init__", refuse)
+    monkeypatch.setattr(cpu_decode.PackedProjections, "__init__", refuse)
     ids, mask = _prompts(tok, ["12+34="])
     sampling = SamplingConfig(max_new_tokens=4, min_new_tokens=4)
     engine = HFRolloutEngine()
@@ -328,7 +328,7 @@ def test_packed_decode_weights_carry_every_bias():
     """Llama with attention and MLP biases (o_proj, gate/up and down biased too): packed logits equal the modules'."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from polopt_lightning.rollout import fast_decode
+    from polopt_lightning.accel.cpu import decode as cpu_decode
 
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -338,7 +338,7 @@ def test_packed_decode_weights_carry_every_bias():
     for name, p in model.named_parameters():  # biases start at zero: make them count
         if name.endswith("bias"):
             torch.nn.init.normal_(p, std=0.5)
-    if not fast_decode.PackedProjections.supported(model):
+    if not cpu_decode.PackedProjections.supported(model):
         pytest.skip("this PyTorch build cannot prepack float32 weights (no MKL)")
     ids = torch.randint(3, 40, (3, 5))
     torch.testing.assert_close(one_decoding_step(model, ids, packed=True), one_decoding_step(model, ids, packed=False),

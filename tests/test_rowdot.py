@@ -6,10 +6,12 @@ import pytest
 import torch
 from torch.nn import functional as F
 
+from polopt_lightning import lean_step
+from polopt_lightning.accel.cpu import decode as cpu_decode
 from polopt_lightning.accel.cpu import linear as cpu_linear
 from polopt_lightning.accel.cpu import rowdot
 from polopt_lightning.models import build_tiny_model
-from polopt_lightning.rollout import HFRolloutEngine, SamplingConfig, fast_decode
+from polopt_lightning.rollout import HFRolloutEngine, SamplingConfig
 
 from .helpers import close, greedy_on_the_modules, one_decoding_step, onednn_model
 
@@ -57,21 +59,21 @@ def test_decoding_runs_on_the_kernel_with_the_modules_tokens_and_logprobs(monkey
     _needs_kernel()
     model, tok, ids, mask, sampling, want = greedy_on_the_modules()
     packed, kernel_calls = [], []
-    monkeypatch.setattr(fast_decode._Packed, "__init__", lambda self, *a, **k: packed.append(a))
+    monkeypatch.setattr(cpu_decode._Packed, "__init__", lambda self, *a, **k: packed.append(a))
     call = rowdot.RowDot.__call__
     monkeypatch.setattr(rowdot.RowDot, "__call__", lambda self, x: kernel_calls.append(x.shape) or call(self, x))
     consulted, in_step = [], []  # the mode's dispatch inside the lean step: none (its products are prepacked)
-    dispatch, layers = cpu_linear.OneDNNLinear.__torch_function__, fast_decode._layers
+    dispatch, layers = cpu_linear.OneDNNLinear.__torch_function__, lean_step._layers
     monkeypatch.setattr(cpu_linear.OneDNNLinear, "__torch_function__",
                         lambda self, *a, **k: (in_step and consulted.append(a[0])) or dispatch(self, *a, **k))
-    monkeypatch.setattr(fast_decode, "_layers",
+    monkeypatch.setattr(lean_step, "_layers",
                         lambda *a: in_step.append(1) or (layers(*a), in_step.pop())[0])
-    base = fast_decode.llama_like(model)
+    base = lean_step.llama_like(model)
     with cpu_linear.OneDNNLinear():
         got = HFRolloutEngine(fused_step=False).generate(model, ids, mask, 2, sampling, tok.eos_token_id,
                                                          tok.pad_token_id)
         assert in_step == [] and not consulted
-        proj = fast_decode.PackedProjections(base, 4)
+        proj = cpu_decode.PackedProjections(base, 4)
         kernel, plain = (one_decoding_step(model, ids, packed=p, fused=False) for p in (True, False))
     assert proj.kernel and isinstance(proj.packed_head, rowdot.RowDot) and not packed
     assert proj.packed_qkv[0].weights[0] is not None and proj.packed_qkv[0].weights[0].data_ptr() == \
@@ -87,7 +89,7 @@ def test_more_rows_than_the_kernel_takes_keep_the_blocked_layout():
     _needs_kernel()
     model, _ = onednn_model()
     with cpu_linear.OneDNNLinear():
-        assert not fast_decode.PackedProjections(fast_decode.llama_like(model), fast_decode.KERNEL_MAX_ROWS + 1).kernel
+        assert not cpu_decode.PackedProjections(lean_step.llama_like(model), cpu_decode.KERNEL_MAX_ROWS + 1).kernel
 
 
 def test_without_a_compiler_decoding_keeps_the_blocked_layout_and_true_says_why(monkeypatch, tmp_path):
@@ -99,7 +101,7 @@ def test_without_a_compiler_decoding_keeps_the_blocked_layout_and_true_says_why(
         HFRolloutEngine(decode_kernel=True)
     model, _ = onednn_model()
     with cpu_linear.OneDNNLinear():
-        proj = fast_decode.PackedProjections(fast_decode.llama_like(model), 4)
+        proj = cpu_decode.PackedProjections(lean_step.llama_like(model), 4)
     assert not proj.kernel and proj.packed_head is None  # the blocked layout, as before the kernel
 
 
@@ -123,7 +125,7 @@ def test_the_kernel_is_built_once_into_the_cache_and_a_failed_build_says_so(monk
 
 
 def test_adapter_decoding_runs_its_frozen_base_products_on_the_kernel(monkeypatch):
-    """A LoRA policy on plain float32 weights decodes through :class:`fast_decode.AdapterProjections` inside oneDNN's
+    """A LoRA policy on plain float32 weights decodes through :class:`cpu_decode.AdapterProjections` inside oneDNN's
     mode: its frozen base weights themselves on the kernel (q/k/v in one call, gate/up in another), each adapter's
     ``B(A(x)) * scaling`` added, no peft module and no mode dispatch inside the step; the tokens and log-probs of
     ``decode_kernel=False`` (peft's modules on oneDNN's products). A merged or disabled adapter goes back to the
@@ -134,16 +136,16 @@ def test_adapter_decoding_runs_its_frozen_base_products_on_the_kernel(monkeypatc
     model, tok, ids, mask, sampling, _ = greedy_on_the_modules()
     policy = _nonzero_b(apply_adapter(model, Adapter(kind="lora", r=4, target_modules=list(LLAMA_TARGETS))))
     built, read = [], []
-    init = fast_decode.AdapterProjections.__init__
-    monkeypatch.setattr(fast_decode.AdapterProjections, "__init__",
+    init = cpu_decode.AdapterProjections.__init__
+    monkeypatch.setattr(cpu_decode.AdapterProjections, "__init__",
                         lambda self, *a: built.append(self) or init(self, *a))
     call = rowdot.RowDot.__call__
     monkeypatch.setattr(rowdot.RowDot, "__call__", lambda self, x: read.append(self.weights) or call(self, x))
     consulted, in_step = [], []
-    dispatch, layers = cpu_linear.OneDNNLinear.__torch_function__, fast_decode._layers
+    dispatch, layers = cpu_linear.OneDNNLinear.__torch_function__, lean_step._layers
     monkeypatch.setattr(cpu_linear.OneDNNLinear, "__torch_function__",
                         lambda self, *a, **k: (in_step and consulted.append(a[0])) or dispatch(self, *a, **k))
-    monkeypatch.setattr(fast_decode, "_layers", lambda *a: in_step.append(1) or (layers(*a), in_step.pop())[0])
+    monkeypatch.setattr(lean_step, "_layers", lambda *a: in_step.append(1) or (layers(*a), in_step.pop())[0])
     with cpu_linear.OneDNNLinear():
         got = HFRolloutEngine(fused_step=False).generate(policy, ids, mask, 2, sampling, tok.eos_token_id,
                                                          tok.pad_token_id)
@@ -156,19 +158,19 @@ def test_adapter_decoding_runs_its_frozen_base_products_on_the_kernel(monkeypatc
     assert any(len(w) == 3 and all(a.data_ptr() == b.data_ptr() for a, b in zip(w, bases)) for w in read)
     assert torch.equal(got.completion_ids, off.completion_ids)
     assert close(got.sampling_logprobs, off.sampling_logprobs, rel=1e-4)
-    base = fast_decode.llama_like(policy.eval())  # generate samples in eval mode (dropout off)
+    base = lean_step.llama_like(policy.eval())  # generate samples in eval mode (dropout off)
     with cpu_linear.OneDNNLinear():
-        assert fast_decode.AdapterProjections.applies(base, 4)
-        assert not fast_decode.AdapterProjections.applies(base, 4, kernel=False)
-        assert not fast_decode.AdapterProjections.applies(base, 17)  # more rows than the kernel takes
+        assert cpu_decode.AdapterProjections.applies(base, 4)
+        assert not cpu_decode.AdapterProjections.applies(base, 4, kernel=False)
+        assert not cpu_decode.AdapterProjections.applies(base, 17)  # more rows than the kernel takes
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            assert not fast_decode.AdapterProjections.applies(base, 4)
+            assert not cpu_decode.AdapterProjections.applies(base, 4)
         with policy.disable_adapter():
-            assert not fast_decode.AdapterProjections.applies(base, 4)
+            assert not cpu_decode.AdapterProjections.applies(base, 4)
         attn.q_proj.merge()
-        assert not fast_decode.AdapterProjections.applies(base, 4)
+        assert not cpu_decode.AdapterProjections.applies(base, 4)
         attn.q_proj.unmerge()
-    assert not fast_decode.AdapterProjections.applies(base, 4)  # outside oneDNN's mode
+    assert not cpu_decode.AdapterProjections.applies(base, 4)  # outside oneDNN's mode
 
 
 def _gqa_model(**config):
@@ -185,8 +187,8 @@ def _padded_prompts_and_fused_calls(tok, monkeypatch):
     mask = (torch.arange(ids.shape[1]) >= torch.tensor([[0], [2]])).long()
     sampling = SamplingConfig(max_new_tokens=6, min_new_tokens=6, temperature=1.0)
     calls = []
-    fused_call = fast_decode.FusedStep.__call__
-    monkeypatch.setattr(fast_decode.FusedStep, "__call__", lambda self, *a, **k: calls.append(1) or
+    fused_call = cpu_decode.FusedStep.__call__
+    monkeypatch.setattr(cpu_decode.FusedStep, "__call__", lambda self, *a, **k: calls.append(1) or
                         fused_call(self, *a, **k))
     return ids, mask, sampling, calls
 
@@ -239,7 +241,7 @@ def _nonzero_b(policy, seed: int = 0):
 def test_the_fused_step_adds_lora_adapters_as_peft_does(monkeypatch, architecture, shared, r, targets):
     """A LoRA policy on plain float32 weights decodes in the fused C step, each adapter's ``B(A(x)) * scaling`` added
     to its base product inside it (a rank above the 16 lanes, or some projections without an adapter): the sampled
-    tokens and log-probs of the same step in PyTorch (:class:`fast_decode.AdapterProjections`' products) and of
+    tokens and log-probs of the same step in PyTorch (:class:`cpu_decode.AdapterProjections`' products) and of
     peft's modules (``decode_kernel=False``)."""
     _needs_kernel()
     from polopt_lightning.models import LLAMA_TARGETS
@@ -270,19 +272,19 @@ def test_the_fused_step_leaves_several_adapters_or_a_biased_b_to_the_step_in_pyt
 
     model, _ = _gqa_model(architecture="llama")
     policy = _lora(model, 4, list(LLAMA_TARGETS))
-    base = fast_decode.llama_like(policy.eval())
-    assert fast_decode.FusedStep.fits(base)
+    base = lean_step.llama_like(policy.eval())
+    assert cpu_decode.FusedStep.fits(base)
     policy.add_adapter("second", LoraConfig(r=4, target_modules=["q_proj"]))
     policy.eval()  # the new adapter's dropout (an identity) comes in training mode
     q = base.model.layers[0].self_attn.q_proj
     q.set_adapter(["default", "second"])
-    assert len(fast_decode._lora_parts(q)[1]) == 2 and not fast_decode.FusedStep.fits(base)
+    assert len(cpu_decode._lora_parts(q)[1]) == 2 and not cpu_decode.FusedStep.fits(base)
     q.set_adapter("default")
-    assert fast_decode.FusedStep.fits(base)
+    assert cpu_decode.FusedStep.fits(base)
     q.lora_B["default"].bias = torch.nn.Parameter(torch.zeros(q.out_features))
-    assert not fast_decode.FusedStep.fits(base)
+    assert not cpu_decode.FusedStep.fits(base)
     with cpu_linear.OneDNNLinear():
-        proj = fast_decode.AdapterProjections(base, 4)
+        proj = cpu_decode.AdapterProjections(base, 4)
     assert proj.fused is None
 
 
@@ -299,10 +301,10 @@ def test_the_fused_step_steps_aside_for_layers_it_does_not_compute():
     ids = torch.tensor([tok("12+34=")["input_ids"]] * 2)
     sampling = SamplingConfig(max_new_tokens=3, min_new_tokens=3, temperature=0.0)
     for model in (gelu, biased):
-        base = fast_decode.llama_like(model)
-        assert not fast_decode.FusedStep.fits(base)
+        base = lean_step.llama_like(model)
+        assert not cpu_decode.FusedStep.fits(base)
         with cpu_linear.OneDNNLinear():
-            proj = fast_decode.PackedProjections(base, 4)
+            proj = cpu_decode.PackedProjections(base, 4)
             got = HFRolloutEngine().generate(model, ids, torch.ones_like(ids), 2, sampling, tok.eos_token_id,
                                              tok.pad_token_id)
         want = HFRolloutEngine(packed_weights=False).generate(model, ids, torch.ones_like(ids), 2, sampling,
@@ -363,7 +365,7 @@ def test_the_four_bit_kernel_refuses_what_it_does_not_compute():
 def test_four_bit_lora_policies_decode_on_their_codes_with_the_modules_tokens(monkeypatch, tmp_path, mode, shared):
     """A QLoRA policy (4-bit base, LoRA adapters) decodes in the fused C step, its base products on the 4-bit codes
     (``rows_of_4bit``) and its adapters added inside it; with ``fused_step=False`` through
-    :class:`fast_decode.AdapterProjections` on :class:`rowdot.FourBitRowDot`. Both give the sampled tokens of peft's
+    :class:`cpu_decode.AdapterProjections` on :class:`rowdot.FourBitRowDot`. Both give the sampled tokens of peft's
     and bitsandbytes' modules (``decode_kernel=False``), log-probs within float32 tolerance."""
     _needs_kernel()
     pytest.importorskip("bitsandbytes", reason="bitsandbytes is a runtime dependency; this test needs it")
@@ -404,15 +406,15 @@ def test_the_fused_step_takes_four_bit_bases_of_one_block_size_and_float32_compu
     model, _ = _gqa_model(architecture="llama")
     policy = prepare_policy(model, Quantization(mode="nf4"), Adapter(kind="lora", r=4, target_modules=list(
         LLAMA_TARGETS)), tmp_path)
-    base = fast_decode.llama_like(policy.eval())
-    assert fast_decode.FusedStep.fits(base)
+    base = lean_step.llama_like(policy.eval())
+    assert cpu_decode.FusedStep.fits(base)
     down = base.model.layers[1].mlp.down_proj.base_layer
     state = down.weight.quant_state
     state.blocksize *= 2
-    assert not fast_decode.FusedStep.fits(base)
+    assert not cpu_decode.FusedStep.fits(base)
     state.blocksize //= 2
     down.compute_dtype = torch.bfloat16
-    assert not fast_decode.FusedStep.fits(base)
+    assert not cpu_decode.FusedStep.fits(base)
 
 
 @pytest.mark.parametrize("quant_type, nested", [("nf4", True), ("nf4", False), ("fp4", True)])

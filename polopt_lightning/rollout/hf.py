@@ -15,16 +15,10 @@ from torch import Tensor, nn
 from .._hf import cache_argument, last_positions, output_cache, positions_from_mask, preallocated_cache
 from ..accel.cpu import linear as cpu_linear
 from ..accel.cpu import rowdot
+from ..accel.cpu.decode import AdapterProjections, PackedProjections
+from ..lean_step import decode_step, llama_like, shared_prompt_decode_step, static_decode_step
 from ..models import float_dtype, frozen_copy, is_quantized, resolve_dtype
 from .base import RolloutBatch, RolloutEngine, filter_logits, sample_tokens
-from .fast_decode import (
-    AdapterProjections,
-    PackedProjections,
-    decode_step,
-    llama_like,
-    shared_prompt_decode_step,
-    static_decode_step,
-)
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +32,7 @@ class HFRolloutEngine(RolloutEngine):
     runs in eval mode without gradient and returns to its previous mode after.
 
     Args:
-        fast_decode: the lean Llama-family decoding step (see :mod:`.fast_decode`).
+        fast_decode: the lean Llama-family decoding step (see :mod:`polopt_lightning.lean_step`).
         dtype: sample with a copy of the policy's weights in this dtype (e.g. ``"bfloat16"``), refreshed from the
             policy at each call, with autocast off. ``None`` samples in the precision the training step computes
             in: with the policy itself, or, for an fp32 policy under autocast (a ``bf16-mixed`` / ``16-mixed``
@@ -57,7 +51,7 @@ class HFRolloutEngine(RolloutEngine):
             fp32 model on the CPU when the copies would make each token re-read at least 1 MiB per layer; off
             otherwise (short prompts and bf16 CPU kernels measured slower with it).
         packed_weights: run the lean step's products on weights prepacked for the math library (see
-            :class:`.fast_decode.PackedProjections`) where the model allows it: plain ``nn.Linear`` projections on
+            :class:`~polopt_lightning.accel.cpu.decode.PackedProjections`) where the model allows it: plain ``nn.Linear`` projections on
             the CPU in float32 (MKL) or bfloat16 (oneDNN), autocast off, not compiled. The packed copy is rebuilt at
             each rollout and freed after it (float32: MKL pads each packed matrix, up to ~8 MB for small ones).
             Inside :class:`~polopt_lightning.accel.cpu.linear.OneDNNLinear` (the module's ``onednn_linear``, on by
@@ -65,8 +59,8 @@ class HFRolloutEngine(RolloutEngine):
             oneDNN's blocked layout instead, one copy per weight, and keeps its head as it is (MKL's packed
             products are slower there; docs/performance.md, "At real scale").
         decode_kernel: run the lean step's float32 products (where oneDNN computes them, see ``packed_weights``) on
-            :mod:`.rowdot`'s kernel, on the weights as they are, head included, for batches of at most
-            :data:`.fast_decode.KERNEL_MAX_ROWS` rows: no blocked copy to make at each rollout, and a large head at
+            :mod:`~polopt_lightning.accel.cpu.rowdot`'s kernel, on the weights as they are, head included, for batches of at most
+            :data:`~polopt_lightning.accel.cpu.decode.KERNEL_MAX_ROWS` rows: no blocked copy to make at each rollout, and a large head at
             the blocked layout's rate. It needs an x86-64 CPU
             with AVX-512 and a C compiler (built once, cached). ``None`` uses it where it can run and falls back to
             the blocked layout otherwise; ``True`` requires it to be built here (an error here says why it cannot
@@ -75,8 +69,8 @@ class HFRolloutEngine(RolloutEngine):
             through the model's own modules (adapter layers' frozen base weights, the prefill's head) on oneDNN
             (:func:`~polopt_lightning.accel.cpu.linear.few_row_kernel`). The same greedy tokens as the blocked copy,
             log-probs within float32 tolerance (tested).
-        fused_step: run the lean step as one call of :mod:`.rowdot`'s ``polopt_decode_step``
-            (:class:`.fast_decode.FusedStep`) where its products run on the kernel (``decode_kernel``) and the model's
+        fused_step: run the lean step as one call of :mod:`~polopt_lightning.accel.cpu.rowdot`'s ``polopt_decode_step``
+            (:class:`~polopt_lightning.accel.cpu.decode.FusedStep`) where its products run on the kernel (``decode_kernel``) and the model's
             layers allow it (SiLU MLPs without biases, RMSNorm, head size a multiple of 16): the norms, rotary,
             attention, activation and residuals between the products run in C on the same threads instead of ~50
             PyTorch operations a layer. ``None`` uses it where it applies; ``False`` keeps PyTorch's operations

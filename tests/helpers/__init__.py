@@ -107,16 +107,17 @@ def trainer(tmp_path, steps, **kwargs):
 def one_decoding_step(model, ids, packed: bool, kernel: bool | None = None, fused: bool | None = None):
     """Logits of the lean step after a prefill of ``ids`` (its last token fed again), prepacked (``kernel``: see
     ``PackedProjections``) or on the modules."""
-    from polopt_lightning.rollout import fast_decode
+    from polopt_lightning import lean_step
+    from polopt_lightning.accel.cpu import decode as cpu_decode
 
-    base = fast_decode.llama_like(model)
+    base = lean_step.llama_like(model)
     rows, length = ids.shape
     cache = preallocated_cache(model, length + 1)
     with torch.no_grad():
         model.eval()(input_ids=ids, use_cache=True, **{cache_argument(model): cache})
-    proj = fast_decode.PackedProjections(base, rows, kernel, fused) if packed else None
+    proj = cpu_decode.PackedProjections(base, rows, kernel, fused) if packed else None
     key_mask = torch.zeros(rows, 1, 1, length + 1, dtype=next(model.parameters()).dtype)
-    return fast_decode.decode_step(base, cache, ids[:, -1], torch.full((rows, 1), length), key_mask, proj).float()
+    return lean_step.decode_step(base, cache, ids[:, -1], torch.full((rows, 1), length), key_mask, proj).float()
 
 
 def close(a, b, rel=1e-5):
