@@ -121,11 +121,15 @@ def note_sampling_dtype(module, facts: dict) -> None:
 
 def module_overrides(overrides: dict | None) -> tuple[str, dict]:
     """An implementation's overrides as (the Trainer's precision, the module's arguments): ``engine={...}`` are the
-    rollout backend's arguments (e.g. ``engine={"packed_weights":false}``) and ``rollout_dtype`` is short for
+    rollout backend's arguments (e.g. ``engine={"cpu":{"packed_weights":false}}``; the CPU's levers also at the top,
+    as older result files name them) and ``rollout_dtype`` is short for
     ``engine={"dtype":...}`` (the name older result files give); every other key is the module's."""
     overrides = dict(overrides or {})
     precision = overrides.pop("precision", "32-true")
     engine = dict(overrides.pop("engine", None) or {})
+    for key in ("packed_weights", "decode_kernel", "fused_step"):  # the CPU's levers, as older result files name them
+        if key in engine:
+            engine.setdefault("cpu", {})[key] = engine.pop(key)
     if "rollout_dtype" in overrides:
         engine["dtype"] = overrides.pop("rollout_dtype")
     if engine:
@@ -226,7 +230,7 @@ def run_impl(impl: str, workload: dict, steps: int, device: str = "cpu", baton: 
     if peer == "trl":  # "trl" or "trl:bf16=true" (GRPOConfig arguments)
         return run_trl(workload, steps, overrides, device, baton, impl)
     # "polopt" or a lever changed, e.g. "polopt:share_prompt=false", 'polopt:precision="bf16-mixed"' or
-    # 'polopt:engine={"packed_weights":false}' (rollout engine arguments)
+    # 'polopt:engine={"cpu":{"packed_weights":false}}' (rollout engine arguments)
     return run_polopt(workload, steps, overrides, device, baton, impl, facts)
 
 

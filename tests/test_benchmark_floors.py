@@ -5,6 +5,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 spec = importlib.util.spec_from_file_location("throughput", Path(__file__).parents[1] / "benchmarks" / "throughput.py")
 throughput = importlib.util.module_from_spec(spec)
@@ -163,3 +164,18 @@ def test_interleaved_trials_take_turns_step_by_step(tmp_path, monkeypatch):
     steps = [(name, step) for kind, name, step, _ in (line.split() for line in log.read_text().splitlines())
              if kind == "start"]
     assert steps == [("a", "0"), ("b", "0"), ("b", "1"), ("b", "2")]
+
+
+def test_an_implementations_overrides_reach_the_module_and_its_rollout_backend():
+    """`polopt:KEY=JSON` overrides, older result files' names included: the Trainer's precision, the backend's
+    arguments (the CPU's levers under `cpu`, `rollout_dtype` as its dtype), the module's the rest."""
+    precision, kwargs = throughput.module_overrides({"engine": {"packed_weights": False}, "rollout_dtype": "bfloat16",
+                                                      "precision": "bf16-mixed", "share_prompt": False})
+    assert precision == "bf16-mixed"
+    assert kwargs == {"share_prompt": False,
+                      "rollout_engine": {"name": "hf", "cpu": {"packed_weights": False}, "dtype": "bfloat16"}}
+    from polopt_lightning.rollout import build_engine
+
+    engine = build_engine(kwargs["rollout_engine"])
+    assert engine.cpu.packed_weights is False and engine.dtype == torch.bfloat16
+    assert throughput.module_overrides(None) == ("32-true", {})

@@ -191,7 +191,7 @@ def test_decoding_under_the_mode_packs_the_body_in_onednns_layout_and_keeps_the_
     calls = _counting(monkeypatch)
     with cpu_linear.OneDNNLinear():
         assert cpu_decode.PackedProjections.supported(base) and cpu_decode.PackedProjections.onednn_float32(base)
-        got = HFRolloutEngine(decode_kernel=False).generate(model, ids, mask, 2, sampling, tok.eos_token_id,
+        got = HFRolloutEngine(cpu={"decode_kernel": False}).generate(model, ids, mask, 2, sampling, tok.eos_token_id,
                                                             tok.pad_token_id)
         proj = cpu_decode.PackedProjections(base, 4, kernel=False)
     layer = model.model.layers[0]

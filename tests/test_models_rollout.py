@@ -261,7 +261,7 @@ def test_packed_decode_weights_give_the_modules_results(architecture, heads, kv_
     monkeypatch.setattr(cpu_decode._Packed, "__call__", lambda self, x: calls.append(1) or call(self, x))
     ids, mask = _prompts(tok, ["12+34=", "5+6=", "1+100+2="])
     sampling = SamplingConfig(max_new_tokens=6, min_new_tokens=6)
-    out = {packed: HFRolloutEngine(packed_weights=packed, shared_prompt_kv=False).generate(
+    out = {packed: HFRolloutEngine(shared_prompt_kv=False, cpu={"packed_weights": packed}).generate(
         model, ids, mask, 3, sampling, tok.eos_token_id, tok.pad_token_id, torch.Generator().manual_seed(1))
         for packed in (True, False)}
     assert len(calls) == 5 * (2 * 4 + 1)  # 5 decoding steps x (2 layers x 4 products + head): the packed path ran
@@ -295,7 +295,7 @@ def test_packed_decode_weights_step_aside_where_they_cannot_apply(tiny):
     assert not PackedProjections.supported(model)
     ids, mask = _prompts(tok, ["12+34=", "5+6="])
     sampling = SamplingConfig(max_new_tokens=5, min_new_tokens=5)
-    a, b = (HFRolloutEngine(packed_weights=p).generate(model, ids, mask, 2, sampling, tok.eos_token_id,
+    a, b = (HFRolloutEngine(cpu={"packed_weights": p}).generate(model, ids, mask, 2, sampling, tok.eos_token_id,
                                                        tok.pad_token_id, torch.Generator().manual_seed(3))
             for p in (True, False))
     assert torch.equal(a.completion_ids, b.completion_ids) and torch.equal(a.sampling_logprobs, b.sampling_logprobs)
@@ -315,11 +315,11 @@ def test_packing_that_fails_falls_back_to_the_modules_with_a_warning(tiny, monke
     ids, mask = _prompts(tok, ["12+34="])
     sampling = SamplingConfig(max_new_tokens=4, min_new_tokens=4)
     engine = HFRolloutEngine()
-    with pytest.warns(RuntimeWarning, match="packed_weights=True.*reorder refused"):
+    with pytest.warns(RuntimeWarning, match="rollout.cpu.packed_weights=True.*reorder refused"):
         a = engine.generate(model, ids, mask, 2, sampling, tok.eos_token_id, tok.pad_token_id,
                             torch.Generator().manual_seed(0))
-    assert engine.packed_weights is False  # asked once, not at every rollout
-    b = HFRolloutEngine(packed_weights=False).generate(model, ids, mask, 2, sampling, tok.eos_token_id,
+    assert engine.cpu.packed_weights is False  # asked once, not at every rollout
+    b = HFRolloutEngine(cpu={"packed_weights": False}).generate(model, ids, mask, 2, sampling, tok.eos_token_id,
                                                        tok.pad_token_id, torch.Generator().manual_seed(0))
     assert torch.equal(a.completion_ids, b.completion_ids)
 

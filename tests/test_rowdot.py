@@ -70,7 +70,7 @@ def test_decoding_runs_on_the_kernel_with_the_modules_tokens_and_logprobs(monkey
                         lambda *a: in_step.append(1) or (layers(*a), in_step.pop())[0])
     base = lean_step.llama_like(model)
     with cpu_linear.OneDNNLinear():
-        got = HFRolloutEngine(fused_step=False).generate(model, ids, mask, 2, sampling, tok.eos_token_id,
+        got = HFRolloutEngine(cpu={"fused_step": False}).generate(model, ids, mask, 2, sampling, tok.eos_token_id,
                                                          tok.pad_token_id)
         assert in_step == [] and not consulted
         proj = cpu_decode.PackedProjections(base, 4)
@@ -97,8 +97,8 @@ def test_without_a_compiler_decoding_keeps_the_blocked_layout_and_true_says_why(
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
     monkeypatch.setenv("POLOPT_CACHE", str(tmp_path))
     assert rowdot.load() is None and rowdot.why_not()
-    with pytest.raises(ValueError, match=r"decode_kernel=True: .*cannot run here"):
-        HFRolloutEngine(decode_kernel=True)
+    with pytest.raises(ValueError, match=r"rollout.cpu.decode_kernel=True: .*cannot run here"):
+        HFRolloutEngine(cpu={"decode_kernel": True})
     model, _ = onednn_model()
     with cpu_linear.OneDNNLinear():
         proj = cpu_decode.PackedProjections(lean_step.llama_like(model), 4)
@@ -147,10 +147,10 @@ def test_adapter_decoding_runs_its_frozen_base_products_on_the_kernel(monkeypatc
                         lambda self, *a, **k: (in_step and consulted.append(a[0])) or dispatch(self, *a, **k))
     monkeypatch.setattr(lean_step, "_layers", lambda *a: in_step.append(1) or (layers(*a), in_step.pop())[0])
     with cpu_linear.OneDNNLinear():
-        got = HFRolloutEngine(fused_step=False).generate(policy, ids, mask, 2, sampling, tok.eos_token_id,
+        got = HFRolloutEngine(cpu={"fused_step": False}).generate(policy, ids, mask, 2, sampling, tok.eos_token_id,
                                                          tok.pad_token_id)
         assert len(built) == 1 and read and not consulted
-        off = HFRolloutEngine(decode_kernel=False).generate(policy, ids, mask, 2, sampling, tok.eos_token_id,
+        off = HFRolloutEngine(cpu={"decode_kernel": False}).generate(policy, ids, mask, 2, sampling, tok.eos_token_id,
                                                             tok.pad_token_id)
         assert len(built) == 1  # decode_kernel=False: peft's modules
     attn = model.model.layers[0].self_attn
@@ -206,7 +206,7 @@ def test_the_fused_step_samples_what_the_step_in_pytorch_samples(monkeypatch, ar
     got = {}
     with cpu_linear.OneDNNLinear():
         for fused in (None, False):
-            engine = HFRolloutEngine(fused_step=fused, shared_prompt_kv=shared)
+            engine = HFRolloutEngine(shared_prompt_kv=shared, cpu={"fused_step": fused})
             got[fused] = engine.generate(model, ids, mask, 3, sampling, tok.eos_token_id, tok.pad_token_id,
                                          generator=torch.Generator().manual_seed(0))
             if fused is None:
@@ -252,7 +252,7 @@ def test_the_fused_step_adds_lora_adapters_as_peft_does(monkeypatch, architectur
     got = {}
     with cpu_linear.OneDNNLinear():
         for name, options in (("fused", {}), ("python", {"fused_step": False}), ("peft", {"decode_kernel": False})):
-            got[name] = HFRolloutEngine(shared_prompt_kv=shared, **options).generate(
+            got[name] = HFRolloutEngine(shared_prompt_kv=shared, cpu=options).generate(
                 policy, ids, mask, 3, sampling, tok.eos_token_id, tok.pad_token_id,
                 generator=torch.Generator().manual_seed(0))
             assert len(calls) == (sampling.max_new_tokens - 1 if name == "fused" else len(calls))
@@ -307,7 +307,7 @@ def test_the_fused_step_steps_aside_for_layers_it_does_not_compute():
             proj = cpu_decode.PackedProjections(base, 4)
             got = HFRolloutEngine().generate(model, ids, torch.ones_like(ids), 2, sampling, tok.eos_token_id,
                                              tok.pad_token_id)
-        want = HFRolloutEngine(packed_weights=False).generate(model, ids, torch.ones_like(ids), 2, sampling,
+        want = HFRolloutEngine(cpu={"packed_weights": False}).generate(model, ids, torch.ones_like(ids), 2, sampling,
                                                               tok.eos_token_id, tok.pad_token_id)
         assert proj.kernel and proj.fused is None
         assert torch.equal(got.completion_ids, want.completion_ids)
@@ -383,7 +383,7 @@ def test_four_bit_lora_policies_decode_on_their_codes_with_the_modules_tokens(mo
     got, tokens = {}, sampling.max_new_tokens - 1  # decoding steps after the prefill's token
     with cpu_linear.OneDNNLinear():
         for name, options in (("fused", {}), ("python", {"fused_step": False}), ("peft", {"decode_kernel": False})):
-            got[name] = HFRolloutEngine(shared_prompt_kv=shared, **options).generate(
+            got[name] = HFRolloutEngine(shared_prompt_kv=shared, cpu=options).generate(
                 policy, ids, mask, 3, sampling, tok.eos_token_id, tok.pad_token_id,
                 generator=torch.Generator().manual_seed(0))
             if name == "fused":

@@ -3,24 +3,21 @@ in its sampling dtype), the CPU fast path's lean decoding step where the model a
 
 from __future__ import annotations
 
-import logging
 import warnings
+from collections.abc import Mapping
 from contextlib import nullcontext
 from dataclasses import fields, replace
 from functools import partial
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from .._hf import cache_argument, last_positions, output_cache, positions_from_mask, preallocated_cache
-from ..accel.cpu import linear as cpu_linear
-from ..accel.cpu import rowdot
-from ..accel.cpu.decode import AdapterProjections, PackedProjections
+from ..accel.cpu.decode import CPUDecoding
 from ..lean_step import decode_step, llama_like, shared_prompt_decode_step, static_decode_step
 from ..models import float_dtype, frozen_copy, is_quantized, resolve_dtype
 from .base import RolloutBatch, RolloutEngine, filter_logits, sample_tokens
-
-log = logging.getLogger(__name__)
 
 
 class HFRolloutEngine(RolloutEngine):
@@ -37,9 +34,9 @@ class HFRolloutEngine(RolloutEngine):
             policy at each call, with autocast off. ``None`` samples in the precision the training step computes
             in: with the policy itself, or, for an fp32 policy under autocast (a ``bf16-mixed`` / ``16-mixed``
             trainer), with a copy in the autocast dtype: autocast would cast every weight again at every token; the
-            copy costs 2 bytes per parameter. On the CPU inside
-            :class:`~polopt_lightning.accel.cpu.linear.OneDNNLinear` (the module's default for models with weights of 2**18 elements or more) the fp32 policy itself samples with
-            autocast off instead, through oneDNN's fp32 products (faster and in less memory there than the copy).
+            copy costs 2 bytes per parameter. On the CPU where oneDNN computes the products
+            (:meth:`~polopt_lightning.accel.cpu.decode.CPUDecoding.sampling_dtype`) the fp32 policy itself samples
+            with autocast off instead (faster and in less memory there than the copy).
             ``"float32"`` samples the fp32 weights with autocast off. Half-precision
             sampling halves the bytes each token reads (weights and KV cache) and uses bf16 matrix units (AMX
             CPUs, GPUs); log-probs sampled in another precision than training's are not reused as old log-probs.
@@ -50,31 +47,9 @@ class HFRolloutEngine(RolloutEngine):
             G samples' queries meet them in one product) instead of a copy per sample. ``None`` decides: on for an
             fp32 model on the CPU when the copies would make each token re-read at least 1 MiB per layer; off
             otherwise (short prompts and bf16 CPU kernels measured slower with it).
-        packed_weights: run the lean step's products on weights prepacked for the math library (see
-            :class:`~polopt_lightning.accel.cpu.decode.PackedProjections`) where the model allows it: plain ``nn.Linear`` projections on
-            the CPU in float32 (MKL) or bfloat16 (oneDNN), autocast off, not compiled. The packed copy is rebuilt at
-            each rollout and freed after it (float32: MKL pads each packed matrix, up to ~8 MB for small ones).
-            Inside :class:`~polopt_lightning.accel.cpu.linear.OneDNNLinear` (the module's ``onednn_linear``, on by
-            default for CPU models with weights of 2**18 elements or more) a float32 model packs its body in
-            oneDNN's blocked layout instead, one copy per weight, and keeps its head as it is (MKL's packed
-            products are slower there; docs/performance.md, "At real scale").
-        decode_kernel: run the lean step's float32 products (where oneDNN computes them, see ``packed_weights``) on
-            :mod:`~polopt_lightning.accel.cpu.rowdot`'s kernel, on the weights as they are, head included, for batches of at most
-            :data:`~polopt_lightning.accel.cpu.decode.KERNEL_MAX_ROWS` rows: no blocked copy to make at each rollout, and a large head at
-            the blocked layout's rate. It needs an x86-64 CPU
-            with AVX-512 and a C compiler (built once, cached). ``None`` uses it where it can run and falls back to
-            the blocked layout otherwise; ``True`` requires it to be built here (an error here says why it cannot
-            be), batches of more rows or layers it does not take (not float32, a width not a multiple of 16) still
-            use the blocked layout; ``False`` keeps the blocked layout and also keeps the products decoding makes
-            through the model's own modules (adapter layers' frozen base weights, the prefill's head) on oneDNN
-            (:func:`~polopt_lightning.accel.cpu.linear.few_row_kernel`). The same greedy tokens as the blocked copy,
-            log-probs within float32 tolerance (tested).
-        fused_step: run the lean step as one call of :mod:`~polopt_lightning.accel.cpu.rowdot`'s ``polopt_decode_step``
-            (:class:`~polopt_lightning.accel.cpu.decode.FusedStep`) where its products run on the kernel (``decode_kernel``) and the model's
-            layers allow it (SiLU MLPs without biases, RMSNorm, head size a multiple of 16): the norms, rotary,
-            attention, activation and residuals between the products run in C on the same threads instead of ~50
-            PyTorch operations a layer. ``None`` uses it where it applies; ``False`` keeps PyTorch's operations
-            between the kernel's products. The same sampled tokens, log-probs within float32 tolerance (tested).
+        cpu: the CPU's decoding levers (:class:`~polopt_lightning.accel.cpu.decode.CPUDecoding`, or a dict of them:
+            ``packed_weights``, ``decode_kernel``, ``fused_step``): the lean step's products on prepacked weights or
+            on the few-row C kernel, the whole step in C. Each acts on the CPU only, on where it applies by default.
         inference_mode: sample under ``torch.inference_mode`` instead of ``no_grad`` (less bookkeeping per
             operation); the returned tensors are ordinary copies. ``None`` decides: on for a plain
             ``transformers`` model whose linear layers are ``nn.Linear`` itself, off for quantized layers
@@ -88,24 +63,19 @@ class HFRolloutEngine(RolloutEngine):
     """
 
     def __init__(self, fast_decode: bool = True, dtype: torch.dtype | str | None = None, compile: bool = False,
-                 shared_prompt_kv: bool | None = None, packed_weights: bool = True,
-                 inference_mode: bool | None = None, release_copy: bool | None = None,
-                 decode_kernel: bool | None = None, fused_step: bool | None = None) -> None:
-        if decode_kernel and rowdot.load() is None:
-            raise ValueError(f"decode_kernel=True: the few-row decoding kernel cannot run here ({rowdot.why_not()})")
-        self.decode_kernel = decode_kernel
-        self.fused_step = fused_step
+                 shared_prompt_kv: bool | None = None, inference_mode: bool | None = None,
+                 release_copy: bool | None = None, cpu: CPUDecoding | Mapping[str, Any] | None = None) -> None:
+        self.cpu = CPUDecoding.of(cpu)
         self.fast_decode = fast_decode
         self.release_copy = release_copy
         self._released = False
         self.inference_mode = inference_mode
-        self.packed_weights = packed_weights
         self.shared_prompt_kv = shared_prompt_kv
         self.dtype = resolve_dtype(dtype, "rollout.dtype", auto=False)
         self.compile = compile
         self._sampler: tuple[nn.Module, nn.Module] | None = None  # (policy, its copy)
         self._compiled = None
-        self._said_quantized = self._said_unpacked = False
+        self._said_quantized = False
 
     def sampling_dtype(self, model: nn.Module) -> torch.dtype | None:
         """The precision completions are sampled in with autocast off (``None``: ``model`` as it is called).
@@ -124,9 +94,7 @@ class HFRolloutEngine(RolloutEngine):
             return self.dtype
         device_type = _device_type(model)
         if torch.is_autocast_enabled(device_type) and all(p.dtype == torch.float32 for p in model.parameters()):
-            if device_type == "cpu" and cpu_linear.applies(model):
-                return torch.float32  # oneDNN's float32 products: faster than a bf16 copy here, without its memory
-            return torch.get_autocast_dtype(device_type)
+            return self.cpu.sampling_dtype(model, device_type) or torch.get_autocast_dtype(device_type)
         return None
 
     def sampling_dtype_differs(self, model: nn.Module) -> bool:
@@ -186,7 +154,7 @@ class HFRolloutEngine(RolloutEngine):
         sampler.eval()
         try:
             with (precision, torch.inference_mode() if inference else nullcontext(),
-                  cpu_linear.few_row_kernel(self.decode_kernel is not False)):
+                  self.cpu.context()):
                 batch = self._generate(sampler, prompt_ids, prompt_mask, num_generations, sampling, eos_token_id,
                                        pad_token_id, generator)
         finally:
@@ -205,28 +173,6 @@ class HFRolloutEngine(RolloutEngine):
         P = k.shape[0]
         reread = (N - P) * k.shape[1] * Lp * k.shape[3] * k.element_size() * 2  # bytes per layer and token
         return k.is_cpu and k.dtype == torch.float32 and reread >= 2**20
-
-    def _packed_projections(self, base: nn.Module, rows: int) -> PackedProjections | AdapterProjections | None:
-        """Prepacked products for this rollout (a LoRA policy on plain float32 or bitsandbytes 4-bit weights: its
-        base products on the kernel, its adapters added), or ``None`` (off, not applicable, or the math library refused once:
-        then the modules run from here on, with a warning)."""
-        if not self.packed_weights:
-            return None
-        if AdapterProjections.applies(base, rows, self.decode_kernel):  # LoRA or 4-bit bases: no copy either
-            return AdapterProjections(base, rows, self.fused_step)
-        if not PackedProjections.supported(base):
-            if not self._said_unpacked:
-                log.info("packed decoding weights are off for this model (adapter or quantized layers, or another "
-                         "dtype or device): decoding runs on the model's own modules")
-                self._said_unpacked = True
-            return None
-        try:
-            return PackedProjections(base, rows, self.decode_kernel, self.fused_step)
-        except RuntimeError as err:
-            warnings.warn(f"HFRolloutEngine(packed_weights=True): prepacking the decoding weights failed ({err}); "
-                          "decoding runs on the model's own modules", RuntimeWarning, stacklevel=2)
-            self.packed_weights = False
-            return None
 
     def _static_step(self, base: nn.Module):
         if self._compiled is None or self._compiled[0] is not base:
@@ -250,7 +196,7 @@ class HFRolloutEngine(RolloutEngine):
         N, Lp = attention_mask.shape
         fast = llama_like(model) if (self.fast_decode and extra) else None
         shared = fast is not None and not self.compile and self._share_prompt_kv(cache, N, Lp)
-        packed = self._packed_projections(fast, N) if fast is not None and not self.compile else None
+        packed = self.cpu.projections(fast, N) if fast is not None and not self.compile else None
         if shared:  # the prompt's keys/values stay one per group; completions get a cache of their own
             prompt_kv = [(kv._k[:, :, :Lp], kv._v[:, :, :Lp]) for kv in cache.layers]  # [P, kv_heads, Lp, D]
             completion_kv = [(k.new_zeros(N, k.shape[1], sampling.max_new_tokens, k.shape[3]),

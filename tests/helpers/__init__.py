@@ -137,6 +137,6 @@ def greedy_on_the_modules():
     ids = torch.tensor([tok("12+34=")["input_ids"]] * 2)
     mask = torch.ones_like(ids)
     sampling = SamplingConfig(max_new_tokens=3, min_new_tokens=3, temperature=0.0)
-    want = HFRolloutEngine(packed_weights=False).generate(model, ids, mask, 2, sampling, tok.eos_token_id,
+    want = HFRolloutEngine(cpu={"packed_weights": False}).generate(model, ids, mask, 2, sampling, tok.eos_token_id,
                                                           tok.pad_token_id)
     return model, tok, ids, mask, sampling, want

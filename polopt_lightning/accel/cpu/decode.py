@@ -13,7 +13,13 @@ allow it the whole step runs in C (:class:`FusedStep`).
 from __future__ import annotations
 
 import ctypes
+import logging
+import warnings
+from collections.abc import Mapping
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
 from functools import partial
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -25,6 +31,93 @@ from . import rowdot
 from .rowdot import RowDot
 
 KERNEL_MAX_ROWS = rowdot.MAX_ROWS  # up to this many rows the decoding products run on rowdot.c where it applies
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class CPUDecoding:
+    """The CPU's decoding levers, as the transformers backend reaches them (its ``cpu`` argument, ``rollout.cpu.*``
+    in the CLI). Each acts on the CPU only; elsewhere the lean step runs on the model's own modules.
+
+    Args:
+        packed_weights: run the lean step's products on weights prepacked for the math library
+            (:class:`PackedProjections`) where the model allows it: plain ``nn.Linear`` projections in float32 (MKL)
+            or bfloat16 (oneDNN), autocast off, not compiled. The packed copy is rebuilt at each rollout and freed
+            after it. Inside :class:`~polopt_lightning.accel.cpu.linear.OneDNNLinear` a float32 model packs its body
+            in oneDNN's blocked layout instead, one copy per weight, and keeps its head as it is.
+        decode_kernel: run the float32 products (where oneDNN computes them) on :mod:`.rowdot`'s kernel, on the
+            weights as they are, head included, for batches of at most :data:`KERNEL_MAX_ROWS` rows. It needs an
+            x86-64 CPU with AVX-512 and a C compiler (built once, cached). ``None`` uses it where it can run and
+            falls back to the blocked layout otherwise; ``True`` requires it (an error here says why it cannot be);
+            ``False`` keeps the blocked layout and also keeps the products decoding makes through the model's own
+            modules (adapter layers' frozen base weights, the prefill's head) on oneDNN
+            (:func:`~polopt_lightning.accel.cpu.linear.few_row_kernel`). The same greedy tokens as the blocked copy,
+            log-probs within float32 tolerance (tested).
+        fused_step: run the lean step as one call of the kernel's ``polopt_decode_step`` (:class:`FusedStep`) where
+            its products run on the kernel and the model's layers allow it (SiLU MLPs without biases, RMSNorm, head
+            size a multiple of 16). ``None`` uses it where it applies; ``False`` keeps PyTorch's operations between
+            the kernel's products. The same sampled tokens, log-probs within float32 tolerance (tested).
+    """
+
+    packed_weights: bool = True
+    decode_kernel: bool | None = None
+    fused_step: bool | None = None
+
+    def __post_init__(self) -> None:
+        if self.decode_kernel and rowdot.load() is None:
+            raise ValueError(f"rollout.cpu.decode_kernel=True: the few-row decoding kernel cannot run here "
+                             f"({rowdot.why_not()})")
+        self._said_unpacked = False
+
+    @classmethod
+    def of(cls, value: CPUDecoding | Mapping[str, Any] | None) -> CPUDecoding:
+        """``value`` itself, the defaults for ``None``, or the levers a dict names (unknown keys raise)."""
+        if isinstance(value, cls):
+            return value
+        if value is None:
+            return cls()
+        if isinstance(value, Mapping):
+            unknown = set(value) - {"packed_weights", "decode_kernel", "fused_step"}
+            if unknown:
+                raise ValueError(f"rollout.cpu: unknown settings {sorted(unknown)}; known: packed_weights, "
+                                 "decode_kernel, fused_step")
+            return cls(**value)
+        raise TypeError(f"rollout.cpu must be a CPUDecoding, a dict of its settings or None, got {type(value).__name__}")
+
+    @staticmethod
+    def sampling_dtype(model: nn.Module, device_type: str) -> torch.dtype | None:
+        """Under autocast, the dtype an fp32 ``model`` samples in instead of a copy in the autocast dtype: float32 on
+        the CPU where oneDNN computes its products (faster than a bf16 copy there, without its memory); else
+        ``None``."""
+        return torch.float32 if device_type == "cpu" and cpu_linear.applies(model) else None
+
+    def context(self) -> AbstractContextManager:
+        """The context sampling runs in: the few-row kernel for oneDNN's decoding products unless
+        ``decode_kernel=False``."""
+        return cpu_linear.few_row_kernel(self.decode_kernel is not False)
+
+    def projections(self, base: nn.Module, rows: int) -> Projections | None:
+        """Prepacked products for this rollout of ``rows`` rows (a LoRA policy on plain float32 or bitsandbytes 4-bit
+        weights: its base products on the kernel, its adapters added), or ``None`` (off, not applicable, or the math
+        library refused once: then the modules run from here on, with a warning)."""
+        if not self.packed_weights:
+            return None
+        if AdapterProjections.applies(base, rows, self.decode_kernel):  # LoRA or 4-bit bases: no copy either
+            return AdapterProjections(base, rows, self.fused_step)
+        if not PackedProjections.supported(base):
+            if not self._said_unpacked:
+                log.info("packed decoding weights are off for this model (adapter or quantized layers, or another "
+                         "dtype or device): decoding runs on the model's own modules")
+                self._said_unpacked = True
+            return None
+        try:
+            return PackedProjections(base, rows, self.decode_kernel, self.fused_step)
+        except RuntimeError as err:
+            warnings.warn(f"rollout.cpu.packed_weights=True: prepacking the decoding weights failed ({err}); "
+                          "decoding runs on the model's own modules", RuntimeWarning, stacklevel=3)
+            self.packed_weights = False
+            return None
 
 
 def _groups(layer: nn.Module) -> tuple[list[nn.Module], ...]:
