@@ -26,6 +26,7 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from ...lean_step import Projections, _head_dim, _norm_eps, _without_torch_function
+from ..settings import settings_of
 from . import linear as cpu_linear
 from . import rowdot
 from .rowdot import RowDot
@@ -72,18 +73,8 @@ class CPUDecoding:
 
     @classmethod
     def of(cls, value: CPUDecoding | Mapping[str, Any] | None) -> CPUDecoding:
-        """``value`` itself, the defaults for ``None``, or the levers a dict names (unknown keys raise)."""
-        if isinstance(value, cls):
-            return value
-        if value is None:
-            return cls()
-        if isinstance(value, Mapping):
-            unknown = set(value) - {"packed_weights", "decode_kernel", "fused_step"}
-            if unknown:
-                raise ValueError(f"rollout.cpu: unknown settings {sorted(unknown)}; known: packed_weights, "
-                                 "decode_kernel, fused_step")
-            return cls(**value)
-        raise TypeError(f"rollout.cpu must be a CPUDecoding, a dict of its settings or None, got {type(value).__name__}")
+        """``value`` itself, the defaults for ``None``, or the settings a dict names (unknown keys raise)."""
+        return settings_of(cls, value, "rollout.cpu")
 
     @staticmethod
     def sampling_dtype(model: nn.Module, device_type: str) -> torch.dtype | None:

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..settings import settings_of
 from . import host_memory, linear
 from .weights import align_weights
 
@@ -47,16 +48,7 @@ class CPUFastPath:
     @classmethod
     def of(cls, value: CPUFastPath | Mapping[str, Any] | None) -> CPUFastPath:
         """``value`` itself, the defaults for ``None``, or the settings a dict names (unknown keys raise)."""
-        if isinstance(value, cls):
-            return value
-        if value is None:
-            return cls()
-        if isinstance(value, Mapping):
-            unknown = set(value) - {"onednn_linear", "keep_host_memory"}
-            if unknown:
-                raise ValueError(f"accel: unknown settings {sorted(unknown)}; known: onednn_linear, keep_host_memory")
-            return cls(**value)
-        raise TypeError(f"accel must be a CPUFastPath, a dict of its settings or None, got {type(value).__name__}")
+        return settings_of(cls, value, "accel")
 
     def compute(self, model: nn.Module, device: torch.device) -> AbstractContextManager:
         """The context a step on ``model`` computes in: :class:`.linear.OneDNNLinear` where ``onednn_linear`` says
