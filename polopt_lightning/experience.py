@@ -14,19 +14,15 @@ from torch import Tensor, nn
 from .advantages import group_relative_advantages, zero_std_groups
 from .distributed import all_gather_rows, all_reduce, world_size
 from .rewards import MixtureRewards, RewardComposer, RewardOutput
-from .rollout import RolloutBatch
+from .rollout import Completions, RolloutBatch
 
 
 @dataclass
-class Experience:
-    """One step's rollout, ready for the update: ``N = P x G`` rows laid out group by group.
+class Experience(Completions):
+    """One step's rollout, ready for the update: :class:`~polopt_lightning.rollout.base.Completions`' fields (the
+    completion mask is 0 on a truncated completion under overlong filtering), then:
 
     Attributes:
-        prompt_ids, prompt_mask: ``[N, Lp]`` left-padded prompts, each repeated for its G completions.
-        completion_ids, completion_mask: ``[N, T]`` sampled tokens; the mask is 1 up to and including EOS (0 for a
-            truncated completion under overlong filtering).
-        sampling_logprobs: ``[N, T]`` the sampler's log-probs of its tokens.
-        finished: ``[N]`` whether each completion ended with EOS.
         group_index: ``[N]`` the group (prompt) of each row, ``0..P-1``.
         advantages: ``[N]`` group-relative advantages.
         anchor_ids, anchor_mask: ``[P, Ta]`` each prompt's reference answer (``answer + EOS``) for the supervised
@@ -36,12 +32,6 @@ class Experience:
         ref_logprobs: ``[N, T]`` the KL reference's log-probs; ``None`` when no KL is computed or watched.
     """
 
-    prompt_ids: Tensor
-    prompt_mask: Tensor
-    completion_ids: Tensor
-    completion_mask: Tensor
-    sampling_logprobs: Tensor
-    finished: Tensor
     group_index: Tensor
     advantages: Tensor
     anchor_ids: Tensor | None = None
@@ -54,7 +44,7 @@ class Experience:
         return self.completion_ids.shape[0]
 
 
-# RolloutBatch fields carried into the experience, and the side their padding goes on (None: [N], no padding)
+# the Completions fields a rollout carries into the experience, and the side their padding goes on (None: [N])
 ROLLOUT_FIELDS = {"prompt_ids": "left", "prompt_mask": "left", "completion_ids": "right", "completion_mask": "right",
                   "sampling_logprobs": "right", "finished": None}
 

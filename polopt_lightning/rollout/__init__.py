@@ -8,7 +8,7 @@ import importlib
 from collections.abc import Mapping
 from typing import Any
 
-from .base import RolloutBatch, RolloutEngine, SamplingConfig, filter_logits, sample_tokens
+from .base import Completions, RolloutBatch, RolloutEngine, SamplingConfig, filter_logits, sample_tokens
 from .hf import HFRolloutEngine
 
 # name: "module:class", imported when chosen (a backend may need a package only its users install)
@@ -36,5 +36,5 @@ def build_engine(spec: RolloutEngine | str | Mapping[str, Any] | None = None, ke
     return getattr(importlib.import_module(module), cls)(**kwargs)
 
 
-__all__ = ["ENGINES", "HFRolloutEngine", "RolloutBatch", "RolloutEngine", "SamplingConfig", "build_engine",
+__all__ = ["ENGINES", "Completions", "HFRolloutEngine", "RolloutBatch", "RolloutEngine", "SamplingConfig", "build_engine",
            "filter_logits", "sample_tokens"]

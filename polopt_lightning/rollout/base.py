@@ -49,17 +49,17 @@ class SamplingConfig:
 
 
 @dataclass
-class RolloutBatch:
-    """Completions for ``P`` prompts times ``G`` generations, ``N = P * G`` rows laid out group by group.
+class Completions:
+    """``N`` rows of prompts and their sampled completions, laid out group by group: what a rollout returns and what
+    the update's experience (:class:`~polopt_lightning.experience.Experience`) carries on.
 
     Attributes:
-        prompt_ids, prompt_mask: ``[N, Lp]`` left-padded prompts (each prompt repeated G times).
+        prompt_ids, prompt_mask: ``[N, Lp]`` left-padded prompts (each prompt repeated for its G completions).
         completion_ids: ``[N, T]`` sampled tokens (pad after EOS).
         completion_mask: ``[N, T]`` 1 on completion tokens, EOS included, 0 after.
         sampling_logprobs: ``[N, T]`` log-probs of the sampled tokens under the tempered, unfiltered distribution
             (what a fresh forward pass at the same temperature gives).
         finished: ``[N]`` True when the completion ended with EOS, False when it hit ``max_new_tokens``.
-        group_size: ``G``.
     """
 
     prompt_ids: Tensor
@@ -68,11 +68,18 @@ class RolloutBatch:
     completion_mask: Tensor
     sampling_logprobs: Tensor
     finished: Tensor
-    group_size: int
 
     @property
     def completion_lengths(self) -> Tensor:
         return self.completion_mask.sum(-1)
+
+
+@dataclass
+class RolloutBatch(Completions):
+    """Completions for ``P`` prompts times ``G`` generations, ``N = P * G`` rows (:class:`Completions`' fields) and
+    ``group_size``, ``G``."""
+
+    group_size: int
 
 
 class RolloutEngine(ABC):
