@@ -63,16 +63,17 @@ def test_nested_entries_restore_the_defaults_once():
     assert not host_memory.active()
 
 
+def watching(seen):
+    """A reward function that notes, at each rollout's scoring, whether freed host memory is being kept."""
+    def reward(prompts, completions, **kw):
+        seen.append(host_memory.active())
+        return [float(len(set(c))) for c in completions]
+    return reward
+
+
 def test_the_module_keeps_host_memory_while_training_only(tmp_path, tiny, arithmetic_rows):
     seen = []
-    module, dm = make(tiny, arithmetic_rows)
-    step = module._training_step
-
-    def spying(batch):
-        seen.append(host_memory.active())
-        return step(batch)
-
-    module._training_step = spying
+    module, dm = make(tiny, arithmetic_rows, reward_fns=[watching(seen)])
     trainer(tmp_path, steps=2).fit(module, datamodule=dm)
     assert seen == [True, True] and not host_memory.active()
     assert module.accel.keeps_host_memory(module.device)
@@ -90,9 +91,7 @@ def test_a_failed_run_gives_the_defaults_back(tmp_path, tiny, arithmetic_rows):
 
 def test_off_and_impossible_settings(tmp_path, tiny, arithmetic_rows, monkeypatch):
     seen = []
-    module, dm = make(tiny, arithmetic_rows, accel={"keep_host_memory": False})
-    step = module._training_step
-    module._training_step = lambda batch: (seen.append(host_memory.active()), step(batch))[1]
+    module, dm = make(tiny, arithmetic_rows, reward_fns=[watching(seen)], accel={"keep_host_memory": False})
     t = trainer(tmp_path, steps=1)
     t.fit(module, datamodule=dm)
     assert seen == [False] and not any(isinstance(c, KeepHostMemory) for c in t.callbacks)
