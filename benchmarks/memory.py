@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from throughput import length_reward, module_overrides, note_sampling_dtype, peak_rss_gib, run_child  # noqa: E402  (the same harness)
+from throughput import _sync, length_reward, module_overrides, note_sampling_dtype, peak_rss_gib, run_child  # noqa: E402  (the same harness)
 
 SHAPES = {
     # Qwen2.5-0.5B: 494M parameters, tied embeddings, q/k/v biases
@@ -93,14 +93,6 @@ def reset_peak() -> None:
         fh.write("5")
 
 
-def synchronize(device: str) -> None:
-    """Wait for the GPU's queued work (a step's time must include it); nothing on the CPU."""
-    if device == "cuda":
-        import torch
-
-        torch.cuda.synchronize()
-
-
 def lora_config():
     from polopt_lightning.models import LLAMA_TARGETS, Adapter
 
@@ -143,13 +135,13 @@ def run_polopt(folder: str, setting: str, steps: int, overrides: dict | None = N
         def on_train_batch_start(self, *args):
             if baton:
                 baton.wait("polopt")
-            synchronize(device)
+            _sync(device)
             if phases is not None:
                 phases.start()
             self.t = time.perf_counter()
 
         def on_train_batch_end(self, *args):
-            synchronize(device)
+            _sync(device)
             times.append(time.perf_counter() - self.t)
             if phases is not None:
                 phases.end(times[-1])
@@ -191,13 +183,13 @@ def run_trl(folder: str, setting: str, steps: int, overrides: dict | None = None
         def on_step_begin(self, args, state, control, **kw):
             if baton:
                 baton.wait("trl")
-            synchronize(device)
+            _sync(device)
             if phases is not None:
                 phases.start()
             self.t = time.perf_counter()
 
         def on_step_end(self, args, state, control, **kw):
-            synchronize(device)
+            _sync(device)
             times.append(time.perf_counter() - self.t)
             if phases is not None:
                 phases.end(times[-1])

@@ -209,15 +209,11 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     configure_console(bool(cfg.get("verbose", False)))
     if "note" in _RESUME:  # what resume_overrides found
         log.info(_RESUME["note"])
-    try:  # before anything loads or trains
-        check_settings(**OmegaConf.to_container(cfg.module, resolve=True))
-    except ValueError as err:
-        raise ValueError(f"module.{err}") from None
-    optimizer_cfg = _container(cfg, "optimizer")
-    try:  # the learning rate's one home
-        check_settings(**{k: optimizer_cfg[k] for k in ("lr", "weight_decay", "betas") if k in optimizer_cfg})
-    except ValueError as err:
-        raise ValueError(f"optimizer.{err}") from None
+    for group in ("module", "optimizer"):  # before anything loads or trains (optimizer: the learning rate's home)
+        try:
+            check_settings(**_container(cfg, group))
+        except ValueError as err:
+            raise ValueError(f"{group}.{err}") from None
     run_dir = _run_dir(cfg)
     run_dir.mkdir(parents=True, exist_ok=True)
     if cfg.get("num_threads"):
