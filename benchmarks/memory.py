@@ -35,7 +35,15 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from throughput import _sync, length_reward, module_overrides, note_sampling_dtype, peak_rss_gib, run_child  # noqa: E402  (the same harness)
+from throughput import (  # noqa: E402  (the same harness)
+    _sync,
+    length_reward,
+    module_arguments,
+    module_overrides,
+    note_sampling_dtype,
+    peak_rss_gib,
+    run_child,
+)
 
 SHAPES = {
     # Qwen2.5-0.5B: 494M parameters, tied embeddings, q/k/v biases
@@ -120,10 +128,10 @@ def run_polopt(folder: str, setting: str, steps: int, overrides: dict | None = N
     data = PromptDataModule(train=[{"prompt": p} for p in prompts()], tokenizer=tok, batch_size=JOB["prompts"],
                             shuffle=False)
     n = JOB["new_tokens"]
-    module = PolicyOptimizationModule(
-        model, tok, objective={"name": "grpo", "beta": JOB["beta"]}, reward_fns=[length_reward],
-        num_generations=JOB["generations"], generation={"max_new_tokens": n, "min_new_tokens": n}, lr=JOB["lr"],
-        **overrides)
+    module = PolicyOptimizationModule(model, tok, **module_arguments(dict(
+        objective={"name": "grpo", "beta": JOB["beta"]}, reward_fns=[length_reward],
+        experience={"num_generations": JOB["generations"]}, generation={"max_new_tokens": n, "min_new_tokens": n},
+        optimizer={"lr": JOB["lr"]}), overrides))
     if phases is not None:
         note_sampling_dtype(module, phases.facts)
         phases.wrap(module, "rollout", "rollout")

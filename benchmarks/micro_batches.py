@@ -36,8 +36,8 @@ def main() -> None:
         module = PolicyOptimizationModule(
             model, tok, objective="grpo", reward_fns=[lambda prompts, completions, **kw: [float(len(c) % 3)
                                                                                          for c in completions]],
-            num_generations=workload["generations"], generation={"max_new_tokens": T, "min_new_tokens": T},
-            micro_batch_tokens=args.budget, share_prompt=share_prompt)
+            experience={"num_generations": workload["generations"]}, generation={"max_new_tokens": T, "min_new_tokens": T},
+            update={"micro_batch_tokens": args.budget, "share_prompt": share_prompt})
         module.manual_backward = lambda loss: loss.backward()
         enc = tok(prompts[:2], return_tensors="pt", padding=True)
         exp, _ = module.make_experience({"prompt_ids": enc.input_ids, "prompt_mask": enc.attention_mask,
@@ -46,7 +46,7 @@ def main() -> None:
         lengths = torch.randint(8, T + 1, (exp.completion_ids.shape[0],), generator=g)
         exp.completion_mask = (torch.arange(T)[None] < lengths[:, None]).long()
         rows = torch.randperm(len(lengths), generator=g)
-        by_length = module.micro_batches
+        by_length = module.updater.micro_batches
 
         def plain(exp, rows, budget=args.budget):
             width = int(exp.completion_mask[rows].sum(-1).max())
@@ -55,7 +55,7 @@ def main() -> None:
         times: dict[str, list[float]] = {"plain split": [], "by length": []}
         for _ in range(args.repeats):
             for name, split in (("plain split", plain), ("by length", by_length)):
-                module.micro_batches = split
+                module.updater.micro_batches = split
                 start = time.perf_counter()
                 module.accumulate_gradients(exp, rows)
                 times[name].append(time.perf_counter() - start)

@@ -63,7 +63,7 @@ def run(runs: Path, objective: str, weights: str, anchor: str, seed: int, rollou
                 f"weights={weights}", f"anchor={anchor}", f"seed={seed}", f"warm_start.target_accuracy={warm_start}",
                 f"optimizer.lr={lr}",
                 f"trainer.max_steps={rollouts * 2}", f"trainer.val_check_interval={val_every}",
-                f"data.batch_size={PROMPTS}", f"module.num_generations={GENERATIONS}", "module.mini_batches=2",
+                f"data.batch_size={PROMPTS}", f"experience.num_generations={GENERATIONS}", "update.mini_batches=2",
                 # no checkpoint files: nothing resumes here
                 "trainer.enable_progress_bar=false", "callbacks.checkpoint=null", "callbacks.best=null",
                 f"num_threads={threads}", f"hydra.run.dir={run_dir}"]

@@ -3,7 +3,7 @@
 Every run is `polopt-train` in its own process with the same sampled-completion budget (`--rollouts` rollouts of
 8 prompts x 8 completions), from a weak or a good supervised warm start, on-policy or off-policy, at two learning
 rates, for each seed. The collapse monitor runs in `warn` mode (it records, never intervenes) and the KL to the
-starting policy is tracked (`module.track_kl=true`). Then (`--rollback`) the settings whose final accuracy fell more
+starting policy is tracked (`reference.track_kl=true`). Then (`--rollback`) the settings whose final accuracy fell more
 than `--collapse-margin` below their best run again with `callbacks=protect` (rollback to the last healthy state).
 
     python benchmarks/stability.py --out docs/stability                     # the full study (about an hour, 2 cores)
@@ -57,10 +57,10 @@ def run(runs: Path, objective: str, warm: str, off: str, lr: float, seed: int, m
     results_file = run_dir / "results.json"
     if not results_file.is_file():
         args = [sys.executable, "-m", "polopt_lightning", f"objective={objective}", f"seed={seed}",
-                f"warm_start.target_accuracy={WARM_STARTS[warm]}", f"module.num_iterations={mu}",
-                f"module.mini_batches={mb}", f"optimizer.lr={lr}", "module.track_kl=true",
+                f"warm_start.target_accuracy={WARM_STARTS[warm]}", f"update.num_iterations={mu}",
+                f"update.mini_batches={mb}", f"optimizer.lr={lr}", "reference.track_kl=true",
                 f"trainer.max_steps={rollouts * mu * mb}", f"trainer.val_check_interval={val_every}",
-                f"data.batch_size={PROMPTS}", f"module.num_generations={GENERATIONS}",
+                f"data.batch_size={PROMPTS}", f"experience.num_generations={GENERATIONS}",
                 # no checkpoint files: 72 runs of them would fill the disk, and nothing resumes here
                 "trainer.enable_progress_bar=false", "callbacks.checkpoint=null", "callbacks.best=null",
                 f"callbacks={'protect' if mode == 'rollback' else 'default'}", f"num_threads={threads}",

@@ -122,8 +122,11 @@ def note_sampling_dtype(module, facts: dict) -> None:
 def module_overrides(overrides: dict | None) -> tuple[str, dict]:
     """An implementation's overrides as (the Trainer's precision, the module's arguments): ``engine={...}`` are the
     rollout backend's arguments (e.g. ``engine={"cpu":{"packed_weights":false}}``; the CPU's levers also at the top,
-    as older result files name them) and ``rollout_dtype`` is short for
-    ``engine={"dtype":...}`` (the name older result files give); every other key is the module's."""
+    as older result files name them) and ``rollout_dtype`` is short for ``engine={"dtype":...}`` (the name older
+    result files give); the module's keyword arguments of earlier releases (``ref_dtype``, ``share_prompt``, ...) go
+    to their concern (``reference={"dtype":...}``, ``update={...}``); every other key is the module's."""
+    from polopt_lightning.module import MOVED_ARGUMENTS
+
     overrides = dict(overrides or {})
     precision = overrides.pop("precision", "32-true")
     engine = dict(overrides.pop("engine", None) or {})
@@ -134,7 +137,18 @@ def module_overrides(overrides: dict | None) -> tuple[str, dict]:
         engine["dtype"] = overrides.pop("rollout_dtype")
     if engine:
         overrides["rollout_engine"] = {"name": "hf", **engine}
+    for key in [k for k in overrides if k in MOVED_ARGUMENTS]:
+        concern, name = MOVED_ARGUMENTS[key]
+        overrides[concern] = {**overrides.get(concern, {}), name: overrides.pop(key)}
     return precision, overrides
+
+
+def module_arguments(base: dict, overrides: dict) -> dict:
+    """The module's keyword arguments: ``base`` with ``overrides`` on top, a concern's settings (dicts) merged."""
+    out = dict(base)
+    for key, value in overrides.items():
+        out[key] = {**out[key], **value} if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
 
 
 def run_polopt(workload: dict, steps: int, overrides: dict | None = None, device: str = "cpu",
@@ -149,12 +163,11 @@ def run_polopt(workload: dict, steps: int, overrides: dict | None = None, device
     data = PromptDataModule(train=[{"prompt": p} for p in prompts], tokenizer=tok, batch_size=workload["prompts"],
                             shuffle=False)
     n = workload["new_tokens"]
-    module = PolicyOptimizationModule(
-        model, tok, objective={"name": "grpo", "beta": workload["beta"]}, reward_fns=[length_reward],
-        num_generations=workload["generations"], mini_batches=workload["mini_batches"],
-        generation={"max_new_tokens": n, "min_new_tokens": n, "temperature": 1.0}, lr=1e-6,
-        **overrides,
-    )
+    module = PolicyOptimizationModule(model, tok, **module_arguments(dict(
+        objective={"name": "grpo", "beta": workload["beta"]}, reward_fns=[length_reward],
+        experience={"num_generations": workload["generations"]}, update={"mini_batches": workload["mini_batches"]},
+        generation={"max_new_tokens": n, "min_new_tokens": n, "temperature": 1.0}, optimizer={"lr": 1e-6},
+    ), overrides))
     if facts is not None:
         note_sampling_dtype(module, facts)
     times: list[float] = []

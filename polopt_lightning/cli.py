@@ -174,6 +174,21 @@ def _validate(trainer, module, datamodule) -> dict[str, float]:
     return {k: float(v) for k, v in (results[0] if results else {}).items()}
 
 
+def _warm_start(cfg: DictConfig, model: Any, tokenizer: Any, datamodule: Any, quantized: str) -> dict[str, Any]:
+    """The ``warm_start`` block run on ``model`` (cached), or nothing when it is off: what it did, with ``ran``."""
+    from .models import is_quantized
+    from .warmstart import WarmStartConfig, default_cache_dir, supervised_warm_start
+
+    settings = _container(cfg, "warm_start") or {"enabled": False}
+    if not settings.pop("enabled", False):
+        return {"ran": False, "cached": False, "wall_s": 0.0}
+    if is_quantized(model):
+        raise ValueError(f"warm_start.enabled=true trains every weight, but the model was loaded quantized "
+                         f"(quantization={quantized}); set warm_start.enabled=false")
+    settings["cache_dir"] = settings.get("cache_dir") or str(default_cache_dir())
+    return {"ran": True, **supervised_warm_start(model, tokenizer, datamodule.train_rows, WarmStartConfig(**settings))}
+
+
 def _built_early(cfg: DictConfig, group: str) -> Any:
     """The group's object (``_target_``), or ``None`` where the group is empty; its error (Hydra wraps it) raised
     again as a ValueError that names the group."""
@@ -185,6 +200,8 @@ def _built_early(cfg: DictConfig, group: str) -> Any:
         return instantiate(cfg[group])
     except Exception as err:
         cause = err.__cause__ or err
+        if str(cause).startswith(f"{group}."):  # the settings' own check names the key already
+            raise ValueError(str(cause)) from None
         raise ValueError(f"{group}: {type(cause).__name__}: {cause}") from None
 
 
@@ -200,20 +217,21 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     from .callbacks import AtomicCheckpointIO, ValidationHistory, progress_bar
     from .data import PromptDataModule
     from .export import export_checkpoint
-    from .models import as_adapter, as_quantization, check_combination, is_quantized, prepare_policy
-    from .module import PolicyOptimizationModule, check_settings
+    from .models import as_adapter, as_quantization, check_combination, prepare_policy
+    from .module import PolicyOptimizationModule
+    from .optim import optimizer_factory
     from .strategies import SHARDED, check_strategy, strategy_kind
-    from .warmstart import WarmStartConfig, default_cache_dir, supervised_warm_start
 
     start = time.perf_counter()
     configure_console(bool(cfg.get("verbose", False)))
     if "note" in _RESUME:  # what resume_overrides found
         log.info(_RESUME["note"])
-    for group in ("module", "optimizer"):  # before anything loads or trains (optimizer: the learning rate's home)
-        try:
-            check_settings(**_container(cfg, group))
-        except ValueError as err:
-            raise ValueError(f"{group}.{err}") from None
+    # every concern's settings before anything loads or trains: a bad value fails in a second, naming its key
+    # (the rollout backend and the CPU fast path also check what they need installed)
+    objective, experience, update, reference, engine, accel = (
+        _built_early(cfg, g) for g in ("objective", "experience", "update", "reference", "rollout", "accel"))
+    anchor = _built_early(cfg, "anchor") if (cfg.get("anchor") or {}).get("_target_") else None
+    optimizer = optimizer_factory(instantiate(cfg.optimizer) if cfg.get("optimizer") else None)
     run_dir = _run_dir(cfg)
     run_dir.mkdir(parents=True, exist_ok=True)
     if cfg.get("num_threads"):
@@ -226,42 +244,25 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     strategy_cfg = _container(cfg, "strategy")
     kind = strategy_kind(strategy_cfg)
     check_strategy(kind, accelerator=str(cfg.trainer.get("accelerator", "auto")), quantized=quantization.mode,
-                   micro_batch_tokens=cfg.module.get("micro_batch_tokens"),
+                   micro_batch_tokens=update.micro_batch_tokens if update else None,
                    optimizer=(cfg.get("optimizer") or {}).get("name"),
                    backend=strategy_cfg.get("process_group_backend"))
-    # the rollout backend and the CPU fast path before the model: their arguments (and whatever they need installed)
-    # fail in a second
-    engine, accel = _built_early(cfg, "rollout"), _built_early(cfg, "accel")
     model, tokenizer = instantiate(cfg.model)
     task_cfg = _container(cfg, "task")
     task_rewards = task_cfg.pop("rewards", None) or {}  # a mixture's per-task reward overrides
     task = instantiate(task_cfg, _convert_="all") if task_cfg else None  # a mixture gets its tasks built
     datamodule = PromptDataModule(task=task, tokenizer=tokenizer, **OmegaConf.to_container(cfg.data, resolve=True))
 
-    warm = {"cached": False, "wall_s": 0.0}
-    ws_cfg = OmegaConf.to_container(cfg.warm_start, resolve=True) if cfg.get("warm_start") else {"enabled": False}
-    warm_started = ws_cfg.pop("enabled", False)
-    if warm_started:
-        if is_quantized(model):
-            raise ValueError(f"warm_start.enabled=true trains every weight, but the model was loaded quantized "
-                             f"(quantization={quantization.mode}); set warm_start.enabled=false")
-        ws_cfg["cache_dir"] = ws_cfg.get("cache_dir") or str(default_cache_dir())
-        warm = supervised_warm_start(model, tokenizer, datamodule.train_rows, WarmStartConfig(**ws_cfg))
+    warm = _warm_start(cfg, model, tokenizer, datamodule, quantization.mode)
     # the base of an adapter is kept in the run when no folder or hub id holds it (built, or changed by the warm start)
-    base_dir = run_dir / "base_model" if adapter.enabled and (warm_started or not model.name_or_path) else None
+    base_dir = run_dir / "base_model" if adapter.enabled and (warm["ran"] or not model.name_or_path) else None
     model = prepare_policy(model, quantization, adapter, base_dir)
     if base_dir is not None:
         tokenizer.save_pretrained(base_dir)
-
-    objective = instantiate(cfg.objective)
-    anchor_cfg = _container(cfg, "anchor")
     module = PolicyOptimizationModule(
         model, tokenizer, objective=objective, **_rewards(cfg, task, task_rewards),
-        generation=OmegaConf.to_container(cfg.generation, resolve=True), seed=cfg.seed,
-        optimizer=instantiate(cfg.optimizer) if cfg.get("optimizer") else None, rollout_engine=engine, accel=accel,
-        ref_quantization=_container(cfg, "reference").get("quantization"),
-        anchor=instantiate(anchor_cfg) if anchor_cfg.get("_target_") else None,
-        **OmegaConf.to_container(cfg.module, resolve=True),
+        generation=OmegaConf.to_container(cfg.generation, resolve=True), experience=experience, update=update,
+        optimizer=optimizer, reference=reference, rollout_engine=engine, accel=accel, anchor=anchor, seed=cfg.seed,
     )
     loggers = _instantiate_all(cfg.get("logger"))
     history = ValidationHistory(monitor="val/accuracy", mode="max")
@@ -269,8 +270,9 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     if cfg.trainer.get("enable_progress_bar", True):
         callbacks.append(progress_bar())
     strategy = instantiate(cfg.strategy)(model=model) if strategy_cfg.get("_target_") else "auto"
-    if kind == "deepspeed" and module.max_grad_norm:  # DeepSpeed clips inside its engine, from its own config
-        strategy.config = {**(strategy.config or {}), "gradient_clipping": float(module.max_grad_norm)}
+    clip = module.update_config.max_grad_norm
+    if kind == "deepspeed" and clip:  # DeepSpeed clips inside its engine, from its own config
+        strategy.config = {**(strategy.config or {}), "gradient_clipping": float(clip)}
     trainer: L.Trainer = instantiate(cfg.trainer, logger=loggers or False, callbacks=callbacks,
                                      default_root_dir=str(run_dir), strategy=strategy,
                                      plugins=[AtomicCheckpointIO()] if kind != "deepspeed" else None)
@@ -408,12 +410,20 @@ def _override_key(override: str) -> str:
 
 
 # keys that moved, old -> new: a command line or a saved run that uses the old name still works (renamed, said once)
-MOVED_KEYS = {"module.rollout_dtype": "rollout.dtype", "module.compile_rollout": "rollout.compile",
-              "module.onednn_linear": "accel.onednn_linear", "module.keep_host_memory": "accel.keep_host_memory",
-              "module.lr": "optimizer.lr", "module.weight_decay": "optimizer.weight_decay",
-              "module.betas": "optimizer.betas"}
+MOVED_KEYS = {
+    "module.rollout_dtype": "rollout.dtype", "module.compile_rollout": "rollout.compile",
+    "module.onednn_linear": "accel.onednn_linear", "module.keep_host_memory": "accel.keep_host_memory",
+    "module.lr": "optimizer.lr", "module.weight_decay": "optimizer.weight_decay", "module.betas": "optimizer.betas",
+    "module.ref_dtype": "reference.dtype", "module.track_kl": "reference.track_kl",
+    **{f"module.{k}": f"experience.{k}" for k in ("num_generations", "advantage_scale", "dynamic_sampling",
+                                                 "max_extra_draws", "mask_truncated_completions")},
+    **{f"module.{k}": f"update.{k}" for k in ("num_iterations", "mini_batches", "lr_schedule", "warmup_steps",
+                                             "min_lr_ratio", "max_grad_norm", "micro_batch_tokens",
+                                             "gradient_checkpointing", "share_prompt", "pack_groups",
+                                             "reuse_sampling_logprobs", "disable_dropout")},
+}
 # groups added since runs were first saved: a saved run without them took their defaults
-NEW_GROUPS = ("rollout", "accel")
+NEW_GROUPS = ("rollout", "accel", "experience", "update", "reference")
 
 
 def renamed(overrides: list[str], said: list[str] | None = None) -> list[str]:

@@ -11,10 +11,38 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .advantages import group_relative_advantages, zero_std_groups
+from .advantages import ADVANTAGE_SCALES, group_relative_advantages, zero_std_groups
 from .distributed import all_gather_rows, all_reduce, world_size
 from .rewards import MixtureRewards, RewardComposer, RewardOutput
 from .rollout import Completions, RolloutBatch
+from .settings import Settings
+
+
+@dataclass
+class ExperienceConfig(Settings):
+    """How a step's experience is drawn and scored (the module's ``experience`` argument, ``experience.*`` in the CLI).
+
+    Args:
+        num_generations: completions per prompt (``G >= 2``: a group of one has no relative signal).
+        advantage_scale: ``"group"``, ``"batch"`` or ``"none"``; ``None``: the objective's own (Dr. GRPO: none).
+        dynamic_sampling: DAPO's dynamic sampling: drop groups whose rewards are all equal and draw more prompts
+            until the batch is full again, at most ``max_extra_draws`` extra batches per step.
+        mask_truncated_completions: DAPO's overlong filtering: completions cut by ``max_new_tokens`` do not count.
+    """
+
+    num_generations: int = 8
+    advantage_scale: str | None = None
+    dynamic_sampling: bool = False
+    max_extra_draws: int = 4
+    mask_truncated_completions: bool = False
+
+    KEY = "experience"
+    RULES = {
+        "num_generations": (lambda v: v >= 2, ">= 2 (a group of one has no relative advantage)"),
+        "advantage_scale": (lambda v: v is None or v in ADVANTAGE_SCALES, f"one of {ADVANTAGE_SCALES} or None"),
+        "max_extra_draws": (lambda v: v >= 0, ">= 0"),
+    }
+
 
 
 @dataclass
@@ -56,22 +84,20 @@ class ExperienceMaker:
         tokenizer: decodes completions for the reward functions and encodes the anchor's answers.
         rewards: a :class:`~polopt_lightning.rewards.RewardComposer` or a task mixture's
             :class:`~polopt_lightning.rewards.MixtureRewards`.
-        num_generations: ``G``, completions per prompt.
-        advantage_scale: ``"group"``, ``"batch"`` or ``"none"``.
-        dynamic_sampling, max_extra_draws: DAPO's dynamic sampling (groups with equal rewards dropped, more prompts
-            drawn, at most ``max_extra_draws`` extra batches).
-        mask_truncated_completions: DAPO's overlong filtering.
+        config: an :class:`ExperienceConfig` (or a dict of its fields).
         anchor: the supervised anchor (its ``column`` names the reference answers), or ``None``.
+        advantage_scale: the scale used when ``config.advantage_scale`` is ``None`` (the objective's own).
     """
 
-    def __init__(self, tokenizer: Any, rewards: RewardComposer | MixtureRewards, num_generations: int,
-                 advantage_scale: str, dynamic_sampling: bool = False, max_extra_draws: int = 4,
-                 mask_truncated_completions: bool = False, anchor: Any = None) -> None:
-        group_relative_advantages(torch.zeros(2), 2, advantage_scale)  # validates the name now
-        self.tokenizer, self.rewards, self.num_generations = tokenizer, rewards, num_generations
-        self.advantage_scale = advantage_scale
-        self.dynamic_sampling, self.max_extra_draws = dynamic_sampling, max_extra_draws
-        self.mask_truncated_completions = mask_truncated_completions
+    def __init__(self, tokenizer: Any, rewards: RewardComposer | MixtureRewards,
+                 config: ExperienceConfig | Mapping[str, Any] | None = None, anchor: Any = None,
+                 advantage_scale: str = "group") -> None:
+        self.config = config = ExperienceConfig.of(config)
+        self.tokenizer, self.rewards, self.num_generations = tokenizer, rewards, config.num_generations
+        self.advantage_scale = config.advantage_scale or advantage_scale
+        group_relative_advantages(torch.zeros(2), 2, self.advantage_scale)  # validates the name now
+        self.dynamic_sampling, self.max_extra_draws = config.dynamic_sampling, config.max_extra_draws
+        self.mask_truncated_completions = config.mask_truncated_completions
         self.anchor = anchor
         self.tasks = list(rewards.tasks) if isinstance(rewards, MixtureRewards) else []
 

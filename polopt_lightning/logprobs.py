@@ -1,11 +1,19 @@
-"""Log-probabilities of chosen tokens without materialising a full-vocabulary log-softmax for the whole batch."""
+"""Log-probabilities of chosen tokens without materialising a full-vocabulary log-softmax for the whole batch, and
+the :class:`Scorer` that takes them for an experience's rows under the policy or the KL reference."""
 
 from __future__ import annotations
+
+from contextlib import nullcontext
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
 
 from ._hf import cache_argument, last_positions, output_cache, positions_from_mask
+from .models import evaluating, reference_context
+
+if TYPE_CHECKING:
+    from .experience import Experience
 
 # Elements of [rows, V] logits processed at once: temporaries stay at ~32 MiB in float32 whatever the batch and the
 # vocabulary (55 rows of a 151,936-token vocabulary; every row of a small one).
@@ -249,3 +257,55 @@ def _select_rows(cache, index: Tensor) -> None:
         return
     for layer in layers:
         layer.keys, layer.values = layer.keys.index_select(0, index), layer.values.index_select(0, index)
+
+
+class Scorer:
+    """The log-probs of an :class:`~polopt_lightning.experience.Experience`'s completions under the policy or the KL
+    reference, as the update's settings say: each prompt once per group (``share_prompt``), groups packed
+    (``pack_groups``), each completion with its own prompt under gradient checkpointing (checkpointed layers keep no
+    cache) while gradients are on.
+
+    Args:
+        policy: the policy.
+        ref_model: the reference copy, or ``None`` (none needed, or ``shared``).
+        shared_reference: the policy's own base with its adapters disabled is the reference.
+        config: the :class:`~polopt_lightning.update.UpdateConfig`.
+        temperature: the sampling temperature the log-probs are taken at.
+    """
+
+    def __init__(self, policy: nn.Module, ref_model: nn.Module | None, shared_reference: bool, config: Any,
+                 temperature: float) -> None:
+        self.policy, self.ref_model, self.shared_reference = policy, ref_model, shared_reference
+        self.config, self.temperature = config, temperature
+
+    def logprobs(self, model: nn.Module, exp: Experience, rows: Tensor | slice, width: int | None = None,
+                 with_entropy: bool = False) -> tuple[Tensor, Tensor | None]:
+        """Log-probs ``[n, width]`` of the completions ``rows`` under ``model`` (and their entropies if asked)."""
+        width = exp.completion_ids.shape[1] if width is None else width
+        args = (model, exp.prompt_ids[rows], exp.prompt_mask[rows], exp.completion_ids[rows, :width],
+                exp.completion_mask[rows, :width])
+        # checkpointed layers drop the cache the shared prompt is passed through; without gradient they keep it
+        checkpointed = self.config.gradient_checkpointing and model is self.policy and torch.is_grad_enabled()
+        with evaluating(model, keep_quantized=True) if model is self.ref_model else nullcontext():
+            if self.config.share_prompt and not checkpointed:
+                groups = exp.group_index[rows]
+                return shared_prompt_completion_logprobs(*args, groups, self.temperature, with_entropy=with_entropy,
+                                                         packed=self.packs(model, args[1].shape[1], width, groups))
+            return completion_logprobs(*args, self.temperature, with_entropy=with_entropy)
+
+    def packs(self, model: nn.Module, prompt_len: int, completion_len: int, groups: Tensor) -> bool:
+        """Whether these rows' groups run as packed sequences (``pack_groups``)."""
+        pack = self.config.pack_groups
+        if pack is False or not packing_supported(model):
+            return False
+        length, even = packed_length(prompt_len, completion_len, groups)
+        return bool(pack) or (even and length <= PACKED_MAX_TOKENS)
+
+    def reference(self, exp: Experience) -> Tensor:
+        """Log-probs ``[N, T]`` of every completion under the KL reference."""
+        if not self.shared_reference:
+            return self.logprobs(self.ref_model, exp, slice(None))[0]
+        # the policy's frozen base, adapters disabled; eval mode as a reference copy's pass, except the quantized
+        # layers, which keep the kernels the training forward uses (see `evaluating`)
+        with evaluating(self.policy, keep_quantized=True), reference_context(self.policy):
+            return self.logprobs(self.policy, exp, slice(None))[0]

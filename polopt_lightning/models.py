@@ -456,6 +456,32 @@ def quantized_copy(model: PreTrainedModel, quantization: Quantization, folder: s
     return prepare_quantized(quantized)
 
 
+def prepare_trainable(model: nn.Module) -> None:
+    """Check that ``model`` can be trained (a quantized base needs an adapter; some parameter needs gradients) and
+    prepare a quantized one (:func:`prepare_quantized`); a ValueError says what is missing."""
+    if is_quantized(model):
+        if not has_adapter(model):
+            raise ValueError(f"{type(model).__name__} has quantized weights and no adapter: they cannot be trained "
+                             "(set adapter=lora with quantization=int8/nf4 in the CLI, or wrap the model with "
+                             "peft.get_peft_model before passing it)")
+        prepare_quantized(model)
+    if not any(p.requires_grad for p in model.parameters()):
+        raise ValueError(f"{type(model).__name__} has no trainable parameter (requires_grad is False everywhere)")
+
+
+def enable_gradient_checkpointing(model: nn.Module, key: str = "gradient_checkpointing") -> None:
+    """The model's own activation checkpointing, non-reentrant; a model without it raises a ValueError naming
+    ``key``."""
+    if not getattr(model, "supports_gradient_checkpointing", False) and not hasattr(model, "base_model"):
+        raise ValueError(f"{key}=True: {type(model).__name__} does not support it (a transformers model with "
+                         "supports_gradient_checkpointing does)")
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5 (the old name is deprecated)
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
 def prepare_quantized(model: nn.Module) -> nn.Module:
     """Keep bitsandbytes' 4-bit layers trainable after they have run in eval mode.
 

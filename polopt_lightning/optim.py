@@ -6,11 +6,38 @@ optimizer against the parameters it trains (the adapter's alone under LoRA), aft
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from functools import partial
+from typing import Any
 
 import torch
 
+from .settings import check_ranges
+
 OPTIMIZERS = ("adamw", "adamw_8bit", "paged_adamw", "paged_adamw_8bit")
+RULES = {
+    "name": (lambda v: v in OPTIMIZERS, f"one of {OPTIMIZERS}"),
+    "lr": (lambda v: v > 0, "> 0"),
+    "weight_decay": (lambda v: v >= 0, ">= 0"),
+    "betas": (lambda v: len(v) == 2 and all(0 <= b < 1 for b in v), "two numbers in [0, 1)"),
+    "eps": (lambda v: v > 0, "> 0"),
+}
+
+
+def optimizer_factory(value: Callable[..., torch.optim.Optimizer] | Mapping[str, Any] | None,
+                      ) -> Callable[..., torch.optim.Optimizer]:
+    """The module's ``optimizer`` argument as a factory ``params -> Optimizer``: a callable as it is (a partial's
+    keywords checked), or :func:`build_optimizer` with the settings a dict gives (``None``: AdamW at its defaults).
+    A setting out of range raises a ValueError naming ``optimizer.<key>``."""
+    if value is None or isinstance(value, Mapping):
+        settings = dict(value or {})
+        check_ranges(settings, RULES, "optimizer")
+        return partial(build_optimizer, **settings)
+    if not callable(value):
+        raise TypeError(f"optimizer must be a factory params -> Optimizer, a dict of build_optimizer's settings or "
+                        f"None, got {type(value).__name__}")
+    check_ranges(getattr(value, "keywords", None) or {}, RULES, "optimizer")
+    return value
 
 
 def build_optimizer(

@@ -1,9 +1,11 @@
-"""The KL reference: which model it is (a frozen copy of the starting policy, cast or quantized, a given model, or the
-policy's own base with its adapters disabled) and building it once, at the module's construction."""
+"""The KL reference: its settings (:class:`ReferenceConfig`), which model it is (a frozen copy of the starting policy,
+cast or quantized, a given model, or the policy's own base with its adapters disabled) and building it once, at the
+module's construction."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -18,38 +20,65 @@ from .models import (
     reference_context,
     resolve_dtype,
 )
+from .settings import Settings
+
+
+@dataclass
+class ReferenceConfig(Settings):
+    """The KL reference (the module's ``reference`` argument, ``reference.*`` in the CLI). It is made when the
+    objective's ``beta > 0`` or ``track_kl`` is set. Default: for a policy with an adapter (peft), the policy itself
+    with its adapters disabled (its frozen base: no second copy of the weights); otherwise a frozen copy of the
+    policy taken at construction (or the module's ``ref_model``).
+
+    Args:
+        dtype: the reference copy's weights in this dtype (e.g. ``"bfloat16"``: half the memory and a faster pass on
+            GPUs and AMX CPUs, at bf16 rounding of the KL term); a given ``ref_model`` is cast in place.
+        quantization: the reference copy quantized (``"int8"``, ``"nf4"``, or :class:`~polopt_lightning.models.
+            Quantization` fields): a quarter to an eighth of its memory, for full fine-tuning (it never needs
+            gradients). A ``transformers`` policy only; not with an adapter, whose reference is its own base.
+        track_kl: log ``train/kl`` (k3, per token, against the reference) even when the objective's ``beta`` is 0, for
+            the collapse monitor: the reference is then made as for ``beta > 0`` (one more forward pass per rollout).
+    """
+
+    dtype: str | torch.dtype | None = None
+    quantization: Quantization | str | Mapping[str, Any] | None = None
+    track_kl: bool = False
+
+    KEY = "reference"
 
 
 def build_reference(model: nn.Module, uses_reference: bool, ref_model: nn.Module | None = None,
-                    ref_dtype: str | torch.dtype | None = None,
-                    ref_quantization: Quantization | str | Mapping[str, Any] | None = None,
+                    config: ReferenceConfig | Mapping[str, Any] | None = None,
                     ) -> tuple[nn.Module | None, bool, Quantization]:
     """The reference for the KL term of the policy ``model``: ``(copy, shared, quantization)``.
 
     ``copy`` is the model the reference pass runs (``None`` when none is needed or when it is shared); ``shared`` says
     the policy's own base, adapters disabled, is the reference (a policy with an adapter and no ``ref_model``: no copy
-    of the weights); ``quantization`` is ``ref_quantization`` resolved. Without ``uses_reference`` nothing is built.
-    A given ``ref_model`` is cast to ``ref_dtype`` in place; otherwise a frozen copy of ``model`` is taken, in
-    ``ref_dtype`` or quantized. Settings with nothing to act on, or that contradict each other, raise a ValueError
+    of the weights); ``quantization`` is ``config.quantization`` resolved. Without ``uses_reference`` nothing is built.
+    A given ``ref_model`` is cast to ``config.dtype`` in place; otherwise a frozen copy of ``model`` is taken, in
+    that dtype or quantized. Settings with nothing to act on, or that contradict each other, raise a ValueError
     naming the key.
     """
-    ref_torch_dtype = resolve_dtype(ref_dtype, "ref_dtype", auto=False)
-    ref_quant = as_quantization(ref_quantization, "ref_quantization")
+    config = ReferenceConfig.of(config)
+    ref_dtype = config.dtype
+    ref_torch_dtype = resolve_dtype(ref_dtype, "reference.dtype", auto=False)
+    ref_quant = as_quantization(config.quantization, "reference.quantization")
     if ref_quant.enabled and ref_torch_dtype is not None:
-        raise ValueError("ref_quantization and ref_dtype both set: a quantized reference computes in "
-                         "ref_quantization.compute_dtype; leave ref_dtype unset")
+        raise ValueError("reference.quantization and reference.dtype both set: a quantized reference computes in "
+                         "reference.quantization.compute_dtype; leave reference.dtype unset")
     # with an adapter, the adapter-disabled policy is the reference: the base the adapters started from
     shared = uses_reference and ref_model is None and reference_context(model) is not None
     if shared and (ref_torch_dtype is not None or ref_quant.enabled):
-        key, value = ("ref_dtype", ref_dtype) if ref_torch_dtype is not None else ("ref_quantization", ref_quant.mode)
+        key, value = (("reference.dtype", ref_dtype) if ref_torch_dtype is not None
+                      else ("reference.quantization", ref_quant.mode))
         raise ValueError(f"{key}={value!r} has nothing to act on: the policy has an adapter, so its reference is "
                          f"its own base with the adapter disabled (no copy to cast or quantize); leave {key} unset")
     reference = None
     if uses_reference and ref_model is not None:
         reference = ref_model
         if ref_torch_dtype is not None:
-            cast_weights(ref_model, ref_torch_dtype, "ref_dtype")
+            cast_weights(ref_model, ref_torch_dtype, "reference.dtype")
     elif uses_reference and not shared:
         reference = (quantized_copy(model, ref_quant).requires_grad_(False) if ref_quant.enabled
-                     else frozen_copy(model, ref_torch_dtype, "ref_dtype"))
+                     else frozen_copy(model, ref_torch_dtype, "reference.dtype"))
     return reference, shared, ref_quant

@@ -168,8 +168,8 @@ def check_strategy(kind: str, *, accelerator: str, quantized: str, micro_batch_t
                          "across processes, and bitsandbytes' packed weights cannot be split; use strategy=ddp (each "
                          "process holds the small quantized base) or quantization=none")
     if kind == "deepspeed" and micro_batch_tokens:
-        raise ValueError("module.micro_batch_tokens with strategy=deepspeed_zero2/3: DeepSpeed's engine expects one "
-                         "backward per optimizer step; set module.micro_batch_tokens=null")
+        raise ValueError("update.micro_batch_tokens with strategy=deepspeed_zero2/3: DeepSpeed's engine expects one "
+                         "backward per optimizer step; set update.micro_batch_tokens=null")
     if kind == "deepspeed" and optimizer and optimizer != "adamw":
         raise ValueError(f"optimizer={optimizer} with strategy=deepspeed_zero2/3: DeepSpeed partitions the optimizer "
                          "state itself; use optimizer=adamw")

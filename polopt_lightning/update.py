@@ -1,4 +1,4 @@
-"""The update's pieces that need no module: the order of a rollout's rows over mini-batches, the split of a
+"""The update: its settings (:class:`UpdateConfig`), the order of a rollout's rows over mini-batches, the split of a
 mini-batch into micro-batches (as many on every process), gradient accumulation without a reduction until the last
 piece, the global gradient norm and clipping by it, and the learning-rate schedule. The module's training step
 (:meth:`~polopt_lightning.PolicyOptimizationModule.accumulate_gradients`) puts them together."""
@@ -8,15 +8,82 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
 
 from .distributed import all_reduce, world_size
+from .logprobs import completion_logprobs
+from .objectives.base import k3_kl, masked_mean
+from .settings import Settings
 
 if TYPE_CHECKING:
     from .experience import Experience
+
+LR_SCHEDULES = ("constant", "linear", "cosine")
+
+
+@dataclass
+class UpdateConfig(Settings):
+    """How each rollout becomes optimizer steps (the module's ``update`` argument, ``update.*`` in the CLI).
+
+    Args:
+        num_iterations: passes over each rollout (``mu``); > 1 makes the update off-policy.
+        mini_batches: optimizer steps per pass; > 1 makes the update off-policy.
+        lr_schedule: ``"constant"``, ``"linear"`` or ``"cosine"`` decay over ``trainer.max_steps``, after
+            ``warmup_steps`` of linear warm-up; ``min_lr_ratio`` is the floor as a fraction of the optimizer's peak.
+        max_grad_norm: gradient clipping by global norm (``None`` or 0 disables).
+        micro_batch_tokens: bound on the tokens (prompt + completion) of one forward/backward; a mini-batch larger
+            than this is split and its gradients accumulated (same gradient, bounded memory). ``None``: no split.
+        gradient_checkpointing: recompute each decoder layer's activations in the backward pass instead of keeping
+            them (the model's own activation checkpointing, non-reentrant): less memory for about one more forward
+            pass. Checkpointed layers keep no cache, so the training pass then runs each completion with its own
+            prompt (the passes without gradient still share it). TRL's ``GRPOConfig`` turns it on by default.
+        share_prompt: run each prompt once per group in the training, reference and old-log-prob passes, the G
+            completions attending to its keys/values (same result, fewer FLOPs); off for models whose cache cannot
+            be gathered.
+        pack_groups: with ``share_prompt``, run each group as one packed sequence (its prompt, then its
+            completions, under a block mask: one product per layer over all its tokens; the same result within float
+            tolerance). ``None``: for groups of at most ``logprobs.PACKED_MAX_TOKENS`` packed tokens, where it pays
+            (docs/performance.md); ``True``: every group. Both need SDPA attention and no sliding-window layers, else
+            the prompt's keys/values are shared as before.
+        reuse_sampling_logprobs: off-policy updates take the sampler's log-probs as old log-probs instead of a
+            second forward pass, where they match the training numerics (dropout off, the sampler in the policy's
+            own precision); otherwise the pass runs, for every row but the first mini-batch's.
+        disable_dropout: dropout off in the policy (the peers' default; keeps importance ratios exact).
+    """
+
+    num_iterations: int = 1
+    mini_batches: int = 1
+    lr_schedule: str = "constant"
+    warmup_steps: int = 0
+    min_lr_ratio: float = 0.0
+    max_grad_norm: float | None = 1.0
+    micro_batch_tokens: int | None = None
+    gradient_checkpointing: bool = False
+    share_prompt: bool = True
+    pack_groups: bool | None = None
+    reuse_sampling_logprobs: bool = True
+    disable_dropout: bool = True
+
+    KEY = "update"
+    RULES = {
+        "num_iterations": (lambda v: v >= 1, ">= 1"),
+        "mini_batches": (lambda v: v >= 1, ">= 1"),
+        "lr_schedule": (lambda v: v in LR_SCHEDULES, f"one of {LR_SCHEDULES}"),
+        "warmup_steps": (lambda v: v >= 0, ">= 0"),
+        "min_lr_ratio": (lambda v: 0 <= v <= 1, "in [0, 1]"),
+        "max_grad_norm": (lambda v: v is None or v >= 0, ">= 0 or None"),
+        "micro_batch_tokens": (lambda v: v is None or v >= 1, ">= 1 or None"),
+    }
+
+    @property
+    def off_policy(self) -> bool:
+        """Whether the policy moves between sampling and some update: then old log-probs are needed."""
+        return self.num_iterations > 1 or self.mini_batches > 1
 
 
 def mini_batch_order(group_index: Tensor, seed: int, share_prompt: bool) -> Tensor:
@@ -146,3 +213,207 @@ def scale_gradients(model: nn.Module, max_norm: float, norm: Tensor) -> None:
         grads = [p.grad for p in model.parameters() if p.grad is not None]
         for device in dict.fromkeys(g.device for g in grads):
             torch._foreach_mul_([g for g in grads if g.device == device], factor.to(device))
+
+
+def clips_in_place(trainer: Any, policy: nn.Module, mesh: Any = None) -> bool:
+    """Whether clipping can scale the gradients by the norm :func:`grad_norm` measured, instead of Lightning's
+    ``clip_gradients`` measuring it again: gradients that no loss scaler holds scaled (``16-mixed`` has one), that no
+    DeepSpeed engine clips itself and that are whole on each process (FSDP2's are sharded DTensors, under a device
+    ``mesh``). Without a ``trainer``: yes. The same rule picks the optimizer's kernel, before any gradient exists
+    (Lightning's mixed-precision plugins refuse to clip for a fused optimizer)."""
+    if trainer is None:
+        return True
+    if getattr(trainer.precision_plugin, "scaler", None) is not None:
+        return False
+    if "deepspeed" in type(getattr(trainer, "strategy", None)).__name__.lower():
+        return False
+    if mesh is not None:
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return not any(isinstance(p, DTensor) or isinstance(p.grad, DTensor) for p in policy.parameters())
+
+
+class Updater:
+    """A rollout's optimizer steps (:meth:`run`): the old log-probs off-policy updates need, the reference's, the
+    mini-batches of every pass, each one's gradient accumulated over micro-batches with the objective's and the
+    anchor's backward (:meth:`accumulate`), a non-finite step skipped, clipping, the optimizer and schedule steps.
+
+    ``host`` is the :class:`~polopt_lightning.PolicyOptimizationModule` it updates, read when called: its ``policy``,
+    ``objective``, ``anchor``, ``update_config``, ``scorer``, ``engine`` (told of every optimizer step), and the
+    Lightning services it has from its Trainer (``manual_backward``, which applies the precision's and the strategy's
+    scaling; ``clip_gradients``; the strategy's model; ``global_step``).
+    """
+
+    def __init__(self, host: Any) -> None:
+        self.host = host
+
+    @property
+    def config(self) -> UpdateConfig:
+        return self.host.update_config
+
+    def _trainer(self) -> Any:
+        return self.host._trainer  # None outside a Trainer (the module's own property raises then)
+
+    def run(self, exp: Experience, optimizer: Any, scheduler: Any) -> dict[str, Tensor]:
+        """Every optimizer step of one rollout; returns their metrics (means; ``skipped_updates`` summed)."""
+        host, config = self.host, self.config
+        n = exp.completion_ids.shape[0]
+        if n < config.mini_batches:
+            raise ValueError(f"update.mini_batches={config.mini_batches} is more than the rollout's {n} completions "
+                             f"(prompts per batch x num_generations={host.num_generations})")
+        size = math.ceil(n / config.mini_batches)
+        # the mini-batch orders of every pass, drawn up front: the first mini-batch needs no old-log-prob pass
+        orders = [mini_batch_order(exp.group_index.cpu(), host.seed + host.global_step + i * config.mini_batches,
+                                   config.share_prompt) for i in range(config.num_iterations)]
+        own_old = False  # whether the first update records its rows' old log-probs itself
+        with torch.no_grad():
+            if config.off_policy:  # on-policy, old == current log-probs detached: no pass needed
+                if host.reuse_sampling_logprobs and host.engine.logprobs_match(host.policy):
+                    exp.old_logprobs = exp.sampling_logprobs
+                else:
+                    later = orders[0][size:].to(host.device)
+                    exp.old_logprobs = torch.zeros_like(exp.sampling_logprobs)
+                    if later.numel():  # none when one mini-batch holds the whole rollout (mu > 1)
+                        exp.old_logprobs[later] = host.scorer.logprobs(host.policy, exp, later)[0]
+                    own_old = True
+            if host.objective.beta > 0 or host.track_kl:  # only the KL term (or its tracking) needs the reference
+                exp.ref_logprobs = host.reference_logprobs(exp)
+
+        updates = [(i, start) for i in range(len(orders)) for start in range(0, n, size)]
+        # Lightning stops between training steps only: a rollout's updates stop at trainer.max_steps themselves, so
+        # max_steps=3 with 2 updates a rollout stops after the third update, not the fourth
+        trainer = self._trainer()
+        last = trainer.max_steps if trainer is not None and trainer.max_steps > 0 else None
+        if last is not None and host.global_step + len(updates) > last:
+            updates = updates[:max(last - host.global_step, 1)]
+            rank_zero_info(f"trainer.max_steps={last}: the last rollout makes {len(updates)} of its optimizer steps")
+        step_metrics = [self.step(exp, orders[i][start:start + size].to(host.device), optimizer, scheduler,
+                                  record_old=own_old and i == 0 and start == 0) for i, start in updates]
+        return {key: (torch.stack([m[key] for m in step_metrics]).sum() if key == "skipped_updates"
+                      else torch.stack([m[key] for m in step_metrics]).mean()) for key in step_metrics[0]}
+
+    def micro_batches(self, exp: Experience, rows: Tensor) -> list[Tensor]:
+        """The mini-batch ``rows`` in pieces of at most ``micro_batch_tokens`` tokens (:func:`micro_batches`), as many
+        on every process (:func:`even_pieces`)."""
+        pieces = micro_batches(exp, rows, self.config.micro_batch_tokens, self.config.share_prompt)
+        return even_pieces(pieces, self.host.policy, self.host.device)
+
+    def step(self, exp: Experience, rows: Tensor, optimizer: Any, scheduler: Any,
+             record_old: bool = False) -> dict[str, Tensor]:
+        """One optimizer step on the completions ``rows`` of the rollout (see :meth:`accumulate`)."""
+        host = self.host
+        optimizer.zero_grad(set_to_none=True)
+        metrics = host.accumulate_gradients(exp, rows, record_old)
+        # Under autocast (Lightning's *-mixed precisions wrap the whole training_step) the forward cached a low-precision
+        # copy of every trainable weight, kept until the context exits and never refreshed: the next mini-batch's
+        # forward, after this update, would run on the weights from before it (measured: the same output after an
+        # in-place change). Dropping the cache once the backward is done also frees that copy before the optimizer step.
+        torch.clear_autocast_cache()
+        metrics["grad_norm"] = grad_norm(host.policy)
+        # A non-finite loss or gradient never reaches the weights: the gradients are dropped, so the optimizer's step
+        # leaves every parameter and its state as they are (it skips parameters without a gradient) while the step
+        # still counts. `train/skipped_updates` says so, and the collapse monitor acts on it. The norm is the same on
+        # every process (gradients are reduced first), so all of them skip together.
+        finite = bool(torch.isfinite(metrics["grad_norm"])) and bool(torch.isfinite(metrics["loss"]))
+        metrics["skipped_updates"] = torch.tensor(0.0 if finite else 1.0, device=metrics["grad_norm"].device)
+        limit = self.config.max_grad_norm
+        if not finite:
+            optimizer.zero_grad(set_to_none=True)
+            rank_zero_warn(f"step {host.global_step}: non-finite loss ({float(metrics['loss']):.4g}) or gradient norm "
+                           f"({float(metrics['grad_norm']):.4g}); the update is skipped")
+        elif limit:
+            if self.clips_in_place():  # the norm is known: one scaling pass, and none when it is within the limit
+                scale_gradients(host.policy, limit, metrics["grad_norm"])
+            else:
+                host.clip_gradients(optimizer, gradient_clip_val=limit, gradient_clip_algorithm="norm")
+        optimizer.step()
+        host.engine.policy_updated(host.policy)
+        # gradients are not needed past the step: freeing them leaves their memory to the next rollout (which holds
+        # no activations but may hold a sampler copy or prepacked decoding weights)
+        optimizer.zero_grad(set_to_none=True)
+        scheduler.step()
+        return metrics
+
+    def clips_in_place(self) -> bool:
+        """:func:`clips_in_place` for the host's Trainer, policy and device mesh."""
+        return clips_in_place(self._trainer(), self.host.policy, getattr(self.host, "_device_mesh", None))
+
+    def _wrapped(self) -> nn.Module | None:
+        """The model as the strategy wraps it (DDP's wrapper), or ``None`` without a Trainer."""
+        trainer = self._trainer()
+        return trainer.strategy.model if trainer is not None else None
+
+    def accumulate(self, exp: Experience, rows: Tensor, record_old: bool = False) -> dict[str, Tensor]:
+        """Backward of the objective on the completions ``rows``, in micro-batches; returns the step's metrics.
+
+        ``record_old``: the policy has not moved since sampling, so these rows' old log-probs are their current
+        ones; they are used as such and stored in ``exp.old_logprobs`` for later passes.
+        """
+        host = self.host
+        objective, device = host.objective, host.device
+        full_mask = exp.completion_mask[rows]
+        # Under data parallelism each process holds its share of the mini-batch and the strategy averages the
+        # gradients over the W processes: dividing by the normaliser of the whole mini-batch (summed over processes)
+        # and multiplying by W gives exactly the gradient of one process holding every row. Token-level objectives
+        # thereby divide by the global token count, not by a mean of per-process means.
+        world = world_size()
+        total_weight = all_reduce(objective.normaliser(full_mask))
+        sums: dict[str, Tensor] = {}
+        entropy_sum = torch.zeros((), device=device)
+        pieces = self.micro_batches(exp, rows)
+        if host.anchor is not None:
+            sums.update(self.anchor_backward(exp, rows))
+        for k, micro in enumerate(pieces):
+            # trim padding past the longest completion of this piece (the objectives do not depend on the width)
+            width = max(int(exp.completion_mask[micro].sum(-1).max()), 1)
+            mask = exp.completion_mask[micro, :width]
+            with gradient_sync(self._wrapped(), host.policy, last=k == len(pieces) - 1):
+                logprobs, entropy = host.scorer.logprobs(host.policy, exp, micro, width, with_entropy=True)
+                if record_old:
+                    exp.old_logprobs[micro, :width] = logprobs.detach()
+                old = (logprobs.detach() if record_old or exp.old_logprobs is None
+                       else exp.old_logprobs[micro, :width])
+                ref = exp.ref_logprobs[micro, :width] if exp.ref_logprobs is not None else None
+                out = objective(logprobs=logprobs, old_logprobs=old, advantages=exp.advantages[micro], mask=mask,
+                                ref_logprobs=ref)
+                if ref is not None and "kl" not in out.metrics:  # track_kl: watched, not trained on
+                    valid = mask.bool()  # padding may hold -inf/NaN log-probs: zeros there, as the objectives do
+                    kl = k3_kl(torch.where(valid, logprobs.detach(), 0.0), torch.where(valid, ref, 0.0))
+                    out.metrics["kl"] = masked_mean(kl, valid)
+                # The loss is a sum over the mini-batch divided by the objective's normaliser: weighting each piece
+                # by its share of that normaliser makes the accumulated gradient exactly the full mini-batch's.
+                share = objective.normaliser(mask) / total_weight.clamp(min=1e-12)
+                host.manual_backward(out.loss * (share * world))
+            for key, value in {"loss": out.loss.detach(), **out.metrics}.items():
+                if key.endswith("_max"):
+                    sums[key] = torch.maximum(sums[key], value) if key in sums else value
+                else:
+                    sums[key] = sums.get(key, 0.0) + value * share
+            entropy_sum = entropy_sum + (entropy * mask).sum()
+        # every metric over the whole mini-batch: normaliser-weighted sums added up, maxima of maxima, and the
+        # entropy per token over every process's tokens
+        metrics = {key: all_reduce(value, "max" if key.endswith("_max") else "sum") for key, value in sums.items()}
+        tokens = all_reduce(full_mask.sum().to(entropy_sum))
+        metrics["entropy"] = all_reduce(entropy_sum.detach()) / tokens.clamp(min=1)
+        return metrics
+
+    def anchor_backward(self, exp: Experience, rows: Tensor) -> dict[str, Tensor]:
+        """Backward of ``lambda x NLL`` of the reference answers of the prompts that the completions ``rows`` answer
+        (one forward over those prompts; gradients accumulate with the objective's before they are reduced). The NLL is
+        the token mean over every process's prompts: each process divides its sum by the global count, times the
+        processes the strategy averages over. With ``lambda = 0`` the NLL is measured without a backward."""
+        host, anchor = self.host, self.host.anchor
+        groups = torch.unique(exp.group_index[rows])
+        first = groups * host.num_generations  # the rows of each group are contiguous, from group x G on
+        mask = exp.anchor_mask[groups]
+        width = max(int(mask.sum(-1).max()), 1)
+        mask, ids = mask[:, :width], exp.anchor_ids[groups, :width]
+        tokens = all_reduce(mask.sum().float())
+        with gradient_sync(self._wrapped(), host.policy, last=False), torch.set_grad_enabled(anchor.value > 0):
+            logprobs, _ = completion_logprobs(host.policy, exp.prompt_ids[first], exp.prompt_mask[first], ids, mask)
+            loss, nll = anchor.loss(logprobs, mask, tokens)
+            if anchor.value > 0:
+                host.manual_backward(loss * world_size())
+        # summed over the processes by the caller's reduction, like the objective's metrics: the global token mean
+        return {"anchor_nll": nll, "anchor_coef": torch.tensor(anchor.value / world_size(), device=host.device)}

@@ -168,12 +168,16 @@ def test_interleaved_trials_take_turns_step_by_step(tmp_path, monkeypatch):
 
 def test_an_implementations_overrides_reach_the_module_and_its_rollout_backend():
     """`polopt:KEY=JSON` overrides, older result files' names included: the Trainer's precision, the backend's
-    arguments (the CPU's levers under `cpu`, `rollout_dtype` as its dtype), the module's the rest."""
+    arguments (the CPU's levers under `cpu`, `rollout_dtype` as its dtype), the module's the rest (its arguments of
+    earlier releases under their concern, merged with the harness's own settings)."""
     precision, kwargs = throughput.module_overrides({"engine": {"packed_weights": False}, "rollout_dtype": "bfloat16",
-                                                      "precision": "bf16-mixed", "share_prompt": False})
+                                                      "precision": "bf16-mixed", "share_prompt": False,
+                                                      "ref_dtype": "bfloat16"})
     assert precision == "bf16-mixed"
-    assert kwargs == {"share_prompt": False,
+    assert kwargs == {"update": {"share_prompt": False}, "reference": {"dtype": "bfloat16"},
                       "rollout_engine": {"name": "hf", "cpu": {"packed_weights": False}, "dtype": "bfloat16"}}
+    merged = throughput.module_arguments({"update": {"mini_batches": 2}, "seed": 1}, kwargs)
+    assert merged["update"] == {"mini_batches": 2, "share_prompt": False} and merged["seed"] == 1
     from polopt_lightning.rollout import build_engine
 
     engine = build_engine(kwargs["rollout_engine"])

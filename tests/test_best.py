@@ -30,8 +30,8 @@ def _fit(tiny, arithmetic_rows, tmp_path, val_check_interval):
         return [float(len(c)) for c in completions]
 
     module = PolicyOptimizationModule(model, tok, reward_fns=[FadingAccuracy(first_calls=1), length],
-                                      reward_weights=[0.0, 1.0], num_generations=4,
-                                      generation={"max_new_tokens": 4}, lr=1e-2)
+                                      reward_weights=[0.0, 1.0], experience={"num_generations": 4},
+                                      generation={"max_new_tokens": 4}, optimizer={"lr": 1e-2})
     start = {k: v.clone() for k, v in module.policy.state_dict().items()}
     best = RolloutCheckpoint(dirpath=tmp_path, filename="best", monitor="val/accuracy", mode="max", save_top_k=1,
                              enable_version_counter=False, auto_insert_metric_name=False)

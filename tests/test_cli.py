@@ -12,7 +12,7 @@ from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-from polopt_lightning.cli import train
+from polopt_lightning.cli import MOVED_KEYS, train
 
 from .helpers import CONF, FAST, compose_with, run_cli, set_hydra
 
@@ -130,9 +130,9 @@ def test_train_function_writes_results_and_metrics(tmp_path):
 
 
 def test_precision_keys_reach_the_module(tmp_path):
-    """`rollout.dtype` / `module.ref_dtype` from the command line: validation, then off-policy RL with KL."""
-    cfg = compose_with(FAST + ["rollout.dtype=bfloat16", "module.ref_dtype=bf16", "objective.beta=0.04",
-                               "module.mini_batches=2", "trainer.max_steps=4"], tmp_path)
+    """`rollout.dtype` / `reference.dtype` from the command line: validation, then off-policy RL with KL."""
+    cfg = compose_with(FAST + ["rollout.dtype=bfloat16", "reference.dtype=bf16", "objective.beta=0.04",
+                               "update.mini_batches=2", "trainer.max_steps=4"], tmp_path)
     set_hydra(cfg)
     results = train(cfg)
     assert results["steps"] == 4 and results["val_accuracy_after"] is not None
@@ -143,8 +143,8 @@ def test_precision_keys_reach_the_module(tmp_path):
 
 def test_mixed_precision_with_checkpointing_from_the_command_line(tmp_path):
     """`trainer.precision=bf16-mixed` (what `trainer=gpu` sets) with clipping, off-policy, checkpointed layers."""
-    cfg = compose_with(FAST + ["trainer.precision=bf16-mixed", "module.gradient_checkpointing=true",
-                               "module.mini_batches=2", "module.max_grad_norm=1.0", "trainer.max_steps=4"], tmp_path)
+    cfg = compose_with(FAST + ["trainer.precision=bf16-mixed", "update.gradient_checkpointing=true",
+                               "update.mini_batches=2", "update.max_grad_norm=1.0", "trainer.max_steps=4"], tmp_path)
     set_hydra(cfg)
     results = train(cfg)
     assert results["steps"] == 4 and results["val_accuracy_after"] is not None
@@ -240,7 +240,7 @@ def test_last_checkpoint_is_written_every_n_optimizer_steps(tmp_path):
     assert CheckpointProbe.seen == {2: None, 4: None, 6: 4, 8: 4, 10: 8, 12: 8}, CheckpointProbe.seen
 
 
-QLORA = ["quantization=nf4", "adapter=lora", "adapter.r=4", "objective.beta=0.04", "module.mini_batches=2",
+QLORA = ["quantization=nf4", "adapter=lora", "adapter.r=4", "objective.beta=0.04", "update.mini_batches=2",
          "optimizer=adamw_8bit", "callbacks.checkpoint.every_n_train_steps=2"]
 
 
@@ -271,7 +271,7 @@ def test_qlora_from_the_command_line_resumes_and_exports(tmp_path):
 @pytest.mark.parametrize("overrides,message", [
     (["quantization=nf4"], "quantization=nf4 needs an adapter"),
     (["quantization=int8", "adapter=lora", "reference.quantization=nf4", "objective.beta=0.04"],
-     "ref_quantization='nf4' has nothing to act on"),
+     "reference.quantization='nf4' has nothing to act on"),
     (["adapter=lora", "optimizer=paged_adamw"], "optimizer.name=paged_adamw pages optimizer state through CUDA"),
     (["quantization.mode=int4"], "quantization.mode must be one of"),
     (["adapter=lora", "adapter.bias=some"], "adapter.bias must be none, all or lora_only"),
@@ -343,32 +343,41 @@ def test_resume_takes_the_runs_own_configuration_and_refuses_before_writing(tmp_
 
 
 def test_a_run_saved_with_the_old_keys_resumes_and_old_keys_on_the_command_line_still_work(tmp_path):
-    """Keys that moved (module.rollout_dtype -> rollout.dtype, module.onednn_linear -> accel.onednn_linear, ...): a
+    """Keys that moved (module.rollout_dtype -> rollout.dtype, module.mini_batches -> update.mini_batches, ...): a
     run saved before the move resumes with its settings, and a command line with the old names runs, saying so."""
     run = tmp_path / "run"
-    proc = run_cli(FAST + ["module.onednn_linear=false", "module.rollout_dtype=float32", "module.lr=1e-3", f"hydra.run.dir={run}"],
-                   tmp_path)
+    old_names = ["module.onednn_linear=false", "module.rollout_dtype=float32", "module.lr=1e-3", "module.mini_batches=1",
+                 "module.track_kl=true"]
+    proc = run_cli(FAST + old_names + [f"hydra.run.dir={run}"], tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert ("moved keys renamed: module.onednn_linear -> accel.onednn_linear, module.rollout_dtype -> rollout.dtype, "
-            "module.lr -> optimizer.lr") in proc.stderr
+            "module.lr -> optimizer.lr, module.mini_batches -> update.mini_batches, module.track_kl -> "
+            "reference.track_kl") in proc.stderr
     saved = OmegaConf.load(run / ".hydra" / "config.yaml")
     assert saved.accel.onednn_linear is False and saved.rollout.dtype == "float32" and saved.optimizer.lr == 1e-3
-    # the run as it was saved before the move: the old keys under module, no rollout or accel group
+    assert saved["update"].mini_batches == 1 and saved.reference.track_kl is True
+    # the run as it was saved before the moves: the old keys under module, no rollout/accel/update/experience group
     old = OmegaConf.to_container(saved)
-    old["module"].update(onednn_linear=False, keep_host_memory=None, rollout_dtype="float32", compile_rollout=False,
-                         lr=1e-3, weight_decay=0.0, betas=[0.9, 0.999])
+    old["module"] = {"onednn_linear": False, "keep_host_memory": None, "rollout_dtype": "float32",
+                     "compile_rollout": False, "lr": 1e-3, "weight_decay": 0.0, "betas": [0.9, 0.999],
+                     "ref_dtype": None, "track_kl": True,
+                     **{k: v for group in ("update", "experience") for k, v in old[group].items() if k != "_target_"}}
     old["optimizer"].update(lr="${module.lr}", weight_decay="${module.weight_decay}", betas="${module.betas}")
-    del old["rollout"], old["accel"]
+    old["reference"] = {"quantization": old["reference"]["quantization"]}
+    for group in ("rollout", "accel", "update", "experience"):
+        del old[group]
     OmegaConf.save(OmegaConf.create(old), run / ".hydra" / "config.yaml")
-    overrides = [o.replace("accel.onednn_linear", "module.onednn_linear").replace("rollout.dtype", "module.rollout_dtype")
-                 .replace("optimizer.lr", "module.lr")
+    back = {new: old_key for old_key, new in MOVED_KEYS.items()}
+    overrides = [back.get(o.split("=", 1)[0], o.split("=", 1)[0]) + "=" + o.split("=", 1)[1]
                  for o in OmegaConf.load(run / ".hydra" / "overrides.yaml")]
+    assert "module.num_generations=2" in overrides and "module.mini_batches=1" in overrides
     OmegaConf.save(OmegaConf.create(overrides), run / ".hydra" / "overrides.yaml")
     proc = run_cli([f"ckpt_path={run}/checkpoints/last.ckpt", "trainer.max_steps=4"], tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads((run / "results.json").read_text())["steps"] == 4
     resumed = OmegaConf.load(run / ".hydra" / "config.yaml")
     assert resumed.accel.onednn_linear is False and resumed.rollout.dtype == "float32" and resumed.optimizer.lr == 1e-3
+    assert resumed["update"].mini_batches == 1 and resumed.experience.num_generations == 2 and resumed.reference.track_kl
 
 
 def test_a_bad_module_setting_fails_before_the_warm_start_and_writes_no_checkpoint(tmp_path):
@@ -377,18 +386,28 @@ def test_a_bad_module_setting_fails_before_the_warm_start_and_writes_no_checkpoi
     assert "warm start" not in proc.stdout + proc.stderr and not (tmp_path / "run" / "checkpoints").exists()
 
 
-def test_the_progress_bar_shows_no_last_epoch_when_epochs_are_unbounded():
-    from types import SimpleNamespace
+@pytest.mark.parametrize("max_epochs,shown", [(-1, "Epoch 0 "), (3, "Epoch 0/2")])
+def test_the_progress_bar_shows_no_last_epoch_when_epochs_are_unbounded(tmp_path, tiny, arithmetic_rows, max_epochs,
+                                                                       shown):
+    """What the bar draws during a fit: `Epoch 0`, not rich's `Epoch 0/-2`, when epochs are unbounded."""
+    import io
+
+    from lightning.pytorch.utilities.imports import _RICH_AVAILABLE
 
     from polopt_lightning.callbacks import progress_bar
 
-    bar = progress_bar()
-    if not hasattr(bar, "_get_train_description"):
+    from .helpers import make
+
+    if not _RICH_AVAILABLE:
         pytest.skip("rich is not installed: Lightning's tqdm bar shows the epoch alone")
-    bar._trainer = SimpleNamespace(max_epochs=-1)
-    assert bar._get_train_description(1).strip() == "Epoch 1"
-    bar._trainer = SimpleNamespace(max_epochs=3)
-    assert bar._get_train_description(1).strip() == "Epoch 1/2"
+    screen = io.StringIO()
+    module, dm = make(tiny, arithmetic_rows)
+    L.Trainer(max_steps=1, max_epochs=max_epochs, accelerator="cpu", logger=False, enable_checkpointing=False,
+              enable_model_summary=False, limit_val_batches=0, default_root_dir=tmp_path,
+              callbacks=[progress_bar(console_kwargs={"file": screen, "force_terminal": True, "width": 100})],
+              ).fit(module, datamodule=dm)
+    drawn = screen.getvalue()
+    assert shown in drawn and "/-2" not in drawn, drawn[-500:]
 
 
 def test_every_process_torchrun_started_resumes_with_the_runs_overrides(tmp_path, monkeypatch):

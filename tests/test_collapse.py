@@ -96,13 +96,13 @@ def test_rollback_restores_weights_and_optimizer_exactly_and_scales_the_rate(tmp
     monitor = CollapseMonitor(dirpath=tmp_path, lr_scale=0.5, max_rollbacks=1, actions={"val_drop": "rollback"},
                               val_patience=1)
     trainer = _trainer(module, optimizer, scheduler, step=3)
-    monitor._keep_healthy(trainer, module)
+    monitor.keep_healthy(trainer, module)
     weights = {k: v.clone() for k, v in module.state_dict().items()}
     state = {k: {n: t.clone() for n, t in v.items()} for k, v in optimizer.state_dict()["state"].items()}
     train(5)
     assert not torch.equal(module.weight, weights["weight"])
     monitor.rules.observe_validation(8, 8, {"val/accuracy": 0.9})
-    monitor._handle(trainer, module, monitor.rules.observe_validation(9, 9, {"val/accuracy": 0.1}))
+    monitor.handle(trainer, module, monitor.rules.observe_validation(9, 9, {"val/accuracy": 0.1}))
     assert monitor.rollbacks == 1 and not trainer.should_stop
     for k, v in module.state_dict().items():
         assert torch.equal(v, weights[k]), k
@@ -114,7 +114,7 @@ def test_rollback_restores_weights_and_optimizer_exactly_and_scales_the_rate(tmp
     assert optimizer.param_groups[0]["lr"] == pytest.approx(5e-3)  # the schedule keeps the scaled rate
     # the limit: the next rollback stops the run instead
     monitor.rules.observe_validation(10, 10, {"val/accuracy": 0.9})
-    monitor._handle(trainer, module, monitor.rules.observe_validation(11, 11, {"val/accuracy": 0.1}))
+    monitor.handle(trainer, module, monitor.rules.observe_validation(11, 11, {"val/accuracy": 0.1}))
     assert trainer.should_stop and monitor.rollbacks == 1
     lines = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
     assert [(e["rule"], e["action"]) for e in lines] == [("val_drop", "rollback"), ("val_drop", "stop")]
@@ -163,7 +163,7 @@ def test_a_non_finite_step_leaves_weights_and_optimizer_untouched(tiny, arithmet
                 out.loss = out.loss * float("nan")
             return out
 
-    module, dm = make(tiny, arithmetic_rows, objective=NaNOnSecondCall(), mini_batches=1, num_iterations=1)
+    module, dm = make(tiny, arithmetic_rows, objective=NaNOnSecondCall(), update={"mini_batches": 1, "num_iterations": 1})
     snapshots = []
 
     class Snapshot(L.Callback):
@@ -206,7 +206,7 @@ def test_track_kl_logs_the_kl_without_training_on_it(tiny, arithmetic_rows, tmp_
 
     from .helpers import make
 
-    module, dm = make(tiny, arithmetic_rows, track_kl=True)
+    module, dm = make(tiny, arithmetic_rows, reference={"track_kl": True})
     assert module.ref_model is not None and module.objective.beta == 0
     L.Trainer(max_steps=4, accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
               enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0).fit(module, datamodule=dm)

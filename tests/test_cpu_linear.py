@@ -152,7 +152,7 @@ def test_a_training_step_gives_the_same_loss_and_gradients(monkeypatch):
     results = {}
     for use in (False, True):
         module = PolicyOptimizationModule(copy.deepcopy(model), tok, objective={"name": "grpo", "beta": 0.04},
-                                          reward_fns=[ExactMatchReward()], num_generations=2, accel={"onednn_linear": use},
+                                          reward_fns=[ExactMatchReward()], experience={"num_generations": 2}, accel={"onednn_linear": use},
                                           generation={"max_new_tokens": 4, "min_new_tokens": 4}, seed=0)
         module.manual_backward = lambda loss: loss.backward()  # no Trainer here
         with module.accel.compute(module.policy, module.device):
@@ -228,6 +228,6 @@ def test_under_autocast_the_fp32_policy_samples_itself_through_onednn(monkeypatc
             assert engine.sampling_dtype(model) == torch.float32 and engine.sampling_model(model) is model
             assert not engine.logprobs_match(model)  # the training pass computes in bf16
             got = engine.generate(model, ids, mask, 2, sampling, tok.eos_token_id, tok.pad_token_id)
-    assert calls and engine._sampler is None  # through the mode (oneDNN, the few-row kernel), and no copy was made
+    assert calls and engine.sampling_copy is None  # through the mode (oneDNN, the few-row kernel), and no copy was made
     assert torch.equal(got.completion_ids, plain.completion_ids)
     assert close(got.sampling_logprobs, plain.sampling_logprobs, rel=1e-4)

@@ -90,7 +90,7 @@ def test_ddp_cpu_from_the_command_line(objective, tmp_path):
 def test_two_process_resume_continues_every_process(strategy, tmp_path):
     """Every process's random states come back: a 2-process run resumed from its checkpoint logs what the
     uninterrupted one does (FSDP2: the sharded weights and optimizer state gathered into one file and back)."""
-    args = FAST + [f"strategy={strategy}", "trainer.devices=2", "num_threads=1", "task.val_size=9", "data.batch_size=3", "module.num_generations=3",
+    args = FAST + [f"strategy={strategy}", "trainer.devices=2", "num_threads=1", "task.val_size=9", "data.batch_size=3", "experience.num_generations=3",
                    "callbacks.checkpoint.every_n_train_steps=2", "optimizer.lr=1e-3"]
     whole = run_cli(args + ["trainer.max_steps=6", f"hydra.run.dir={tmp_path}/whole"], tmp_path)
     assert whole.returncode == 0, whole.stderr[-3000:]
@@ -229,7 +229,7 @@ def test_strategy_group_builds_lightning_strategies(tmp_path):
     (["strategy=fsdp", "strategy.process_group_backend=nccl"], "strategy.process_group_backend=gloo"),
     (["strategy=deepspeed_zero3"], "needs CUDA devices"),
     (["strategy=fsdp", "trainer=gpu", "quantization=nf4", "adapter=lora"], "quantization=nf4 with strategy=fsdp"),
-    (["strategy=deepspeed_zero2", "trainer=gpu", "module.micro_batch_tokens=512"], "module.micro_batch_tokens"),
+    (["strategy=deepspeed_zero2", "trainer=gpu", "update.micro_batch_tokens=512"], "update.micro_batch_tokens"),
     (["strategy=deepspeed_zero2", "trainer=gpu", "optimizer=adamw_8bit"], "optimizer=adamw_8bit"),
 ])
 def test_impossible_strategies_are_refused_naming_their_keys(overrides, message, tmp_path):

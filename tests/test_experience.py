@@ -23,8 +23,8 @@ def draw(lengths, finished=None, G=2):
 
 def test_dynamic_sampling_keeps_the_groups_with_a_signal_and_draws_until_the_batch_is_full(tiny):
     _, tok = tiny
-    maker = ExperienceMaker(tok, RewardComposer([length]), num_generations=2, advantage_scale="group",
-                            dynamic_sampling=True, max_extra_draws=1)
+    maker = ExperienceMaker(tok, RewardComposer([length]), {"num_generations": 2, "advantage_scale": "group",
+                                                              "dynamic_sampling": True, "max_extra_draws": 1})
     draws = iter([draw([1, 3, 2, 2]), draw([1, 2, 3, 3])])  # groups: signal, none; then signal, none
     batch = {"prompt_ids": torch.ones(2, 1), "prompts": ["a", "b"]}
     exp, metrics = maker.make(batch, lambda prompts: next(draws), lambda: batch, torch.device("cpu"))
@@ -40,8 +40,8 @@ def test_dynamic_sampling_keeps_the_groups_with_a_signal_and_draws_until_the_bat
 
 def test_overlong_filtering_masks_the_truncated_completions(tiny):
     _, tok = tiny
-    maker = ExperienceMaker(tok, RewardComposer([length]), num_generations=2, advantage_scale="none",
-                            mask_truncated_completions=True)
+    maker = ExperienceMaker(tok, RewardComposer([length]), {"num_generations": 2, "advantage_scale": "none",
+                                                              "mask_truncated_completions": True})
     exp, _ = maker.make({"prompt_ids": torch.ones(1, 1), "prompts": ["a"]},
                         lambda prompts: draw([2, 3], finished=[True, False]), lambda: None, torch.device("cpu"))
     assert exp.completion_mask.sum(-1).tolist() == [2, 0]

@@ -55,9 +55,9 @@ def trained_module(tiny, tmp_path, beta=0.04):
     data = PromptDataModule(train=train, val=val, tokenizer=tok, batch_size=2)
     # the tiny model scores 0 on both arithmetic rewards: without a reward that varies, the weights would move only
     # by the KL term's float noise (none once the reference and training passes round alike)
-    module = PolicyOptimizationModule(model, tok, objective={"name": "grpo", "beta": beta}, lr=1e-3,
+    module = PolicyOptimizationModule(model, tok, objective={"name": "grpo", "beta": beta}, optimizer={"lr": 1e-3},
                                       reward_fns=[ExactMatchReward(), DigitMatchReward(), distinct_chars],
-                                      num_generations=4, generation={"max_new_tokens": 3})
+                                      experience={"num_generations": 4}, generation={"max_new_tokens": 3})
     trainer = L.Trainer(max_steps=3, accelerator="cpu", logger=False, enable_progress_bar=False,
                         enable_model_summary=False, enable_checkpointing=False, default_root_dir=str(tmp_path))
     before = [p.detach().clone() for p in model.parameters()]
@@ -164,8 +164,8 @@ def test_a_loaded_policy_trains_in_training_mode(tiny, tmp_path):
     tok.save_pretrained(tmp_path / "m")
     loaded, tok = load_pretrained(str(tmp_path / "m"), dtype="float32")
     assert not loaded.training  # what transformers hands over
-    module = PolicyOptimizationModule(loaded, tok, reward_fns=[ExactMatchReward()], num_generations=2,
-                                      generation={"max_new_tokens": 2}, gradient_checkpointing=True)
+    module = PolicyOptimizationModule(loaded, tok, reward_fns=[ExactMatchReward()], experience={"num_generations": 2},
+                                      generation={"max_new_tokens": 2}, update={"gradient_checkpointing": True})
     assert all(m.training for m in module.policy.modules())
     batch = PromptDataModule(train=[{"prompt": "1+1=", "answer": "2"}], tokenizer=tok, batch_size=1).collate(
         [{"prompt": "1+1=", "answer": "2"}])

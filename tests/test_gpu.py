@@ -29,8 +29,8 @@ def test_qlora_on_cuda_with_bitsandbytes_optimizers(tmp_path, optimizer):
     policy = prepare_policy(base, quant, Adapter(kind="lora", r=8))
     train, val = ArithmeticTask(digits=1, train_size=40, val_size=8).splits()
     data = PromptDataModule(train=train, val=val, tokenizer=tok, batch_size=2)
-    module = PolicyOptimizationModule(policy, tok, objective={"name": "gspo", "beta": 0.04}, mini_batches=2,
-                                      reward_fns=[distinct_chars, ExactMatchReward()], num_generations=4,
+    module = PolicyOptimizationModule(policy, tok, objective={"name": "gspo", "beta": 0.04}, update={"mini_batches": 2},
+                                      reward_fns=[distinct_chars, ExactMatchReward()], experience={"num_generations": 4},
                                       generation={"max_new_tokens": 4},
                                       optimizer=partial(build_optimizer, name=optimizer, lr=1e-2))
     assert module.ref_model is None and module.shared_reference
@@ -51,7 +51,7 @@ def test_qlora_on_cuda_with_bitsandbytes_optimizers(tmp_path, optimizer):
 # they also run across processes.
 STRATEGY_RUN = ["trainer=gpu", "trainer.precision=32-true", "model.hidden_size=64", "model.num_layers=2",
                 "model.num_heads=2", "model.intermediate_size=128", "task.digits=1", "task.train_size=40",
-                "task.val_size=8", "data.batch_size=2", "module.num_generations=4", "generation.max_new_tokens=4",
+                "task.val_size=8", "data.batch_size=2", "experience.num_generations=4", "generation.max_new_tokens=4",
                 "warm_start.steps=3", "warm_start.batch_size=4", "trainer.max_steps=4",
                 "trainer.enable_progress_bar=false", "optimizer.lr=1e-3"]
 

@@ -11,7 +11,7 @@ import torch
 from polopt_lightning import PolicyOptimizationModule, PromptDataModule
 from polopt_lightning.objectives import GRPO, GSPO
 
-from .helpers import make, trainer
+from .helpers import distinct_chars, make, trainer
 
 REQUIRED = ["train/reward", "train/reward_std", "train/rewards/digit_match/mean", "train/rewards/exact_match/mean",
             "train/frac_zero_std", "train/entropy", "train/clip_frac", "train/completion_len", "train/grad_norm",
@@ -20,7 +20,7 @@ REQUIRED = ["train/reward", "train/reward_std", "train/rewards/digit_match/mean"
 
 @pytest.mark.parametrize("objective", [GRPO(), GSPO()], ids=["grpo", "gspo"])
 def test_drop_in_trainer_updates_and_logs(tmp_path, tiny, arithmetic_rows, objective):
-    module, dm = make(tiny, arithmetic_rows, objective=objective, mini_batches=2)
+    module, dm = make(tiny, arithmetic_rows, objective=objective, update={"mini_batches": 2})
     before = [p.detach().clone() for p in module.policy.parameters()]
     t = trainer(tmp_path, steps=4, val_check_interval=1, check_val_every_n_epoch=None)
     t.validate(module, datamodule=dm, verbose=False)  # validating before fit, then during fit, must both work
@@ -44,7 +44,7 @@ def test_drop_in_trainer_updates_and_logs(tmp_path, tiny, arithmetic_rows, objec
 
 
 def test_kl_reference_and_off_policy_updates(tmp_path, tiny, arithmetic_rows):
-    module, dm = make(tiny, arithmetic_rows, objective=GRPO(beta=0.1), num_iterations=2, mini_batches=2)
+    module, dm = make(tiny, arithmetic_rows, objective=GRPO(beta=0.1), update={"num_iterations": 2, "mini_batches": 2})
     assert module.ref_model is not None and not any(p.requires_grad for p in module.ref_model.parameters())
     ref_before = [p.clone() for p in module.ref_model.parameters()]
     t = trainer(tmp_path, steps=4)
@@ -63,8 +63,7 @@ def test_dynamic_sampling_drops_constant_groups(tmp_path, tiny, arithmetic_rows)
         # first draw: every group constant (no signal); later draws: distinct rewards
         return [0.0] * len(completions) if calls["n"] == 1 else [float(i % 2) for i in range(len(completions))]
 
-    module, dm = make(tiny, arithmetic_rows, reward_fns=[constant_for_first_draw], dynamic_sampling=True,
-                      max_extra_draws=2)
+    module, dm = make(tiny, arithmetic_rows, reward_fns=[constant_for_first_draw], experience={"dynamic_sampling": True, "max_extra_draws": 2})
     t = trainer(tmp_path, steps=1)
     t.fit(module, datamodule=dm)
     assert float(t.logged_metrics["train/dynamic_sampling/dropped_groups"]) == 4
@@ -91,18 +90,21 @@ def test_checkpoint_resumes(tmp_path, tiny, arithmetic_rows):
 @pytest.mark.parametrize(
     "kwargs,error,match",
     [
-        ({"num_generations": 1}, ValueError, "num_generations must be >= 2"),
+        ({"experience": {"num_generations": 1}}, ValueError, "experience.num_generations must be >= 2"),
         ({"objective": "ppo"}, KeyError, "unknown objective 'ppo'; known objectives: dapo, dr_grpo, grpo, gspo"),
-        ({"mini_batches": 0}, ValueError, "mini_batches"),
+        ({"update": {"mini_batches": 0}}, ValueError, "update.mini_batches must be >= 1"),
         ({"reward_fns": None}, ValueError, "reward_fns is required"),
         ({"accuracy_reward": "nope"}, ValueError, "accuracy_reward='nope'"),
-        ({"advantage_scale": "std"}, ValueError, "scale must be one of"),
-        ({"lr_schedule": "step"}, ValueError, "lr_schedule"),
-        ({"lr": -1.0}, ValueError, "lr must be > 0, got -1.0"),
-        ({"betas": (0.9, 1.5)}, ValueError, r"betas must be two numbers in \[0, 1\), got \(0.9, 1.5\)"),
-        ({"min_lr_ratio": 2}, ValueError, r"min_lr_ratio must be in \[0, 1\]"),
-        ({"warmup_steps": -1}, ValueError, "warmup_steps must be >= 0"),
-        ({"micro_batch_tokens": 0}, ValueError, "micro_batch_tokens must be >= 1 or None"),
+        ({"experience": {"advantage_scale": "std"}}, ValueError, "experience.advantage_scale must be one of"),
+        ({"update": {"lr_schedule": "step"}}, ValueError, "update.lr_schedule must be one of"),
+        ({"optimizer": {"lr": -1.0}}, ValueError, "optimizer.lr must be > 0, got -1.0"),
+        ({"optimizer": {"betas": (0.9, 1.5)}}, ValueError,
+         r"optimizer.betas must be two numbers in \[0, 1\), got \(0.9, 1.5\)"),
+        ({"update": {"min_lr_ratio": 2}}, ValueError, r"update.min_lr_ratio must be in \[0, 1\]"),
+        ({"update": {"warmup_steps": -1}}, ValueError, "update.warmup_steps must be >= 0"),
+        ({"update": {"micro_batch_tokens": 0}}, ValueError, "update.micro_batch_tokens must be >= 1 or None"),
+        ({"update": {"mini_batch": 2}}, ValueError, "update: unknown settings \\['mini_batch'\\]"),
+        ({"mini_batch": 2}, TypeError, "unexpected keyword argument 'mini_batch'"),
     ],
 )
 def test_bad_module_input(tiny, arithmetic_rows, kwargs, error, match):
@@ -111,8 +113,8 @@ def test_bad_module_input(tiny, arithmetic_rows, kwargs, error, match):
 
 
 def test_too_many_mini_batches_for_the_rollout(tmp_path, tiny, arithmetic_rows):
-    module, dm = make(tiny, arithmetic_rows, mini_batches=64)
-    with pytest.raises(ValueError, match="mini_batches=64 .* 16 completions"):
+    module, dm = make(tiny, arithmetic_rows, update={"mini_batches": 64})
+    with pytest.raises(ValueError, match="update.mini_batches=64 .* 16 completions"):
         trainer(tmp_path, steps=1).fit(module, datamodule=dm)
 
 
@@ -134,7 +136,7 @@ def test_validation_means_leave_none_rewards_out(tmp_path, tiny):
 
     rows = [{"prompt": f"{i}+1=", "idx": i} for i in range(8)]
     dm = PromptDataModule(train=rows, val=rows, tokenizer=tok, batch_size=4, val_batch_size=4)
-    module = PolicyOptimizationModule(model, tok, reward_fns=[half_none], num_generations=2,
+    module = PolicyOptimizationModule(model, tok, reward_fns=[half_none], experience={"num_generations": 2},
                                       generation={"max_new_tokens": 2})
     results = trainer(tmp_path, steps=1).validate(module, datamodule=dm, verbose=False)[0]
     assert results["val/accuracy"] == pytest.approx(0.5)  # samples 4..7 only; the all-None batch is left out
@@ -188,8 +190,8 @@ from polopt_lightning.rewards import ExactMatchReward
 model, tok = build_tiny_model(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64)
 train, _ = ArithmeticTask(digits=1, train_size=20, val_size=4).splits()
 data = PromptDataModule(train=train, tokenizer=tok, batch_size=2)
-module = PolicyOptimizationModule(model, tok, reward_fns=[ExactMatchReward()], num_generations=2, mini_batches=2,
-                                  generation={"max_new_tokens": 3})
+module = PolicyOptimizationModule(model, tok, reward_fns=[ExactMatchReward()], experience={"num_generations": 2},
+                                  update={"mini_batches": 2}, generation={"max_new_tokens": 3})
 trainer = L.Trainer(max_steps=3, accelerator="cpu", logger=False, enable_checkpointing=False,
                     enable_progress_bar=False, enable_model_summary=False)
 trainer.fit(module, datamodule=data)
@@ -209,14 +211,32 @@ def test_a_drop_in_run_stops_at_max_steps_and_prints_no_dependency_deprecation(t
     assert "LeafSpec" not in proc.stderr and "Warning" not in proc.stderr, proc.stderr
 
 
-def test_the_hyperparameters_name_the_learning_rate_the_optimizer_uses(tiny, arithmetic_rows):
-    """With an optimizer factory (what polopt-train gives: optimizer.lr is the one home of the learning rate) the
-    saved hyperparameters hold the factory's settings, not the module's unused lr default."""
+def test_the_hyperparameters_hold_each_concerns_settings(tiny, arithmetic_rows):
+    """The saved hyperparameters hold the settings each concern was given (the optimizer's: the factory's keywords,
+    optimizer.lr being the learning rate's one home), not defaults that were never used."""
     from functools import partial
 
     from polopt_lightning.optim import build_optimizer
 
-    module, _ = make(tiny, arithmetic_rows, optimizer=partial(build_optimizer, name="adamw", lr=3e-4, betas=(0.9, 0.99)))
+    module, _ = make(tiny, arithmetic_rows, optimizer=partial(build_optimizer, name="adamw", lr=3e-4, betas=(0.9, 0.99)),
+                     update={"mini_batches": 2}, reference={"dtype": "bfloat16"})
     assert "lr" not in module.hparams and module.hparams["optimizer"] == {"name": "adamw", "lr": 3e-4,
                                                                           "betas": [0.9, 0.99]}
-    assert make(tiny, arithmetic_rows, lr=2e-3)[0].hparams["lr"] == 2e-3  # no factory: the module's own AdamW
+    assert module.hparams["update"]["mini_batches"] == 2 and module.hparams["experience"]["num_generations"] == 4
+    assert module.hparams["reference"] == {"dtype": "bfloat16", "quantization": "none", "track_kl": False}
+    assert make(tiny, arithmetic_rows, optimizer={"lr": 2e-3})[0].hparams["optimizer"] == {"lr": 2e-3}
+
+
+def test_the_keyword_arguments_of_earlier_releases_still_work_with_a_warning(tiny, arithmetic_rows):
+    """num_generations=, mini_batches=, ref_dtype=, lr=, ... (before the concerns' configs): the same settings, and a
+    FutureWarning naming each one's new place."""
+    model, tok = tiny
+    with pytest.warns(FutureWarning, match=r"mini_batches= is now update.mini_batches, ref_dtype= is now "
+                                           r"reference.dtype, lr= is now optimizer.lr"):
+        old = PolicyOptimizationModule(model, tok, reward_fns=[distinct_chars], update={"num_iterations": 2},
+                                       mini_batches=2, ref_dtype="bfloat16", lr=2e-3, objective={"beta": 0.1,
+                                                                                               "name": "grpo"})
+    assert old.update_config.mini_batches == 2 and old.update_config.num_iterations == 2
+    assert old.reference_config.dtype == "bfloat16" and old.optimizer_factory.keywords == {"lr": 2e-3}
+    with pytest.raises(ValueError, match="lr= beside an optimizer factory"), pytest.warns(FutureWarning):
+        PolicyOptimizationModule(model, tok, reward_fns=[distinct_chars], optimizer=torch.optim.SGD, lr=1.0)

@@ -307,7 +307,7 @@ def test_module_anchor_adds_lambda_times_the_reference_nll_gradient(tiny):
 
     def grads(anchor):
         module = PolicyOptimizationModule(copy.deepcopy(model), tok, reward_fns=[ExactMatchReward()],
-                                          num_generations=2, anchor=anchor, seed=0)
+                                          experience={"num_generations": 2}, anchor=anchor, seed=0)
         module.manual_backward = lambda loss: loss.backward()  # no Trainer here
         exp, _ = module.make_experience(batch)
         metrics = module.accumulate_gradients(exp, torch.arange(exp.completion_ids.shape[0]))
@@ -379,8 +379,8 @@ def _mixture_run(tiny, tmp_path, max_steps, ckpt=None, save_every=None):
     mixture = TaskMixture({"sort": SortTask(train_size=30, val_size=0, length=3),
                            "reverse": ReverseTask(train_size=20, val_size=0, length=3)})
     dm = PromptDataModule(task=mixture, tokenizer=tok, batch_size=3, seed=0)
-    module = PolicyOptimizationModule(copy.deepcopy(model), tok, reward_fns=mixture.rewards(), num_generations=3,
-                                      generation={"max_new_tokens": 4}, lr=1e-3, anchor={"coef": 0.1}, seed=0)
+    module = PolicyOptimizationModule(copy.deepcopy(model), tok, reward_fns=mixture.rewards(), experience={"num_generations": 3},
+                                      generation={"max_new_tokens": 4}, optimizer={"lr": 1e-3}, anchor={"coef": 0.1}, seed=0)
     record, weights = _Record(), TaskWeightScheduler("signal", smoothing=0.5, floor=0.1)
     callbacks = [record, weights]
     if save_every:
@@ -415,7 +415,7 @@ def test_file_tasks_mix_in_with_their_own_rewards(tmp_path, tiny):
 
 # --- the CLI --------------------------------------------------------------------------------------------------------
 MIXTURE_FAST = ["model.hidden_size=16", "model.num_layers=1", "model.num_heads=2", "model.intermediate_size=32",
-                "experiment=multitask", "data.batch_size=3", "module.num_generations=2", "generation.max_new_tokens=4",
+                "experiment=multitask", "data.batch_size=3", "experience.num_generations=2", "generation.max_new_tokens=4",
                 "warm_start.steps=3", "warm_start.batch_size=4", "trainer.max_steps=8", "trainer.val_check_interval=2",
                 "trainer.enable_progress_bar=false",
                 *(f"task.tasks.{t}.{k}={n}" for t in ("sort", "reverse", "count")
@@ -487,7 +487,7 @@ def test_adaptive_anchor_lambda_travels_in_the_checkpoint(tiny):
     model, tok = tiny
 
     def make():
-        return PolicyOptimizationModule(copy.deepcopy(model), tok, reward_fns=[ExactMatchReward()], num_generations=2,
+        return PolicyOptimizationModule(copy.deepcopy(model), tok, reward_fns=[ExactMatchReward()], experience={"num_generations": 2},
                                         anchor={"coef": 0.1, "schedule": "adaptive"})
 
     first = make()

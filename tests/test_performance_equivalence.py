@@ -23,9 +23,8 @@ def varied(prompts, completions, **kw):
 
 def experience(objective, mini_batches=1, num_iterations=1):
     model, tok = build_tiny_model(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64, seed=1)
-    module = PolicyOptimizationModule(model, tok, objective=objective, reward_fns=[varied], num_generations=4,
-                                      mini_batches=mini_batches, num_iterations=num_iterations,
-                                      generation={"max_new_tokens": 6}, seed=3)
+    module = PolicyOptimizationModule(model, tok, objective=objective, reward_fns=[varied], experience={"num_generations": 4},
+                                      update={"mini_batches": mini_batches, "num_iterations": num_iterations}, generation={"max_new_tokens": 6}, seed=3)
     enc = tok(["12+34=", "5+6=", "100+200+3="], padding=True, return_tensors="pt")
     batch = {"prompt_ids": enc.input_ids, "prompt_mask": enc.attention_mask, "prompts": ["12+34=", "5+6=", "100+200+3="],
              "columns": {}}
@@ -34,14 +33,14 @@ def experience(objective, mini_batches=1, num_iterations=1):
         if module.off_policy:
             exp.old_logprobs = exp.sampling_logprobs + 0.05 * torch.randn_like(exp.sampling_logprobs)
         if module.objective.beta > 0:
-            exp.ref_logprobs = module.sequence_logprobs(module.ref_model, exp, slice(None))[0]
+            exp.ref_logprobs = module.scorer.logprobs(module.ref_model, exp, slice(None))[0]
     return module, exp
 
 
 def gradients(module, exp, rows, **settings):
     module = copy.deepcopy(module)
-    for key, value in settings.items():
-        setattr(module, key, value)
+    for key, value in settings.items():  # the update's settings
+        setattr(module.update_config, key, value)
     module.manual_backward = lambda loss: loss.backward()
     metrics = module.accumulate_gradients(exp, rows)
     return metrics, {n: p.grad.clone() for n, p in module.policy.named_parameters() if p.grad is not None}
@@ -70,8 +69,8 @@ def test_all_levers_on_equal_plain_computation(objective, pack_groups):
 def test_micro_batching_splits_and_still_matches():
     module, exp = experience({"name": "grpo"})
     rows = torch.arange(12)
-    module.micro_batch_tokens = 30
-    assert len(module.micro_batches(exp, rows)) > 2
+    module.update_config.micro_batch_tokens = 30
+    assert len(module.updater.micro_batches(exp, rows)) > 2
     _, whole = gradients(module, exp, rows, micro_batch_tokens=None, share_prompt=False)
     _, split = gradients(module, exp, rows, micro_batch_tokens=30, share_prompt=False)
     for name in whole:
@@ -86,8 +85,8 @@ def test_micro_batches_go_by_length_and_trim_their_own_padding(share_prompt):
     exp.completion_mask = (torch.arange(exp.completion_mask.shape[1])[None] < lengths[:, None]).long()
     rows = torch.tensor([3, 0, 11, 7, 1, 9, 4, 2, 10, 5, 8, 6])
     budget = 3 * (exp.prompt_ids.shape[1] + 6)
-    module.share_prompt, module.micro_batch_tokens = share_prompt, budget
-    pieces = module.micro_batches(exp, rows)
+    module.update_config.share_prompt, module.update_config.micro_batch_tokens = share_prompt, budget
+    pieces = module.updater.micro_batches(exp, rows)
     assert sorted(torch.cat(pieces).tolist()) == list(range(12))
     widths = [int(lengths[p].max()) for p in pieces]
     assert len(set(widths)) > 1 and len(pieces) < 12
@@ -109,7 +108,7 @@ def test_sampling_logprobs_match_the_training_numerics():
     module, exp = experience({"name": "gspo"}, mini_batches=2)
     module.policy.train()
     with torch.no_grad():
-        fresh = module.sequence_logprobs(module.policy, exp, slice(None))[0]
+        fresh = module.scorer.logprobs(module.policy, exp, slice(None))[0]
     m = exp.completion_mask.bool()
     torch.testing.assert_close(fresh[m], exp.sampling_logprobs[m], atol=1e-5, rtol=1e-5)
 
@@ -157,33 +156,33 @@ def test_packed_groups_give_the_plain_logprobs_entropies_and_gradients():
 
 
 def test_groups_are_packed_where_it_pays_and_the_model_takes_the_mask(monkeypatch):
-    import polopt_lightning.module as module_code
+    import polopt_lightning.logprobs as scorer_code
 
     module, exp = experience({"name": "grpo"})
     calls = []
-    monkeypatch.setattr(module_code, "shared_prompt_completion_logprobs",
+    monkeypatch.setattr(scorer_code, "shared_prompt_completion_logprobs",
                         lambda *a, **k: calls.append(k["packed"]) or shared_prompt_completion_logprobs(*a, **k))
     with torch.no_grad():
-        module.sequence_logprobs(module.policy, exp, slice(None))
+        module.scorer.logprobs(module.policy, exp, slice(None))
     assert calls == [True]  # the default: 3 groups of 4 short completions
     groups, width, prompt_len = exp.group_index, exp.completion_ids.shape[1], exp.prompt_ids.shape[1]
-    assert module.packs(module.policy, prompt_len, width, groups)
+    assert module.scorer.packs(module.policy, prompt_len, width, groups)
     long_width = (PACKED_MAX_TOKENS - prompt_len) // 4 + 2  # one packed group over the bound
-    assert not module.packs(module.policy, prompt_len, long_width, groups)
-    module.pack_groups = True
-    assert module.packs(module.policy, prompt_len, long_width, groups)
-    assert module.packs(module.policy, prompt_len, width, groups[:-2])  # uneven groups, forced
-    module.pack_groups = None
-    assert not module.packs(module.policy, prompt_len, width, groups[torch.tensor([0, 4, 8, 9])])  # 6 slots, 4 rows
-    module.pack_groups = False
-    assert not module.packs(module.policy, prompt_len, width, groups)
-    module.pack_groups = None
+    assert not module.scorer.packs(module.policy, prompt_len, long_width, groups)
+    module.update_config.pack_groups = True
+    assert module.scorer.packs(module.policy, prompt_len, long_width, groups)
+    assert module.scorer.packs(module.policy, prompt_len, width, groups[:-2])  # uneven groups, forced
+    module.update_config.pack_groups = None
+    assert not module.scorer.packs(module.policy, prompt_len, width, groups[torch.tensor([0, 4, 8, 9])])  # 6 slots, 4 rows
+    module.update_config.pack_groups = False
+    assert not module.scorer.packs(module.policy, prompt_len, width, groups)
+    module.update_config.pack_groups = None
     config = module.policy.config
     monkeypatch.setattr(config, "_attn_implementation", "eager")
-    assert not module.packs(module.policy, prompt_len, width, groups)
+    assert not module.scorer.packs(module.policy, prompt_len, width, groups)
     monkeypatch.setattr(config, "_attn_implementation", "sdpa")
     monkeypatch.setattr(config, "layer_types", ["full_attention", "sliding_attention"])
-    assert not module.packs(module.policy, prompt_len, width, groups)
+    assert not module.scorer.packs(module.policy, prompt_len, width, groups)
 
 
 def test_logprob_memory_stays_flat_with_a_150k_vocabulary():
@@ -216,7 +215,7 @@ def test_gradient_checkpointing_recomputes_the_layers_and_keeps_the_gradient():
     module.policy.train()
     plain_metrics, plain = gradients(module, exp, rows)  # shared prompt, layers not checkpointed
     ckpt = PolicyOptimizationModule(copy.deepcopy(module.policy), module.tokenizer, objective=module.objective,
-                                    reward_fns=[varied], num_generations=4, gradient_checkpointing=True)
+                                    reward_fns=[varied], experience={"num_generations": 4}, update={"gradient_checkpointing": True})
     assert all(layer.gradient_checkpointing for layer in ckpt.policy.model.layers)
     calls = []
     # a pre-hook: the recomputation stops as soon as the saved tensors are back, before the MLP returns
@@ -229,16 +228,16 @@ def test_gradient_checkpointing_recomputes_the_layers_and_keeps_the_gradient():
         torch.testing.assert_close(p.grad, plain[name], atol=1e-6, rtol=1e-4, msg=name)
     calls.clear()
     with torch.no_grad():  # a pass without gradient keeps the shared prompt: its groups packed, one call
-        ckpt.sequence_logprobs(ckpt.policy, exp, slice(None))
+        ckpt.scorer.logprobs(ckpt.policy, exp, slice(None))
     assert calls == [False]
     calls.clear()
-    ckpt.pack_groups = False
+    ckpt.update_config.pack_groups = False
     with torch.no_grad():  # unpacked: the prompt's forward once per group, then the completions'
-        ckpt.sequence_logprobs(ckpt.policy, exp, slice(None))
+        ckpt.scorer.logprobs(ckpt.policy, exp, slice(None))
     assert calls == [False, False]
     with pytest.raises(ValueError, match="gradient_checkpointing"):
         PolicyOptimizationModule(torch.nn.Linear(2, 2), module.tokenizer, reward_fns=[varied],
-                                 gradient_checkpointing=True)
+                                 update={"gradient_checkpointing": True})
 
 
 def test_a_later_mini_batch_under_autocast_sees_the_updated_weights():
@@ -252,8 +251,8 @@ def test_a_later_mini_batch_under_autocast_sees_the_updated_weights():
     first, second = torch.arange(0, 6), torch.arange(6, 12)
     module.policy.train()
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        module._update(exp, first, optimizer, scheduler)
-        inside = module.sequence_logprobs(module.policy, exp, second)[0]
+        module.updater.step(exp, first, optimizer, scheduler)
+        inside = module.scorer.logprobs(module.policy, exp, second)[0]
     with torch.autocast("cpu", dtype=torch.bfloat16):  # a fresh context casts the current weights
-        fresh = module.sequence_logprobs(module.policy, exp, second)[0]
+        fresh = module.scorer.logprobs(module.policy, exp, second)[0]
     assert torch.equal(inside, fresh)

@@ -56,8 +56,11 @@ def data(tok, batch_size=2):
 
 
 def module_for(policy, tok, objective="grpo", beta=0.04, **kwargs):
-    defaults = dict(reward_fns=[distinct_chars, ExactMatchReward()], num_generations=4, mini_batches=2, lr=1e-2,
-                    generation={"max_new_tokens": 4})
+    settings = {"experience": {"num_generations": 4}, "update": {"mini_batches": 2}, "optimizer": {"lr": 1e-2}}
+    for concern, given in settings.items():  # a dict given for a concern adds to these settings
+        if isinstance(kwargs.get(concern), dict):
+            kwargs[concern] = {**given, **kwargs[concern]}
+    defaults = dict(reward_fns=[distinct_chars, ExactMatchReward()], generation={"max_new_tokens": 4}, **settings)
     return PolicyOptimizationModule(policy, tok, objective={"name": objective, "beta": beta}, **{**defaults, **kwargs})
 
 
@@ -109,7 +112,7 @@ def test_shared_reference_equals_the_base_model(mode, tmp_path):
         base.train()  # the reference keeps the training kernels (bitsandbytes' int8 layers have others in eval)
         expected = completion_logprobs(base, exp.prompt_ids, exp.prompt_mask, exp.completion_ids,
                                        exp.completion_mask)[0]
-        policy = module.sequence_logprobs(module.policy, exp, slice(None))[0]
+        policy = module.scorer.logprobs(module.policy, exp, slice(None))[0]
     mask = exp.completion_mask.bool()
     torch.testing.assert_close(reference[mask], expected[mask], atol=1e-5, rtol=1e-5)
     assert (policy[mask] - reference[mask]).abs().max() > 1e-4, "the adapter did not move the policy"
@@ -215,7 +218,7 @@ def test_sampler_runs_quantized_lora_layers_and_their_logprobs_are_reused_only_w
 
 def test_gradient_checkpointing_and_micro_batches_work_on_quantized_lora(tmp_path):
     policy, tok, _ = qlora("nf4", tmp_path)
-    module = module_for(policy, tok, gradient_checkpointing=True, micro_batch_tokens=24)
+    module = module_for(policy, tok, update={"gradient_checkpointing": True, "micro_batch_tokens": 24})
     lora = {k: v.clone() for k, v in policy.state_dict().items() if "lora_" in k}
     fit(module, tok, tmp_path, steps=2)
     assert any(not torch.equal(v, policy.state_dict()[k]) for k, v in lora.items())
@@ -230,10 +233,9 @@ def test_micro_batches_give_the_same_gradient_on_quantized_lora(tmp_path):
             for name, p in policy.named_parameters():
                 if "lora_B" in name:
                     p.normal_(0, 0.1, generator=torch.Generator().manual_seed(len(name)))
-        module = module_for(policy, tok, micro_batch_tokens=budget)
+        module = module_for(policy, tok, update={"micro_batch_tokens": budget})
         module.manual_backward = lambda loss: loss.backward()  # no Trainer attached
         batch = next(iter(data(tok).train_dataloader()))
-        module._generator = torch.Generator().manual_seed(0)
         exp, _ = module.make_experience(batch)
         with torch.no_grad():
             exp.ref_logprobs = module.reference_logprobs(exp)
@@ -263,7 +265,7 @@ def test_rollout_dtype_steps_aside_for_a_quantized_policy_and_says_so_once(tmp_p
 
 def test_quantized_reference_for_full_fine_tuning(tmp_path, tiny):
     model, tok = tiny
-    module = module_for(model, tok, ref_quantization="nf4", lr=1e-3)
+    module = module_for(model, tok, reference={"quantization": "nf4"}, optimizer={"lr": 1e-3})
     assert module.ref_model is not None and is_quantized(module.ref_model) and not module.shared_reference
     ref_before = {k: v.clone() for k, v in module.ref_model.state_dict().items()}
     trainer = fit(module, tok, tmp_path, steps=2)
@@ -339,7 +341,7 @@ def test_adapter_only_export_of_a_full_fine_tuning_checkpoint_is_refused(tmp_pat
     from polopt_lightning.export import export_checkpoint
 
     model, tok = tiny
-    module = module_for(model, tok, beta=0.0, lr=1e-3)
+    module = module_for(model, tok, beta=0.0, optimizer={"lr": 1e-3})
     trainer = fit(module, tok, tmp_path, steps=1, enable_checkpointing=False)
     trainer.save_checkpoint(tmp_path / "full.ckpt")
     with pytest.raises(ValueError, match="--adapter-only: .*full.ckpt holds a policy without an adapter"):
@@ -362,13 +364,12 @@ def test_impossible_combinations_name_their_keys(tmp_path, tiny):
     with pytest.raises(ValueError, match="has quantized weights and no adapter.*adapter=lora"):
         module_for(quantized, tok)
     policy = apply_adapter(quantized, Adapter(kind="lora", r=4))
-    with pytest.raises(ValueError, match="ref_dtype='bfloat16' has nothing to act on: the policy has an adapter"):
-        module_for(policy, tok, ref_dtype="bfloat16")
-    with pytest.raises(ValueError, match="ref_quantization='int8' has nothing to act on"):
-        module_for(policy, tok, ref_quantization="int8")
-    with pytest.raises(ValueError, match="ref_quantization and ref_dtype both set"):
-        module_for(build_tiny_model(hidden_size=32, num_layers=1, num_heads=2)[0], tok, ref_quantization="nf4",
-                   ref_dtype="bfloat16")
+    with pytest.raises(ValueError, match="reference.dtype='bfloat16' has nothing to act on: the policy has an adapter"):
+        module_for(policy, tok, reference={"dtype": "bfloat16"})
+    with pytest.raises(ValueError, match="reference.quantization='int8' has nothing to act on"):
+        module_for(policy, tok, reference={"quantization": "int8"})
+    with pytest.raises(ValueError, match="reference.quantization and reference.dtype both set"):
+        module_for(build_tiny_model(hidden_size=32, num_layers=1, num_heads=2)[0], tok, reference={"quantization": "nf4", "dtype": "bfloat16"})
     with pytest.raises(ValueError, match="already has a peft adapter"):
         apply_adapter(policy, Adapter(kind="lora"))
 

@@ -29,7 +29,7 @@ SLOW_REWARD = (
     "    return [float(len(c) % 3) for c in completions]\n"
 )
 RUN = FAST + [
-    "trainer.max_steps=24", "data.batch_size=3", "task.train_size=16", "module.num_generations=3",
+    "trainer.max_steps=24", "data.batch_size=3", "task.train_size=16", "experience.num_generations=3",
     "callbacks.checkpoint.every_n_train_steps=4", "trainer.val_check_interval=3", "logger.csv.flush_logs_every_n_steps=1",
     "num_threads=1", "+reward.functions.slow._target_=hydra.utils.get_method",
     "+reward.functions.slow.path=slow_reward.reward", "optimizer.lr=1e-3",
@@ -142,8 +142,8 @@ def test_a_checkpoint_appears_only_once_the_log_holds_every_step_it_covers(tmp_p
     io = _WatchedIO(tmp_path / "csv" / "version_0" / "metrics.csv")
     checkpoint = RolloutCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=2, save_top_k=2, monitor="step",
                                    mode="max", filename="{step}", save_last=True)
-    module = PolicyOptimizationModule(model, tok, reward_fns=[ExactMatchReward()], num_generations=2,
-                                      generation={"max_new_tokens": 3}, lr=1e-3, seed=0)
+    module = PolicyOptimizationModule(model, tok, reward_fns=[ExactMatchReward()], experience={"num_generations": 2},
+                                      generation={"max_new_tokens": 3}, optimizer={"lr": 1e-3}, seed=0)
     dm = PromptDataModule(task=ArithmeticTask(digits=1, train_size=40, val_size=4, seed=0), tokenizer=tok,
                           batch_size=2, seed=0)
     every_step = RolloutCheckpoint(dirpath=tmp_path / "all", every_n_train_steps=1, save_top_k=-1, filename="{step}")

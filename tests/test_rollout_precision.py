@@ -99,10 +99,10 @@ def test_rollout_dtype_rejects_bad_values_and_quantized_weights(tiny):
     with pytest.raises(ValueError, match=r"ref_dtype=torch.bfloat16 needs .* model\.norm\.codes is torch\.uint8"):
         cast_weights(quantized, torch.bfloat16, "ref_dtype")
     with pytest.raises(ValueError, match="has quantized weights and no adapter: they cannot be trained"):
-        PolicyOptimizationModule(quantized, tok, objective={"name": "grpo", "beta": 0.1}, ref_dtype="bf16",
+        PolicyOptimizationModule(quantized, tok, objective={"name": "grpo", "beta": 0.1}, reference={"dtype": "bf16"},
                                  reward_fns=[distinct_chars])
-    with pytest.raises(ValueError, match="ref_dtype must be one of"):
-        PolicyOptimizationModule(model, tok, objective={"name": "grpo", "beta": 0.1}, ref_dtype="half-ish",
+    with pytest.raises(ValueError, match="reference.dtype must be one of"):
+        PolicyOptimizationModule(model, tok, objective={"name": "grpo", "beta": 0.1}, reference={"dtype": "half-ish"},
                                  reward_fns=[distinct_chars])
     def reward(prompts, completions, **kw):
         return [0.0] * len(prompts)
@@ -123,10 +123,9 @@ def test_off_policy_old_logprobs_are_the_policy_before_the_first_step(tmp_path, 
     """With a pass (bf16 sampling, or reuse off), every row's old log-probs are the pre-update policy's: the first
     mini-batch records its own during its update, the others come from one no-grad pass."""
     model, tok = tiny
-    module = PolicyOptimizationModule(model, tok, objective="gspo", reward_fns=[distinct_chars], num_generations=4,
-                                      mini_batches=mini_batches, num_iterations=num_iterations,
-                                      generation={"max_new_tokens": 4}, lr=1e-2,
-                                      rollout_engine={"dtype": rollout_dtype}, reuse_sampling_logprobs=False, seed=1)
+    module = PolicyOptimizationModule(model, tok, objective="gspo", reward_fns=[distinct_chars], experience={"num_generations": 4},
+                                      update={"mini_batches": mini_batches, "num_iterations": num_iterations, "reuse_sampling_logprobs": False}, generation={"max_new_tokens": 4}, optimizer={"lr": 1e-2},
+                                      rollout_engine={"dtype": rollout_dtype}, seed=1)
     captured = {}
     make_experience, accumulate = module.make_experience, module.accumulate_gradients
 
@@ -149,7 +148,7 @@ def test_off_policy_old_logprobs_are_the_policy_before_the_first_step(tmp_path, 
     L.Trainer(max_steps=6, limit_val_batches=0, **settings).fit(module, datamodule=dm)
     per_rollout = mini_batches * num_iterations  # optimizer steps; the first of each rollout records, the rest read
     assert captured["calls"] == ([True] + [False] * (per_rollout - 1)) * (6 // per_rollout)
-    assert rollout_dtype is None or module.engine._sampler is not None
+    assert rollout_dtype is None or module.engine.sampling_copy is not None
     exp = captured["exp"]
     with torch.no_grad():
         expected, _ = completion_logprobs(captured["before"].train(), exp.prompt_ids, exp.prompt_mask,
@@ -180,21 +179,21 @@ def test_compiled_decode_step_samples_what_the_eager_one_does():
 
 def test_bf16_reference_gives_the_kl_term_within_rounding(tmp_path, tiny, arithmetic_rows):
     model, tok = tiny
-    kwargs = dict(objective={"name": "grpo", "beta": 0.1}, reward_fns=[distinct_chars], num_generations=4,
-                  generation={"max_new_tokens": 4}, seed=1)
-    module = PolicyOptimizationModule(model, tok, ref_dtype="bfloat16", **kwargs)
+    kwargs = dict(objective={"name": "grpo", "beta": 0.1}, reward_fns=[distinct_chars],
+                  experience={"num_generations": 4}, generation={"max_new_tokens": 4}, seed=1)
+    module = PolicyOptimizationModule(model, tok, reference={"dtype": "bfloat16"}, **kwargs)
     assert all(p.dtype == torch.bfloat16 for p in module.ref_model.parameters())
     assert all(p.dtype == torch.float32 for p in module.policy.parameters())
     enc = tok(["12+34=", "5+6="], padding=True, return_tensors="pt")
     exp, _ = module.make_experience({"prompt_ids": enc.input_ids, "prompt_mask": enc.attention_mask,
                                      "prompts": ["12+34=", "5+6="], "columns": {}})
     with torch.no_grad():
-        half = module.sequence_logprobs(module.ref_model, exp, slice(None))[0]
-        full = module.sequence_logprobs(model, exp, slice(None))[0]  # the policy has not moved: same weights
+        half = module.scorer.logprobs(module.ref_model, exp, slice(None))[0]
+        full = module.scorer.logprobs(model, exp, slice(None))[0]  # the policy has not moved: same weights
     m = exp.completion_mask.bool()
     assert 0 < (half[m] - full[m]).abs().max() < 0.1
     given = copy.deepcopy(model)
-    assert PolicyOptimizationModule(model, tok, ref_model=given, ref_dtype="bf16", **kwargs).ref_model is given
+    assert PolicyOptimizationModule(model, tok, ref_model=given, reference={"dtype": "bf16"}, **kwargs).ref_model is given
     assert next(given.parameters()).dtype == torch.bfloat16  # cast in place, as documented
 
 
@@ -232,9 +231,8 @@ def test_bf16_mixed_trainer_fits_off_policy_with_gradient_clipping(tmp_path, tin
     copy."""
     model, tok = tiny
     before = copy.deepcopy(model)
-    module = PolicyOptimizationModule(model, tok, objective="gspo", reward_fns=[distinct_chars], num_generations=4,
-                                      mini_batches=2, generation={"max_new_tokens": 4}, lr=1e-2, max_grad_norm=1.0,
-                                      seed=1)
+    module = PolicyOptimizationModule(model, tok, objective="gspo", reward_fns=[distinct_chars], experience={"num_generations": 4},
+                                      update={"mini_batches": 2, "max_grad_norm": 1.0}, generation={"max_new_tokens": 4}, optimizer={"lr": 1e-2}, seed=1)
     dm = PromptDataModule(train=arithmetic_rows[0], tokenizer=tok, batch_size=2)
     trainer = L.Trainer(accelerator="cpu", precision="bf16-mixed", max_steps=4, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
@@ -242,26 +240,31 @@ def test_bf16_mixed_trainer_fits_off_policy_with_gradient_clipping(tmp_path, tin
     trainer.fit(module, datamodule=dm)
     assert trainer.global_step == 4
     assert trainer.optimizers[0].defaults.get("fused")
-    assert module.engine._sampler is not None and module.engine._sampler[1].dtype == torch.bfloat16
+    assert module.engine.sampling_copy is not None and next(module.engine.sampling_copy.parameters()).dtype == torch.bfloat16
     assert all(p.dtype == torch.float32 for p in module.policy.parameters())
     assert not any(torch.equal(a, b) for a, b in zip(before.parameters(), module.policy.parameters()))
     assert torch.isfinite(trainer.callback_metrics["train/loss"])
 
 
 def test_the_optimizer_is_unfused_where_lightning_clips(tiny):
-    """A loss scaler (16-mixed) or sharded gradients clip through Lightning, which refuses a fused optimizer."""
+    """A loss scaler (16-mixed) or sharded gradients clip through Lightning, which refuses a fused optimizer: the rule,
+    then the optimizer a module attached to a bf16-mixed Trainer builds (clipped in place: fused)."""
     from types import SimpleNamespace
 
+    import lightning as L
     from lightning.pytorch.plugins.precision import MixedPrecision
 
+    from polopt_lightning.update import clips_in_place
+
     model, tok = tiny
-    for scaler, mesh, fused in ((None, None, True), (object(), None, False), (None, object(), False)):
-        module = PolicyOptimizationModule(model, tok, reward_fns=[distinct_chars], max_grad_norm=1.0)
+    for scaler, mesh, in_place in ((None, None, True), (object(), None, False), (None, object(), False)):
         plugin = MixedPrecision("bf16-mixed", "cpu")
         plugin.scaler = scaler
-        module._trainer = SimpleNamespace(precision_plugin=plugin, max_steps=4)
-        module._device_mesh = mesh
-        assert bool(module.configure_optimizers()["optimizer"].defaults.get("fused")) is fused
+        assert clips_in_place(SimpleNamespace(precision_plugin=plugin, strategy=None), model, mesh) is in_place
+    assert clips_in_place(None, model)
+    module = PolicyOptimizationModule(model, tok, reward_fns=[distinct_chars], update={"max_grad_norm": 1.0})
+    module.trainer = L.Trainer(precision="bf16-mixed", accelerator="cpu", max_steps=4, logger=False)
+    assert module.configure_optimizers()["optimizer"].defaults.get("fused") is True
 
 
 def test_a_backend_hears_of_every_optimizer_step_and_samples_the_updated_policy(tmp_path, tiny, arithmetic_rows):
@@ -284,6 +287,6 @@ def test_a_backend_hears_of_every_optimizer_step_and_samples_the_updated_policy(
             self.last = weights.clone()
 
     engine = Recording()
-    module, dm = make(tiny, arithmetic_rows, mini_batches=2, rollout_engine=engine, lr=1e-2)
+    module, dm = make(tiny, arithmetic_rows, update={"mini_batches": 2}, rollout_engine=engine, optimizer={"lr": 1e-2})
     trainer(tmp_path, 4, limit_val_batches=0).fit(module, datamodule=dm)
     assert engine.events == ["generate", "updated", "updated"] * 2

@@ -285,12 +285,12 @@ class CollapseMonitor(L.Callback):
     # ---------------------------------------------------------------------------------------------------------
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self._healthy is None:
-            self._keep_healthy(trainer, pl_module)
+            self.keep_healthy(trainer, pl_module)
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any, **kwargs: Any) -> None:
         self.rollouts += 1
         metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("train/")}
-        self._handle(trainer, pl_module, self.rules.observe_step(trainer.global_step, self.rollouts, metrics))
+        self.handle(trainer, pl_module, self.rules.observe_step(trainer.global_step, self.rollouts, metrics))
 
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if trainer.sanity_checking:
@@ -303,12 +303,14 @@ class CollapseMonitor(L.Callback):
             return
         metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val/")}
         events = self.rules.observe_validation(trainer.global_step, self.rollouts, metrics)
-        self._handle(trainer, pl_module, events)
+        self.handle(trainer, pl_module, events)
         if not events and self.rules.healthy():
-            self._keep_healthy(trainer, pl_module)
+            self.keep_healthy(trainer, pl_module)
 
     # ---------------------------------------------------------------------------------------------------------
-    def _handle(self, trainer: L.Trainer, pl_module: L.LightningModule, events: list[CollapseEvent]) -> None:
+    def handle(self, trainer: L.Trainer, pl_module: L.LightningModule, events: list[CollapseEvent]) -> None:
+        """Act on ``events`` (from :attr:`rules`): warn, stop the run, or roll back to the last healthy point (a stop
+        once ``max_rollbacks`` are spent); each one logged and appended to ``events.jsonl``."""
         for event in events:
             if event.action == "rollback" and self.rollbacks >= self.max_rollbacks:
                 event.action = "stop"
@@ -333,8 +335,9 @@ class CollapseMonitor(L.Callback):
             with open(self.dirpath / "events.jsonl", "a") as fh:
                 fh.write(json.dumps({**asdict(event), "time": time.time()}) + "\n")
 
-    def _keep_healthy(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        """A CPU copy of the trainable weights and of the optimizer state: the point a rollback returns to."""
+    def keep_healthy(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        """Keep a CPU copy of the trainable weights and of the optimizer state: the point a rollback returns to (taken
+        after each healthy validation)."""
         params = {n: p.detach().to("cpu", copy=True) for n, p in pl_module.named_parameters() if p.requires_grad}
         optimizers = [_cpu_copy(opt.optimizer.state_dict() if hasattr(opt, "optimizer") else opt.state_dict())
                       for opt in trainer.optimizers]

@@ -3,16 +3,19 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import lightning as L
 from lightning.pytorch.callbacks import ProgressBar, TQDMProgressBar
 from lightning.pytorch.utilities.imports import _RICH_AVAILABLE
 
 
-def progress_bar() -> ProgressBar:
-    """Lightning's own bar (rich where it is installed, else tqdm), without the last epoch of a run that has none:
-    rich's reads ``Epoch 1/-2`` under ``max_epochs=-1``."""
+def progress_bar(**kwargs: Any) -> ProgressBar:
+    """Lightning's own bar (rich where it is installed, else tqdm; ``kwargs`` are its arguments, e.g. rich's
+    ``console_kwargs``), without the last epoch of a run that has none: rich's reads ``Epoch 1/-2`` under
+    ``max_epochs=-1``."""
     if not _RICH_AVAILABLE:
-        return TQDMProgressBar()  # it shows the epoch alone
+        return TQDMProgressBar(**kwargs)  # it shows the epoch alone
     from lightning.pytorch.callbacks import RichProgressBar
 
     class UnboundedEpochsBar(RichProgressBar):
@@ -23,4 +26,4 @@ def progress_bar() -> ProgressBar:
             description = f"Epoch {current_epoch}"
             return f"{description:{len(self.validation_description)}}"  # as rich pads it, against flicker
 
-    return UnboundedEpochsBar()
+    return UnboundedEpochsBar(**kwargs)

@@ -25,7 +25,32 @@ __all__ = [
     "RewardError",
     "RewardFunction",
     "RewardOutput",
+    "build_rewards",
     "SoftOverlongPenalty",
     "last_number",
     "reward_name",
 ]
+
+
+def build_rewards(reward_fns, weights=None, on_error: str = "raise", accuracy: str | None = None):
+    """The module's rewards and the name of the function whose mean is ``val/accuracy``: ``(rewards, accuracy)``.
+
+    ``reward_fns``: TRL-style functions (combined by a :class:`RewardComposer` with ``weights`` and ``on_error``), a
+    ready composer, or a task mixture's :class:`MixtureRewards` (whose accuracy is each task's own: ``None``).
+    Settings that do not apply raise a ValueError naming them.
+    """
+    if reward_fns is None:
+        raise ValueError("reward_fns is required: give at least one reward function")
+    if isinstance(reward_fns, MixtureRewards):
+        if accuracy is not None:
+            raise ValueError("accuracy_reward is set for a task mixture, whose accuracy is each task's own "
+                             "(MixtureRewards(accuracy={task: function}))")
+        if weights is not None:
+            raise ValueError("reward_weights is set beside a MixtureRewards: give each task's weights to its "
+                             "RewardComposer (or set them with MixtureRewards.set_weights)")
+        return reward_fns, None
+    rewards = reward_fns if isinstance(reward_fns, RewardComposer) else RewardComposer(reward_fns, weights=weights,
+                                                                                       on_error=on_error)
+    if accuracy is not None and accuracy not in rewards.names:
+        raise ValueError(f"accuracy_reward={accuracy!r} is not a reward function; known: {rewards.names}")
+    return rewards, accuracy or rewards.names[0]

@@ -77,6 +77,12 @@ class HFRolloutEngine(RolloutEngine):
         self._compiled = None
         self._said_quantized = False
 
+    @property
+    def sampling_copy(self) -> nn.Module | None:
+        """The copy of the policy this engine samples with (``dtype``, or the autocast dtype), once made; else
+        ``None`` (it samples with the policy itself)."""
+        return None if self._sampler is None else self._sampler[1]
+
     def sampling_dtype(self, model: nn.Module) -> torch.dtype | None:
         """The precision completions are sampled in with autocast off (``None``: ``model`` as it is called).
 

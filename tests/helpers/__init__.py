@@ -22,7 +22,7 @@ CONF = Path(config_dir())
 
 # the tiniest settings that still run every stage
 FAST = ["model.hidden_size=16", "model.num_layers=1", "model.num_heads=2", "model.intermediate_size=32",
-        "task.digits=1", "task.train_size=40", "task.val_size=8", "data.batch_size=2", "module.num_generations=2",
+        "task.digits=1", "task.train_size=40", "task.val_size=8", "data.batch_size=2", "experience.num_generations=2",
         "generation.max_new_tokens=3", "warm_start.steps=3", "warm_start.batch_size=4", "trainer.max_steps=2",
         "trainer.enable_progress_bar=false"]
 
@@ -91,8 +91,11 @@ def make(tiny, rows, objective="grpo", **kwargs):
     model, tok = tiny
     train, val = rows
     dm = PromptDataModule(train=train, val=val, tokenizer=tok, batch_size=4, val_batch_size=16)
-    defaults = dict(reward_fns=[ExactMatchReward(), DigitMatchReward(), distinct_chars], num_generations=4,
-                    generation={"max_new_tokens": 3}, lr=1e-3)
+    defaults = dict(reward_fns=[ExactMatchReward(), DigitMatchReward(), distinct_chars],
+                    experience={"num_generations": 4}, generation={"max_new_tokens": 3}, optimizer={"lr": 1e-3})
+    for concern in ("experience", "optimizer"):  # a dict given for a concern adds to the defaults' settings
+        if isinstance(kwargs.get(concern), dict):
+            kwargs[concern] = {**defaults[concern], **kwargs[concern]}
     module = PolicyOptimizationModule(model, tok, objective=objective, **{**defaults, **kwargs})
     return module, dm
 

@@ -26,7 +26,7 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from ...lean_step import Projections, _head_dim, _norm_eps, _without_torch_function
-from ..settings import settings_of
+from ...settings import settings_of
 from . import linear as cpu_linear
 from . import rowdot
 from .rowdot import RowDot

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..settings import settings_of
+from ...settings import settings_of
 from . import host_memory, linear
 from .weights import align_weights
 
