@@ -31,6 +31,7 @@ from .reference import ReferenceConfig, build_reference
 from .rewards import MixtureRewards, RewardComposer, RewardOutput, build_rewards
 from .rng import restore_rng, rng_state
 from .rollout import RolloutBatch, RolloutEngine, SamplingConfig, build_engine
+from .settings import settings_of, with_moved
 from .update import UpdateConfig, Updater, lr_factor
 
 # Lightning's own pytree helper calls a torch API deprecated in torch 2.9 at every fit: nothing a user of this module
@@ -50,35 +51,6 @@ MOVED_ARGUMENTS = {
     "track_kl": ("reference", "track_kl"),
     **{k: ("optimizer", k) for k in ("lr", "weight_decay", "betas")},
 }
-
-
-def _with_moved(concerns: dict[str, Any], moved: Mapping[str, Any]) -> dict[str, Any]:
-    """``concerns`` (argument name -> a settings object, a dict or None) with the old flat keyword arguments
-    ``moved`` merged into their concern's settings; an unknown keyword raises a TypeError as Python would."""
-    unknown = [k for k in moved if k not in MOVED_ARGUMENTS]
-    if unknown:
-        raise TypeError(f"PolicyOptimizationModule got an unexpected keyword argument {unknown[0]!r}")
-    if not moved:
-        return concerns
-    warnings.warn("PolicyOptimizationModule: " + ", ".join(
-        f"{k}= is now {'.'.join(MOVED_ARGUMENTS[k])}" for k in moved) + " (the old names go in a later release)",
-        FutureWarning, stacklevel=3)
-    out = dict(concerns)
-    for key, value in moved.items():
-        concern, name = MOVED_ARGUMENTS[key]
-        given = out[concern]
-        if given is not None and not isinstance(given, Mapping):
-            if concern == "optimizer":
-                raise ValueError(f"{key}= beside an optimizer factory: give it to the factory")
-            given = asdict(given)
-        out[concern] = {**(given or {}), name: value}
-    return out
-
-
-def _sampling(value: SamplingConfig | Mapping[str, Any] | None, **defaults: Any) -> SamplingConfig:
-    if isinstance(value, SamplingConfig):
-        return value
-    return SamplingConfig(**{**defaults, **dict(value or {})})
 
 
 class PolicyOptimizationModule(L.LightningModule):
@@ -151,8 +123,8 @@ class PolicyOptimizationModule(L.LightningModule):
         **moved: Any,
     ) -> None:
         super().__init__()
-        concerns = _with_moved({"experience": experience, "update": update, "optimizer": optimizer,
-                                "reference": reference}, moved)
+        concerns = with_moved({"experience": experience, "update": update, "optimizer": optimizer,
+                               "reference": reference}, moved, MOVED_ARGUMENTS, type(self).__name__)
         self.experience_config = ExperienceConfig.of(concerns["experience"])
         self.update_config = config = UpdateConfig.of(concerns["update"])
         self.reference_config = ReferenceConfig.of(concerns["reference"])
@@ -177,14 +149,11 @@ class PolicyOptimizationModule(L.LightningModule):
         self.rewards, self.accuracy_reward = build_rewards(reward_fns, reward_weights, reward_on_error, accuracy_reward)
         # a mixture's tasks: each has its own accuracy function, reward and signal metrics
         self.tasks = list(self.rewards.tasks) if isinstance(self.rewards, MixtureRewards) else []
-        if isinstance(anchor, Mapping):
-            anchor = SupervisedAnchor(**anchor)
-        if anchor is not None and not isinstance(anchor, SupervisedAnchor):
-            raise TypeError(f"anchor must be a SupervisedAnchor, a dict of its fields or None, got {type(anchor).__name__}")
-        self.anchor = anchor
+        self.anchor = anchor = None if anchor is None else settings_of(SupervisedAnchor, anchor, "anchor")
         self.num_generations = self.experience_config.num_generations
-        self.sampling = _sampling(generation)
-        self.val_sampling = _sampling(val_generation, max_new_tokens=self.sampling.max_new_tokens, temperature=0.0)
+        self.sampling = SamplingConfig.of(generation)
+        self.val_sampling = SamplingConfig.of(val_generation, max_new_tokens=self.sampling.max_new_tokens,
+                                              temperature=0.0)
         self.accel = CPUFastPath.of(accel)
         # rollout, rewards, dynamic sampling, advantages and the anchor's targets: one step's experience
         self.experience = ExperienceMaker(self.tokenizer, self.rewards, self.experience_config, anchor,

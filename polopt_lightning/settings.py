@@ -3,8 +3,9 @@ and the range checks each one runs once, where it is made."""
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, fields
+from dataclasses import asdict, fields, is_dataclass
 from typing import Any, ClassVar, TypeVar
 
 T = TypeVar("T")
@@ -50,3 +51,27 @@ class Settings:
     def of(cls: type[T], value: T | Mapping[str, Any] | None) -> T:
         """``value`` itself, the defaults for ``None``, or the settings a dict names (unknown keys raise)."""
         return settings_of(cls, value, cls.KEY)
+
+
+def with_moved(concerns: dict[str, Any], moved: Mapping[str, Any], table: Mapping[str, tuple[str, str]],
+               owner: str) -> dict[str, Any]:
+    """``concerns`` (argument name -> a settings object, a dict or None) with the keyword arguments of earlier
+    releases ``moved`` merged into their concern's settings (``table``: old name -> (concern, its name there)), said
+    in one FutureWarning; an unknown keyword raises a TypeError as Python would for ``owner``."""
+    unknown = [k for k in moved if k not in table]
+    if unknown:
+        raise TypeError(f"{owner} got an unexpected keyword argument {unknown[0]!r}")
+    if not moved:
+        return concerns
+    warnings.warn(f"{owner}: " + ", ".join(f"{k}= is now {'.'.join(table[k])}" for k in moved)
+                  + " (the old names go in a later release)", FutureWarning, stacklevel=3)
+    out = dict(concerns)
+    for key, value in moved.items():
+        concern, name = table[key]
+        given = out[concern]
+        if given is not None and not isinstance(given, Mapping):
+            if not is_dataclass(given):  # a factory (the optimizer's): its settings are its own
+                raise ValueError(f"{key}= beside a factory for {concern}: give it to the factory")
+            given = asdict(given)
+        out[concern] = {**(given or {}), name: value}
+    return out

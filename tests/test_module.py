@@ -238,5 +238,5 @@ def test_the_keyword_arguments_of_earlier_releases_still_work_with_a_warning(tin
                                                                                                "name": "grpo"})
     assert old.update_config.mini_batches == 2 and old.update_config.num_iterations == 2
     assert old.reference_config.dtype == "bfloat16" and old.optimizer_factory.keywords == {"lr": 2e-3}
-    with pytest.raises(ValueError, match="lr= beside an optimizer factory"), pytest.warns(FutureWarning):
+    with pytest.raises(ValueError, match="lr= beside a factory for optimizer"), pytest.warns(FutureWarning):
         PolicyOptimizationModule(model, tok, reward_fns=[distinct_chars], optimizer=torch.optim.SGD, lr=1.0)

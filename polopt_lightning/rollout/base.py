@@ -4,7 +4,9 @@ helpers every backend shares (filtering, drawing a token)."""
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -41,6 +43,13 @@ class SamplingConfig:
             raise ValueError(f"generation.top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"generation.top_k must be >= 0, got {self.top_k}")
+
+    @classmethod
+    def of(cls, value: SamplingConfig | Mapping[str, Any] | None, **defaults: Any) -> SamplingConfig:
+        """``value`` itself, or the settings a dict gives over ``defaults``."""
+        if isinstance(value, cls):
+            return value
+        return cls(**{**defaults, **dict(value or {})})
 
     @property
     def logprob_temperature(self) -> float:
