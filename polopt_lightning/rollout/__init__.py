@@ -1,6 +1,7 @@
 """Rollout backends behind one interface (:class:`RolloutEngine`): prompts in, G completions per prompt with their
-sampling log-probs out. ``"hf"`` (:class:`HFRolloutEngine`, transformers) is the default; :data:`ENGINES` names every
-backend, and :func:`build_engine` makes one from a name, a dict or an engine."""
+sampling log-probs out. ``"hf"`` (:class:`HFRolloutEngine`, transformers) is the default, ``"vllm"``
+(:class:`~polopt_lightning.rollout.vllm.VLLMRolloutEngine`) needs vLLM; :data:`ENGINES` names every backend, and
+:func:`build_engine` makes one from a name, a dict or an engine."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ from .base import Completions, RolloutBatch, RolloutEngine, SamplingConfig, filt
 from .hf import HFRolloutEngine
 
 # name: "module:class", imported when chosen (a backend may need a package only its users install)
-ENGINES: dict[str, str] = {"hf": "polopt_lightning.rollout.hf:HFRolloutEngine"}
+ENGINES: dict[str, str] = {"hf": "polopt_lightning.rollout.hf:HFRolloutEngine",
+                           "vllm": "polopt_lightning.rollout.vllm:VLLMRolloutEngine"}
 
 
 def build_engine(spec: RolloutEngine | str | Mapping[str, Any] | None = None, key: str = "rollout_engine",

