@@ -121,7 +121,8 @@ def note_sampling_dtype(module, facts: dict) -> None:
 
 def module_overrides(overrides: dict | None) -> tuple[str, dict]:
     """An implementation's overrides as (the Trainer's precision, the module's arguments): ``engine={...}`` are the
-    rollout backend's arguments (e.g. ``engine={"cpu":{"packed_weights":false}}``; the CPU's levers also at the top,
+    rollout backend's arguments (e.g. ``engine={"cpu":{"packed_weights":false}}``, or ``engine={"name":"vllm"}`` for
+    another backend; the CPU's levers also at the top,
     as older result files name them) and ``rollout_dtype`` is short for ``engine={"dtype":...}`` (the name older
     result files give); the module's keyword arguments of earlier releases (``ref_dtype``, ``share_prompt``, ...) go
     to their concern (``reference={"dtype":...}``, ``update={...}``); every other key is the module's."""
@@ -136,7 +137,7 @@ def module_overrides(overrides: dict | None) -> tuple[str, dict]:
     if "rollout_dtype" in overrides:
         engine["dtype"] = overrides.pop("rollout_dtype")
     if engine:
-        overrides["rollout_engine"] = {"name": "hf", **engine}
+        overrides["rollout_engine"] = {"name": engine.pop("name", "hf"), **engine}
     for key in [k for k in overrides if k in MOVED_ARGUMENTS]:
         concern, name = MOVED_ARGUMENTS[key]
         overrides[concern] = {**overrides.get(concern, {}), name: overrides.pop(key)}

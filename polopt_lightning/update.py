@@ -17,13 +17,14 @@ from torch import Tensor, nn
 
 from .distributed import all_reduce, world_size
 from .logprobs import completion_logprobs
-from .objectives.base import k3_kl, masked_mean
+from .objectives.base import k3_kl, masked_max, masked_mean
 from .settings import Settings
 
 if TYPE_CHECKING:
     from .experience import Experience
 
 LR_SCHEDULES = ("constant", "linear", "cosine")
+IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 
 
 @dataclass
@@ -54,6 +55,13 @@ class UpdateConfig(Settings):
             second forward pass, where they match the training numerics (dropout off, the sampler in the policy's
             own precision); otherwise the pass runs, for every row but the first mini-batch's.
         disable_dropout: dropout off in the policy (the peers' default; keeps importance ratios exact).
+        is_correction: correct for the sampler's numerics (:func:`sampler_weights`): each token's (or sequence's)
+            advantage times ``exp(old - sampler)``, the trainer's log-prob at sampling time against the sampler's,
+            truncated or masked at ``is_cap``. ``None``: where the rollout backend asks for it (vLLM's); the
+            transformers backend samples with the trainer's numerics.
+        is_mode: ``"token_truncate"``, ``"token_mask"``, ``"sequence_truncate"`` or ``"sequence_mask"`` (a
+            sequence's weight is the product of its tokens'; ``mask`` drops what exceeds the cap instead of capping it).
+        is_cap: the largest weight kept.
     """
 
     num_iterations: int = 1
@@ -68,6 +76,9 @@ class UpdateConfig(Settings):
     pack_groups: bool | None = None
     reuse_sampling_logprobs: bool = True
     disable_dropout: bool = True
+    is_correction: bool | None = None
+    is_mode: str = "token_truncate"
+    is_cap: float = 2.0
 
     KEY = "update"
     RULES = {
@@ -78,12 +89,41 @@ class UpdateConfig(Settings):
         "min_lr_ratio": (lambda v: 0 <= v <= 1, "in [0, 1]"),
         "max_grad_norm": (lambda v: v is None or v >= 0, ">= 0 or None"),
         "micro_batch_tokens": (lambda v: v is None or v >= 1, ">= 1 or None"),
+        "is_mode": (lambda v: v in IS_MODES, f"one of {IS_MODES}"),
+        "is_cap": (lambda v: v >= 1, ">= 1"),
     }
 
     @property
     def off_policy(self) -> bool:
         """Whether the policy moves between sampling and some update: then old log-probs are needed."""
         return self.num_iterations > 1 or self.mini_batches > 1
+
+
+def sampler_weights(old: Tensor, sampler: Tensor, mask: Tensor, mode: str, cap: float,
+                    ) -> tuple[Tensor, dict[str, Tensor]]:
+    """Importance weights of sampled tokens for a sampler whose numerics differ from the trainer's (truncated IS).
+
+    ``old`` are the trainer's log-probs of the tokens at sampling time, ``sampler`` the sampler's, ``mask`` the
+    completion tokens (``[B, T]`` each). The weight is ``exp(old - sampler)`` per token (``token_*``) or its product
+    over a sequence (``sequence_*``: ``[B, 1]``); ``*_truncate`` caps it at ``cap``, ``*_mask`` sets it to 0 above
+    ``cap``. Returns the weights (detached) and their metrics: ``is_weight_mean`` / ``is_weight_max`` (before the cap),
+    ``is_capped_frac`` (the share of tokens or sequences beyond it) and ``sampler_kl`` (k3 per token, the sampler's
+    distance from the trainer on its own tokens).
+    """
+    valid = mask.bool()
+    log_w = torch.where(valid, (old - sampler).detach(), 0.0)
+    sequence = mode.startswith("sequence")
+    units = valid.any(-1, keepdim=True) if sequence else valid
+    if sequence:
+        log_w = log_w.sum(-1, keepdim=True)
+    w = torch.exp(log_w.clamp(max=20.0))
+    beyond = (w > cap) & units
+    weights = w.clamp(max=cap) if mode.endswith("truncate") else torch.where(beyond, 0.0, w)
+    token_log_w = torch.where(valid, (old - sampler).detach(), 0.0)
+    metrics = {"is_weight_mean": masked_mean(w, units), "is_weight_max": masked_max(w, units),
+               "is_capped_frac": masked_mean(beyond.float(), units),
+               "sampler_kl": masked_mean(torch.exp(token_log_w.clamp(max=20.0)) - 1 - token_log_w, valid)}
+    return weights, metrics
 
 
 def mini_batch_order(group_index: Tensor, seed: int, share_prompt: bool) -> Tensor:
@@ -375,8 +415,10 @@ class Updater:
                 old = (logprobs.detach() if record_old or exp.old_logprobs is None
                        else exp.old_logprobs[micro, :width])
                 ref = exp.ref_logprobs[micro, :width] if exp.ref_logprobs is not None else None
-                out = objective(logprobs=logprobs, old_logprobs=old, advantages=exp.advantages[micro], mask=mask,
+                advantages, is_metrics = self.advantages(exp, micro, old, mask)
+                out = objective(logprobs=logprobs, old_logprobs=old, advantages=advantages, mask=mask,
                                 ref_logprobs=ref)
+                out.metrics.update(is_metrics)
                 if ref is not None and "kl" not in out.metrics:  # track_kl: watched, not trained on
                     valid = mask.bool()  # padding may hold -inf/NaN log-probs: zeros there, as the objectives do
                     kl = k3_kl(torch.where(valid, logprobs.detach(), 0.0), torch.where(valid, ref, 0.0))
@@ -397,6 +439,28 @@ class Updater:
         tokens = all_reduce(full_mask.sum().to(entropy_sum))
         metrics["entropy"] = all_reduce(entropy_sum.detach()) / tokens.clamp(min=1)
         return metrics
+
+    def corrects(self) -> bool:
+        """Whether the update weights the sampler's tokens (``is_correction``; ``None``: as the backend asks)."""
+        on = self.config.is_correction
+        return bool(getattr(self.host.engine, "corrects_sampler", False)) if on is None else on
+
+    def advantages(self, exp: Experience, rows: Tensor, old: Tensor, mask: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+        """The advantages of ``rows`` for the objective: with the sampler correction on, times each token's (or
+        sequence's) importance weight (:func:`sampler_weights`; a surrogate linear in the advantage, so the same as
+        weighting the policy-gradient term), with its metrics."""
+        advantages = exp.advantages[rows]
+        if not self.corrects():
+            return advantages, {}
+        config, objective = self.config, self.host.objective
+        weights, metrics = sampler_weights(old, exp.sampling_logprobs[rows, :mask.shape[1]], mask, config.is_mode,
+                                           config.is_cap)
+        if weights.shape[-1] == 1:  # one weight a sequence
+            return advantages * weights.squeeze(-1) if advantages.dim() == 1 else advantages * weights, metrics
+        if not getattr(objective, "accepts_token_advantages", False):
+            raise ValueError(f"update.is_mode={config.is_mode}: {type(objective).__name__} takes one advantage a "
+                             "sequence; use update.is_mode=sequence_truncate or sequence_mask")
+        return (advantages.unsqueeze(-1) if advantages.dim() == 1 else advantages) * weights, metrics
 
     def anchor_backward(self, exp: Experience, rows: Tensor) -> dict[str, Tensor]:
         """Backward of ``lambda x NLL`` of the reference answers of the prompts that the completions ``rows`` answer

@@ -37,6 +37,7 @@ def _greedy_hf(model, tok, ids, mask, n):
     return out.completion_ids, out.completion_mask
 
 
+@pytest.mark.vllm
 @run_if("vllm")
 def test_greedy_tokens_equal_the_transformers_backend_before_and_after_the_policy_moves(engine):
     model, tok = build_tiny_model(hidden_size=128, num_layers=2, num_heads=2, intermediate_size=256, seed=3)
@@ -56,6 +57,7 @@ def test_greedy_tokens_equal_the_transformers_backend_before_and_after_the_polic
     assert not torch.equal(first.completion_ids, second.completion_ids)
 
 
+@pytest.mark.vllm
 @run_if("vllm")
 def test_sampled_completions_carry_their_log_probs(engine):
     from polopt_lightning.logprobs import completion_logprobs
@@ -76,6 +78,7 @@ def test_sampled_completions_carry_their_log_probs(engine):
 
 
 
+@pytest.mark.vllm
 @run_if("vllm")
 def test_a_model_vllm_cannot_run_fails_with_its_reason_and_the_key(tiny):
     """A head size vLLM's CPU attention lacks (16): vLLM's reason, named as rollout=vllm's."""
@@ -86,6 +89,7 @@ def test_a_model_vllm_cannot_run_fails_with_its_reason_and_the_key(tiny):
             model, ids, mask, 2, SamplingConfig(max_new_tokens=3), tok.eos_token_id, tok.pad_token_id)
 
 
+@pytest.mark.vllm
 @run_if("vllm")
 def test_a_drop_in_fit_samples_with_vllm(tmp_path, arithmetic_rows):
     """Two optimizer steps of one rollout: the engine made at the rollout, the policy moved by both steps."""
@@ -93,6 +97,29 @@ def test_a_drop_in_fit_samples_with_vllm(tmp_path, arithmetic_rows):
     module, dm = make(policy, arithmetic_rows, rollout_engine={"name": "vllm", "kv_cache_gib": 1},
                       update={"mini_batches": 2})
     before = [p.detach().clone() for p in module.policy.parameters()]
-    trainer(tmp_path, steps=2, limit_val_batches=0).fit(module, datamodule=dm)
+    t = trainer(tmp_path, steps=2, limit_val_batches=0)
+    t.fit(module, datamodule=dm)
     assert module.engine.llm is not None and not module.engine.logprobs_match(module.policy)
     assert any(not torch.equal(a, b) for a, b in zip(before, module.policy.parameters()))
+    # the sampler correction is on for vLLM by default: float32 on both sides, weights near 1, a tiny KL
+    logged = t.logged_metrics
+    assert 0.9 < float(logged["train/is_weight_mean"]) < 1.1 and 0 <= float(logged["train/sampler_kl"]) < 1e-3
+
+
+@pytest.mark.vllm
+@run_if("vllm")
+def test_polopt_train_with_rollout_vllm(tmp_path):
+    """The command line: warm start, validation before and after, RL sampled by vLLM with the correction logged."""
+    import csv
+    import json
+
+    from .helpers import FAST, run_cli
+
+    run = tmp_path / "run"
+    proc = run_cli(FAST + ["rollout=vllm", "rollout.kv_cache_gib=1", "model.hidden_size=128", "model.num_heads=2",
+                           "model.intermediate_size=256", f"hydra.run.dir={run}"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads((run / "results.json").read_text())["steps"] == 2
+    rows = list(csv.DictReader(open(run / "csv" / "version_0" / "metrics.csv")))
+    weights = [float(r["train/is_weight_mean"]) for r in rows if r.get("train/is_weight_mean")]
+    assert weights and all(0.5 < w < 2 for w in weights)

@@ -107,6 +107,9 @@ class RolloutEngine(ABC):
         generator: torch.Generator | None = None,
     ) -> RolloutBatch: ...
 
+    # whether the update should correct for this backend's numerics by default (update.is_correction=null)
+    corrects_sampler: bool = False
+
     def logprobs_match(self, model: nn.Module) -> bool:
         """Whether the sampling log-probs equal what a training forward of ``model`` computes (then an off-policy
         update may use them as old log-probs instead of a forward pass). Engines with other numerics return False."""

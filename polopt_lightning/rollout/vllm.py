@@ -70,6 +70,8 @@ class VLLMRolloutEngine(RolloutEngine):
         llm_kwargs: any other ``vllm.LLM`` argument.
     """
 
+    corrects_sampler = True  # vLLM's kernels are not the trainer's: truncated IS on by default, as in TRL
+
     def __init__(self, gpu_memory_utilization: float = 0.3, max_model_len: int | None = None,
                  tensor_parallel_size: int = 1, enable_sleep_mode: bool = False, enable_prefix_caching: bool = True,
                  dtype: str = "auto", enforce_eager: bool | None = None, kv_cache_gib: float | None = 2.0,
@@ -141,10 +143,13 @@ class VLLMRolloutEngine(RolloutEngine):
                  generator: torch.Generator | None = None) -> RolloutBatch:
         from vllm import SamplingParams
 
-        if self.llm is None:
-            self._start(model)
-        elif self._stale or model is not self._source:  # moved, or another model of the same shape
-            self._push(model)
+        # vLLM's weights must be ordinary tensors: made and updated outside inference mode (trainer.validate's), or
+        # a later push into a validation-made engine fails
+        with torch.inference_mode(False):
+            if self.llm is None:
+                self._start(model)
+            elif self._stale or model is not self._source:  # moved, or another model of the same shape
+                self._push(model)
         self._source = model
         if self.settings.get("enable_sleep_mode") and next(model.parameters()).is_cuda:
             self.llm.wake_up()
