@@ -123,3 +123,26 @@ def test_polopt_train_with_rollout_vllm(tmp_path):
     rows = list(csv.DictReader(open(run / "csv" / "version_0" / "metrics.csv")))
     weights = [float(r["train/is_weight_mean"]) for r in rows if r.get("train/is_weight_mean")]
     assert weights and all(0.5 < w < 2 for w in weights)
+
+
+@pytest.mark.vllm
+@run_if("vllm")
+def test_a_lora_policy_is_pushed_merged(engine):
+    """A peft policy: vLLM samples its base with the adapters merged, before and after the adapters move; the
+    policy's own modules stay unmerged."""
+    from polopt_lightning.models import Adapter, Quantization, prepare_policy
+
+    model, tok = build_tiny_model(hidden_size=128, num_layers=2, num_heads=2, intermediate_size=256, seed=6)
+    policy = prepare_policy(model, Quantization(mode="none"), Adapter(kind="lora", r=4, alpha=8))
+    ids, mask = _prompts(tok)
+    greedy = SamplingConfig(max_new_tokens=6, temperature=0.0)
+    for _ in range(2):
+        with torch.no_grad():  # the adapters move (B starts at zero: without this they add nothing)
+            for name, p in policy.named_parameters():
+                if "lora_B" in name:
+                    p.add_(torch.randn_like(p) * 0.5)
+        engine.policy_updated(policy)
+        out = engine.generate(policy, ids, mask, 1, greedy, tok.eos_token_id, tok.pad_token_id)
+        hf_ids, hf_mask = _greedy_hf(policy, tok, ids, mask, 6)
+        assert torch.equal(out.completion_ids * out.completion_mask, (hf_ids * hf_mask)[:, :out.completion_ids.shape[1]])
+    assert not any(getattr(m, "merged", False) for m in policy.modules())
