@@ -39,7 +39,7 @@ section() {  # section NAME SECONDS COMMAND...: run it under its limit and say h
   python3 -c "import torch, transformers, lightning, peft, bitsandbytes, trl, hydra; print('torch', torch.__version__, \
 'cuda', torch.cuda.is_available(), 'transformers', transformers.__version__, 'lightning', lightning.__version__, \
 'peft', peft.__version__, 'bitsandbytes', bitsandbytes.__version__, 'trl', trl.__version__)"
-  sections=("${@:-tests fp32 nf4 tiny}")
+  sections=("${@:-tests fp32 nf4 tiny vllm}")
   for name in ${sections[*]}; do
     case $name in
       # nf4 + LoRA with bitsandbytes' 8-bit optimizers; DDP and FSDP on one device against the plain run (DeepSpeed
@@ -53,7 +53,17 @@ section() {  # section NAME SECONDS COMMAND...: run it under its limit and say h
       # the tiny workload like for like (fp32, no activation checkpointing on either side)
       tiny) section "throughput cuda" 70 python3 benchmarks/throughput.py --device cuda --workloads tiny --trials 1 \
             --steps 4 --threads 8 --impls polopt trl:gradient_checkpointing=false --json "$OUT/throughput_gpu.json" ;;
-      *) echo "unknown section $name (tests, fp32, nf4, tiny)"; exit 2 ;;
+      # vLLM on CUDA (colocated, weight sync equality, sleep mode, the real-scale job with rollout=vllm): only where
+      # the image has vLLM (its CUDA wheels are far over what a run carries); otherwise it says so
+      vllm) if python3 -c "import vllm" 2>/dev/null; then
+          section "pytest -m vllm" 240 python3 -m pytest -m vllm tests/test_vllm.py -q -p no:cacheprovider
+          section "real_scale cuda fp32 rollout=vllm" 200 python3 benchmarks/real_scale.py --device cuda \
+              --settings fp32 --impls polopt 'polopt:engine={"name":"vllm","enable_sleep_mode":true}' trl \
+              --trials 1 --steps 5 --threads 8 --model-dir /tmp/qwen-shape --json "$OUT/real_scale_gpu_vllm.json"
+        else
+          echo "=== vllm: not installed on this image (vLLM's CUDA wheels cannot travel in .whl); skipped"
+        fi ;;
+      *) echo "unknown section $name (tests, fp32, nf4, tiny, vllm)"; exit 2 ;;
     esac
   done
 } 2>&1 | tee "$OUT/gpu_check.txt"
