@@ -150,7 +150,6 @@ class PolicyOptimizationModule(L.LightningModule):
         # a mixture's tasks: each has its own accuracy function, reward and signal metrics
         self.tasks = list(self.rewards.tasks) if isinstance(self.rewards, MixtureRewards) else []
         self.anchor = anchor = None if anchor is None else settings_of(SupervisedAnchor, anchor, "anchor")
-        self.num_generations = self.experience_config.num_generations
         self.sampling = SamplingConfig.of(generation)
         self.val_sampling = SamplingConfig.of(val_generation, max_new_tokens=self.sampling.max_new_tokens,
                                               temperature=0.0)
@@ -167,9 +166,8 @@ class PolicyOptimizationModule(L.LightningModule):
         if config.disable_dropout:
             _disable_dropout(self.policy)
         # the reference exists when the KL term needs it, or when the KL is to be watched (track_kl)
-        self.track_kl = self.reference_config.track_kl
         self.ref_model, self.shared_reference, ref_quant = build_reference(
-            model, objective.beta > 0 or self.track_kl, ref_model, self.reference_config)
+            model, objective.beta > 0 or self.reference_config.track_kl, ref_model, self.reference_config)
         if self.ref_model is not None:
             # Lightning asks every submodule to be in training mode when fit starts (and warns about each one that is
             # not); the reference only ever runs inside `evaluating`, which puts it in eval mode for its pass.
@@ -301,7 +299,8 @@ class PolicyOptimizationModule(L.LightningModule):
         dynamic sampling may draw more often on one process than on another.
         """
         with self._whole_parameters():
-            return self.experience.make(batch, lambda prompts: self.rollout(prompts, self.sampling, self.num_generations),
+            G = self.experience.num_generations
+            return self.experience.make(batch, lambda prompts: self.rollout(prompts, self.sampling, G),
                                         self._next_prompts, self.device)
 
     def reference_logprobs(self, exp: Experience) -> Tensor:

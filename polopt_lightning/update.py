@@ -111,15 +111,13 @@ def sampler_weights(old: Tensor, sampler: Tensor, mask: Tensor, mode: str, cap: 
     distance from the trainer on its own tokens).
     """
     valid = mask.bool()
-    log_w = torch.where(valid, (old - sampler).detach(), 0.0)
+    token_log_w = torch.where(valid, (old - sampler).detach(), 0.0)
     sequence = mode.startswith("sequence")
     units = valid.any(-1, keepdim=True) if sequence else valid
-    if sequence:
-        log_w = log_w.sum(-1, keepdim=True)
+    log_w = token_log_w.sum(-1, keepdim=True) if sequence else token_log_w
     w = torch.exp(log_w.clamp(max=20.0))
     beyond = (w > cap) & units
     weights = w.clamp(max=cap) if mode.endswith("truncate") else torch.where(beyond, 0.0, w)
-    token_log_w = torch.where(valid, (old - sampler).detach(), 0.0)
     metrics = {"is_weight_mean": masked_mean(w, units), "is_weight_max": masked_max(w, units),
                "is_capped_frac": masked_mean(beyond.float(), units),
                "sampler_kl": masked_mean(torch.exp(token_log_w.clamp(max=20.0)) - 1 - token_log_w, valid)}
@@ -301,7 +299,7 @@ class Updater:
         n = exp.completion_ids.shape[0]
         if n < config.mini_batches:
             raise ValueError(f"update.mini_batches={config.mini_batches} is more than the rollout's {n} completions "
-                             f"(prompts per batch x num_generations={host.num_generations})")
+                             f"(prompts per batch x num_generations={host.experience_config.num_generations})")
         size = math.ceil(n / config.mini_batches)
         # the mini-batch orders of every pass, drawn up front: the first mini-batch needs no old-log-prob pass
         orders = [mini_batch_order(exp.group_index.cpu(), host.seed + host.global_step + i * config.mini_batches,
@@ -317,7 +315,8 @@ class Updater:
                     if later.numel():  # none when one mini-batch holds the whole rollout (mu > 1)
                         exp.old_logprobs[later] = host.scorer.logprobs(host.policy, exp, later)[0]
                     own_old = True
-            if host.objective.beta > 0 or host.track_kl:  # only the KL term (or its tracking) needs the reference
+            # only the KL term (or its tracking) needs the reference
+            if host.objective.beta > 0 or host.reference_config.track_kl:
                 exp.ref_logprobs = host.reference_logprobs(exp)
 
         updates = [(i, start) for i in range(len(orders)) for start in range(0, n, size)]
@@ -469,7 +468,7 @@ class Updater:
         processes the strategy averages over. With ``lambda = 0`` the NLL is measured without a backward."""
         host, anchor = self.host, self.host.anchor
         groups = torch.unique(exp.group_index[rows])
-        first = groups * host.num_generations  # the rows of each group are contiguous, from group x G on
+        first = groups * host.experience_config.num_generations  # each group's rows are contiguous, from group x G
         mask = exp.anchor_mask[groups]
         width = max(int(mask.sum(-1).max()), 1)
         mask, ids = mask[:, :width], exp.anchor_ids[groups, :width]

@@ -151,7 +151,8 @@ class VLLMRolloutEngine(RolloutEngine):
             elif self._stale or model is not self._source:  # moved, or another model of the same shape
                 self._push(model)
         self._source = model
-        if self.settings.get("enable_sleep_mode") and next(model.parameters()).is_cuda:
+        sleeps = bool(self.settings.get("enable_sleep_mode")) and next(model.parameters()).is_cuda
+        if sleeps:
             self.llm.wake_up()
         eos = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
         # vLLM's own sampler, seeded from this rollout's generator: the same rollouts for the same seed
@@ -168,7 +169,7 @@ class VLLMRolloutEngine(RolloutEngine):
             config = getattr(model, "config", None)
             raise RuntimeError(f"rollout=vllm: vLLM could not sample from the policy ({type(model).__name__}, "
                                f"{getattr(config, 'model_type', '?')}): {err}") from err
-        if self.settings.get("enable_sleep_mode") and next(model.parameters()).is_cuda:
+        if sleeps:
             self.llm.sleep(level=1)
         return self.batch(outputs, prompt_ids, prompt_mask, num_generations, eos, pad_token_id)
 
