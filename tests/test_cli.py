@@ -361,7 +361,8 @@ def test_a_run_saved_with_the_old_keys_resumes_and_old_keys_on_the_command_line_
     old["module"] = {"onednn_linear": False, "keep_host_memory": None, "rollout_dtype": "float32",
                      "compile_rollout": False, "lr": 1e-3, "weight_decay": 0.0, "betas": [0.9, 0.999],
                      "ref_dtype": None, "track_kl": True,
-                     **{k: v for group in ("update", "experience") for k, v in old[group].items() if k != "_target_"}}
+                     **{k: v for group in ("update", "experience") for k, v in old[group].items()
+                        if f"module.{k}" in MOVED_KEYS}}  # the keys the module block held then
     old["optimizer"].update(lr="${module.lr}", weight_decay="${module.weight_decay}", betas="${module.betas}")
     old["reference"] = {"quantization": old["reference"]["quantization"]}
     for group in ("rollout", "accel", "update", "experience"):
