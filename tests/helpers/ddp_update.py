@@ -59,7 +59,7 @@ def digit_share(prompts, completions, **kwargs):
 class Recording(PolicyOptimizationModule):
     def make_experience(self, batch):
         exp, metrics = super().make_experience(batch)
-        G = self.num_generations
+        G = self.experience.num_generations
         local = {p: exp.advantages[i * G:(i + 1) * G].tolist() for i, p in enumerate(batch["prompts"])}
         self.advantages = {k: v for part in all_gather_objects(local) for k, v in part.items()}
         return exp, metrics
@@ -82,12 +82,12 @@ def main() -> None:
     if objective == "dr_grpo":  # a constant normaliser: the completion length cap
         spec["max_completion_length"] = 4
     module = Recording(
-        model, tok, objective=spec, reward_fns=[digit_share, ExactMatchReward()], num_generations=4,
-        generation={"max_new_tokens": 4}, mini_batches=1, max_grad_norm=None,
+        model, tok, objective=spec, reward_fns=[digit_share, ExactMatchReward()], generation={"max_new_tokens": 4},
+        experience={"num_generations": 4, "advantage_scale": options.get("advantage_scale")},
+        update={"mini_batches": 1, "max_grad_norm": None,
+                "micro_batch_tokens": int(options["micro_batch_tokens"]) if "micro_batch_tokens" in options else None},
         # plain SGD: the update is the gradient itself (Adam's first step would hide a wrong gradient scale)
         optimizer=partial(torch.optim.SGD, lr=0.5), rollout_engine=PerPromptEngine(),
-        advantage_scale=options.get("advantage_scale"),
-        micro_batch_tokens=int(options["micro_batch_tokens"]) if "micro_batch_tokens" in options else None,
         # the supervised anchor on the arithmetic answers: its NLL a token mean over every process's prompts
         anchor={"coef": float(options["anchor"])} if "anchor" in options else None)
     if options.get("strategy") == "fsdp":
