@@ -186,7 +186,9 @@ def _warm_start(cfg: DictConfig, model: Any, tokenizer: Any, datamodule: Any, qu
         raise ValueError(f"warm_start.enabled=true trains every weight, but the model was loaded quantized "
                          f"(quantization={quantized}); set warm_start.enabled=false")
     settings["cache_dir"] = settings.get("cache_dir") or str(default_cache_dir())
-    return {"ran": True, **supervised_warm_start(model, tokenizer, datamodule.train_rows, WarmStartConfig(**settings))}
+    column = settings.get("prompt_column", "prompt")  # chat prompts rendered as the policy will read them
+    rows = [{**r, column: datamodule.prompt_text(r[column])} if column in r else r for r in datamodule.train_rows]
+    return {"ran": True, **supervised_warm_start(model, tokenizer, rows, WarmStartConfig(**settings))}
 
 
 def _built_early(cfg: DictConfig, group: str) -> Any:

@@ -12,6 +12,7 @@ import torch
 from torch import Tensor, nn
 
 from .advantages import ADVANTAGE_SCALES, group_relative_advantages, zero_std_groups
+from .chat import completion_like
 from .distributed import all_gather_rows, all_reduce, world_size
 from .rewards import MixtureRewards, RewardComposer, RewardOutput
 from .rollout import Completions, RolloutBatch
@@ -100,28 +101,44 @@ class ExperienceMaker:
         self.mask_truncated_completions = config.mask_truncated_completions
         self.anchor = anchor
         self.tasks = list(rewards.tasks) if isinstance(rewards, MixtureRewards) else []
+        # the last scored draw (prompt and completion texts, rewards per function), and the rows of the last step's
+        # experience as columns (see :meth:`samples`), for the completions log
+        self.last_scored: dict[str, Any] | None = None
+        self.last_samples: dict[str, list] | None = None
 
-    def score(self, batch: Mapping[str, Any], rollout: RolloutBatch) -> RewardOutput:
-        """Decode completions and run the reward functions; columns are repeated for the G completions."""
+    def score(self, batch: Mapping[str, Any], rollout: RolloutBatch, trainer_state: Any = None) -> RewardOutput:
+        """Decode the completions and run the reward functions as TRL calls them: ``prompts`` as the dataset holds
+        them and ``completions`` in the same form (a conversation's completion is ``[{"role": "assistant", "content":
+        text}]``, a string prompt's the text), ``completion_ids``, every extra column (repeated for the G
+        completions) and ``trainer_state`` when given."""
         G = rollout.group_size
         ids = [row[mask.bool()].tolist() for row, mask in zip(rollout.completion_ids, rollout.completion_mask)]
-        completions = self.tokenizer.batch_decode(ids, skip_special_tokens=True)
+        texts = self.tokenizer.batch_decode(ids, skip_special_tokens=True)
         prompts = [p for p in batch["prompts"] for _ in range(G)]
+        completions = [completion_like(p, t) for p, t in zip(prompts, texts)]
         columns = {k: [v for v in col for _ in range(G)] for k, col in batch.get("columns", {}).items()}
-        return self.rewards(prompts, completions, completion_ids=ids, **columns)
+        if trainer_state is not None:
+            columns["trainer_state"] = trainer_state
+        out = self.rewards(prompts, completions, completion_ids=ids, **columns)
+        shown = batch.get("prompt_texts") or [str(p) for p in batch["prompts"]]
+        self.last_scored = {"prompt": [p for p in shown for _ in range(G)], "completion": texts,
+                            "rewards": out.per_function}
+        return out
 
     def make(self, batch: Mapping[str, Any], sample: Callable[[Mapping[str, Any]], RolloutBatch],
-             next_prompts: Callable[[], Mapping[str, Any]], device: torch.device) -> tuple[Experience, dict]:
+             next_prompts: Callable[[], Mapping[str, Any]], device: torch.device,
+             trainer_state: Any = None) -> tuple[Experience, dict]:
         """The step's experience and its metrics: ``sample`` draws a rollout of a prompt batch; with dynamic
         sampling, ``next_prompts`` gives more prompts until the batch's groups are filled again. Metrics are over
-        every process (collective: every process calls this once per step)."""
+        every process (collective: every process calls this once per step). ``trainer_state`` reaches the reward
+        functions."""
         G = self.num_generations
         num_prompts = batch["prompt_ids"].shape[0]
-        parts, kept_groups, dropped, draws = [], 0, 0, 0
+        parts, scored, kept_groups, dropped, draws = [], [], 0, 0, 0
         metrics: dict[str, Tensor] = {}
         while True:
             rollout = sample(batch)
-            rewards = self.score(batch, rollout)
+            rewards = self.score(batch, rollout, trainer_state)
             if not parts:  # the first draw is what the step's reward metrics describe
                 metrics.update({f"train/{k}": v for k, v in self.batch_reward_metrics(rewards, device).items()})
                 zero = zero_std_groups(rewards.total, G).float()
@@ -134,6 +151,7 @@ class ExperienceMaker:
                 keep = ~zero_std_groups(rewards.total, G)
                 dropped += int((~keep).sum())
             parts.append((rollout, rewards.total, keep, self.anchor_targets(batch, device)))
+            scored.append(self.last_scored)
             kept_groups += int(keep.sum())
             if not self.dynamic_sampling or kept_groups >= num_prompts or draws >= self.max_extra_draws:
                 break
@@ -144,12 +162,27 @@ class ExperienceMaker:
             metrics["train/dynamic_sampling/extra_draws"] = all_reduce(torch.tensor(float(draws), device=device))
             if kept_groups == 0:  # nothing learnable after every draw: train on the last draw (advantages are 0)
                 parts[-1] = (parts[-1][0], parts[-1][1], torch.ones_like(parts[-1][2]), parts[-1][3])
-        fields, rewards = concat_groups(parts, G, num_prompts if self.dynamic_sampling else None)
+        fields, rewards, picked = concat_groups(parts, G, num_prompts if self.dynamic_sampling else None)
         batch_std = self.batch_std(rewards, device) if self.advantage_scale == "batch" else None
         advantages = group_relative_advantages(rewards, G, self.advantage_scale, batch_std).to(device)
+        self.last_samples = self.samples(scored, picked, advantages)
         if self.mask_truncated_completions:
             fields["completion_mask"] = fields["completion_mask"] * fields["finished"][:, None].long()
         return Experience(advantages=advantages, **fields), metrics
+
+    def samples(self, scored: Sequence[dict[str, Any]], picked: Sequence[Tensor], advantages: Tensor) -> dict[str, list]:
+        """The experience's rows as columns: ``prompt`` and ``completion`` texts, ``rewards/<function>`` (None where a
+        function gave none) and ``advantage``, from each draw's scored rows that the experience kept."""
+        out: dict[str, list] = {"prompt": [], "completion": [], **{f"rewards/{n}": [] for n in self.rewards.names},
+                                "advantage": [float(a) for a in advantages.float().cpu()]}
+        for draw, rows in zip(scored, picked):
+            for i in rows.tolist():
+                out["prompt"].append(draw["prompt"][i])
+                out["completion"].append(draw["completion"][i])
+                for j, name in enumerate(self.rewards.names):
+                    value = float(draw["rewards"][i, j])
+                    out[f"rewards/{name}"].append(value if value == value else None)  # NaN: no reward
+        return out
 
     def task_signal(self, batch: Mapping[str, Any], zero: Tensor, device: torch.device) -> dict[str, Tensor]:
         """A mixture's per-task prompts in the step and share of their groups with equal rewards (no gradient), over
@@ -217,18 +250,20 @@ def pad_cat(tensors: Sequence[Tensor], value: int | float, left: bool = False) -
     return torch.cat(padded)
 
 
-def concat_groups(parts, G: int, limit: int | None) -> tuple[dict[str, Tensor], Tensor]:
+def concat_groups(parts, G: int, limit: int | None) -> tuple[dict[str, Tensor], Tensor, list[Tensor]]:
     """Join the kept groups of one or more draws (dynamic sampling), at most ``limit`` groups: the experience's fields
-    (but advantages) and the rows' rewards. Each part is ``(rollout, rewards, keep, per_prompt)``; ``per_prompt``
-    holds tensors ``[P, ...]`` (the anchor's targets), joined by group and right-padded."""
+    (but advantages), the rows' rewards, and each draw's rows taken (in order). Each part is ``(rollout, rewards, keep,
+    per_prompt)``; ``per_prompt`` holds tensors ``[P, ...]`` (the anchor's targets), joined by group and
+    right-padded."""
     fields: dict[str, list[Tensor]] = {k: [] for k in (*ROLLOUT_FIELDS, "rewards", "group_index")}
     per_group: dict[str, list[Tensor]] = {}
-    kept = 0
+    kept, picked = 0, []
     for rollout, rewards, keep, group_fields in parts:
         idx = torch.nonzero(keep).flatten()
         if limit is not None:
             idx = idx[: max(0, limit - kept)]
         rows = (idx[:, None] * G + torch.arange(G)).flatten()
+        picked.append(rows)
         dev_rows = rows.to(rollout.completion_ids.device)
         for name in ROLLOUT_FIELDS:
             fields[name].append(getattr(rollout, name)[dev_rows])
@@ -241,4 +276,4 @@ def concat_groups(parts, G: int, limit: int | None) -> tuple[dict[str, Tensor], 
            for name, side in ROLLOUT_FIELDS.items()}
     out.update({name: pad_cat(values, 0) for name, values in per_group.items()})
     out["group_index"] = torch.cat(fields["group_index"]).to(out["completion_ids"].device)
-    return out, torch.cat(fields["rewards"])
+    return out, torch.cat(fields["rewards"]), picked

@@ -137,9 +137,9 @@ def load_pretrained(
     if quantization.enabled and quantization_config is not None:
         raise ValueError(f"give either quantization={quantization.mode!r} or quantization_config, not both")
     quantization_config = quantization_config if quantization_config is not None else quantization.bnb_config()
-    _check_source(name_or_path, "model.name_or_path", "config.json", MODEL_FILES_HINT)
+    check_source(name_or_path, "model.name_or_path", "config.json", MODEL_FILES_HINT)
     tokenizer_source = tokenizer_name_or_path or name_or_path
-    _check_source(tokenizer_source, "model.tokenizer_name_or_path" if tokenizer_name_or_path else "model.name_or_path",
+    check_source(tokenizer_source, "model.tokenizer_name_or_path" if tokenizer_name_or_path else "model.name_or_path",
                   TOKENIZER_FILES, "a tokenizer (save it beside the model with tokenizer.save_pretrained, or set "
                   "model.tokenizer_name_or_path to another folder or hub id)")
     try:
@@ -176,7 +176,7 @@ MODEL_FILES_HINT = "a model's config.json (what save_pretrained writes beside th
 _HUB_ID = re.compile(r"^(?!.*(--|\.\.))[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
 
 
-def _check_source(name_or_path: str, key: str, wanted: str | Sequence[str], what: str) -> None:
+def check_source(name_or_path: str, key: str, wanted: str | Sequence[str], what: str) -> None:
     """Fail early, naming ``key`` and the path, when ``name_or_path`` is neither a usable folder nor a hub id.
 
     An existing folder must hold ``wanted`` (a file name, or any one of several); a string that is no folder must be

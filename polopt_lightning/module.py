@@ -28,7 +28,7 @@ from .models import enable_gradient_checkpointing, frozen_quantized_state, prepa
 from .objectives import Objective, SupervisedAnchor, build_objective
 from .optim import build_optimizer, optimizer_factory
 from .reference import ReferenceConfig, build_reference
-from .rewards import MixtureRewards, RewardComposer, RewardOutput, build_rewards
+from .rewards import MixtureRewards, RewardComposer, RewardOutput, TrainerState, build_rewards
 from .rng import restore_rng, rng_state
 from .rollout import RolloutBatch, RolloutEngine, SamplingConfig, build_engine
 from .settings import settings_of, with_moved
@@ -268,7 +268,17 @@ class PolicyOptimizationModule(L.LightningModule):
 
     def score(self, batch: Mapping[str, Any], rollout: RolloutBatch) -> RewardOutput:
         """Decode completions and run the reward functions (:meth:`ExperienceMaker.score`)."""
-        return self.experience.score(batch, rollout)
+        return self.experience.score(batch, rollout, self.trainer_state())
+
+    def trainer_state(self) -> TrainerState:
+        """Where training stands, as TRL's reward functions read it from their ``trainer_state`` argument."""
+        trainer = self._trainer
+        if trainer is None:
+            return TrainerState(stage="none")
+        return TrainerState(global_step=trainer.global_step, epoch=float(trainer.current_epoch),
+                            max_steps=trainer.max_steps, num_train_epochs=trainer.max_epochs,
+                            stage="train" if trainer.training else "validate",
+                            is_world_process_zero=trainer.is_global_zero)
 
     def _next_prompts(self) -> Mapping[str, Any]:
         """Another batch of prompts for dynamic sampling.
@@ -301,7 +311,7 @@ class PolicyOptimizationModule(L.LightningModule):
         with self._whole_parameters():
             G = self.experience.num_generations
             return self.experience.make(batch, lambda prompts: self.rollout(prompts, self.sampling, G),
-                                        self._next_prompts, self.device)
+                                        self._next_prompts, self.device, self.trainer_state())
 
     def reference_logprobs(self, exp: Experience) -> Tensor:
         """Log-probs ``[N, T]`` of the rollout's completions under the KL reference (:meth:`.logprobs.Scorer.reference`)."""
@@ -421,6 +431,12 @@ class PolicyOptimizationModule(L.LightningModule):
         if self.anchor is not None and not any(isinstance(c, AnchorScheduler) for c in self.trainer.callbacks):
             own.append(AnchorScheduler())
         return own + self.accel.callbacks(self.trainer.callbacks)
+
+    def on_fit_start(self) -> None:
+        self.rewards.place(self.device)  # a reward model follows the policy to its device
+
+    def on_validation_start(self) -> None:
+        self.rewards.place(self.device)
 
     def on_train_start(self) -> None:
         # restored here, not at loading: the generator lives on the training device, known only once fit has started

@@ -31,6 +31,10 @@ def test_every_group_value_composes_and_builds(group, value, tmp_path):
         overrides.append(f"model.name_or_path={tmp_path}/m")
     if group == "task" and value == "jsonl":
         overrides.append(f"task.train={tmp_path}/train.jsonl")
+    if group == "task" and value == "dataset":  # local JSON lines through datasets.load_dataset
+        overrides += ["task.path=json", f"task.data_files={tmp_path}/train.jsonl"]
+    if group == "reward" and value == "model":  # a saved causal LM loads as a classifier (a fresh score head)
+        overrides.append(f"reward.functions.reward_model.model={tmp_path}/m")
     cfg = compose_with(overrides, tmp_path)
     set_hydra(cfg)
     node = cfg.get(group)
@@ -38,13 +42,13 @@ def test_every_group_value_composes_and_builds(group, value, tmp_path):
         assert cfg.objective.name  # an experiment sets a whole recipe
         instantiate(cfg.objective)
         return
-    if group == "model" and value == "pretrained":
+    if (group, value) in (("model", "pretrained"), ("reward", "model")):
         from polopt_lightning.models import build_tiny_model
 
         model, tok = build_tiny_model(hidden_size=16, num_layers=1, num_heads=2)
         model.save_pretrained(tmp_path / "m")
         tok.save_pretrained(tmp_path / "m")
-    if group == "task" and value == "jsonl":
+    if group == "task" and value in ("jsonl", "dataset"):
         (tmp_path / "train.jsonl").write_text('{"prompt": "1+1=", "answer": "2"}\n')
     if group in ("quantization", "adapter"):
         from polopt_lightning.models import as_adapter, as_quantization

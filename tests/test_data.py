@@ -55,7 +55,7 @@ def test_chat_template_is_applied_to_messages():
                                        "{% if add_generation_prompt %}<assistant>{% endif %}")
     rows = [{"prompt": [{"role": "user", "content": "3+4="}], "answer": "7"}]
     batch = next(iter(PromptDataModule(train=rows, tokenizer=tok, batch_size=1).train_dataloader()))
-    assert batch["prompts"] == ["<user>3+4=<assistant>"]
+    assert batch["prompt_texts"] == ["<user>3+4=<assistant>"] and batch["prompts"] == [rows[0]["prompt"]]
 
 
 def test_bad_data_is_named(tmp_path):

@@ -93,6 +93,9 @@ def test_recipes_python_blocks_run(tmp_path, monkeypatch, capsys):
     assert "<user>2+3=\n<assistant>" in capsys.readouterr().out
     assert namespace["format_reward"]([""], [" 12"]) == [1.0]
     assert namespace["correctness"]([""], ["5"], answer=["5"]) == [1.0]
+    assert namespace["exact_chat"](completions=[[{"role": "assistant", "content": " 5"}]], answer=["5"],
+                                   trainer_state=None) == [1.0]
+    assert len(namespace["gsm_train"]) == 16 and namespace["gsm_train"][0]["answer"].isdigit()
 
 
 def test_multitask_python_block_runs(tmp_path, monkeypatch, capsys):

@@ -2,9 +2,10 @@
 
 from pathlib import Path
 
-import nbformat
 import pytest
-from nbclient import NotebookClient
+
+nbformat = pytest.importorskip("nbformat", reason="the notebooks' tests need nbformat and nbclient (the dev extra)")
+NotebookClient = pytest.importorskip("nbclient", reason="the notebooks' tests need nbclient (the dev extra)").NotebookClient
 
 NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "quickstart.ipynb"
 

@@ -146,3 +146,27 @@ def test_a_lora_policy_is_pushed_merged(engine):
         hf_ids, hf_mask = _greedy_hf(policy, tok, ids, mask, 6)
         assert torch.equal(out.completion_ids * out.completion_mask, (hf_ids * hf_mask)[:, :out.completion_ids.shape[1]])
     assert not any(getattr(m, "merged", False) for m in policy.modules())
+
+
+@pytest.mark.vllm
+@run_if("vllm")
+@pytest.mark.parametrize("kind", ["ddp", "fsdp"])
+def test_under_ddp_and_fsdp_each_process_engine_samples_its_updated_policy(kind, tmp_path):
+    """2 CPU processes: each has its own engine on the processes' group (external launcher, a tensor-parallel group
+    of its own); after two optimizer steps each engine's greedy tokens equal the transformers backend's on that
+    process's policy (FSDP2: the policy gathered whole before the push)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    helper = Path(__file__).parent / "helpers" / "vllm_ddp.py"
+    out = tmp_path / "reports.json"
+    proc = subprocess.run([sys.executable, str(helper), str(out), kind], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    reports = json.loads(out.read_text())
+    assert [r["rank"] for r in reports] == [0, 1] and [r["tp_group"] for r in reports] == [[0], [1]]
+    for r in reports:
+        assert r["backend"] == "external_launcher" and r["steps"] == 2 and r["moved"] and r["tokens"] > 3, r
+        assert r["same"], r

@@ -1,8 +1,9 @@
 """Lightning callbacks for policy optimisation: checkpoints that fit manual optimisation, validation history, the
-collapse monitor, and the schedules of task weights, reward weights and the supervised anchor."""
+collapse monitor, the completions log, and the schedules of task weights, reward weights and the supervised anchor."""
 
 from .checkpoint import AtomicCheckpointIO, ExceptionCheckpoint, RolloutCheckpoint
 from .collapse import CollapseEvent, CollapseMonitor, CollapseRules
+from .completions import CompletionsLog
 from .history import ValidationHistory
 from .progress import progress_bar
 from .weights import (
@@ -15,5 +16,5 @@ from .weights import (
 )
 
 __all__ = ["TASK_WEIGHT_MODES", "AnchorScheduler", "AtomicCheckpointIO", "CollapseEvent", "CollapseMonitor",
-           "CollapseRules", "ExceptionCheckpoint", "RewardWeightScheduler", "RewardWeights", "RolloutCheckpoint",
+           "CollapseRules", "CompletionsLog", "ExceptionCheckpoint", "RewardWeightScheduler", "RewardWeights", "RolloutCheckpoint",
            "TaskWeightScheduler", "TaskWeights", "ValidationHistory", "progress_bar"]

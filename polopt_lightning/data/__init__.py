@@ -1,6 +1,7 @@
 """Prompt data, built-in tasks and task mixtures."""
 
 from .datamodule import PromptDataModule
+from .dataset_task import DatasetTask
 from .tasks import (
     ArithmeticTask,
     CountTask,
@@ -12,5 +13,5 @@ from .tasks import (
     TaskMixture,
 )
 
-__all__ = ["ArithmeticTask", "CountTask", "ExpressionTask", "FileTask", "MultiplicationTask", "PromptDataModule",
+__all__ = ["ArithmeticTask", "CountTask", "DatasetTask", "ExpressionTask", "FileTask", "MultiplicationTask", "PromptDataModule",
            "ReverseTask", "SortTask", "TaskMixture"]

@@ -6,17 +6,24 @@ import math
 import warnings
 from collections.abc import Mapping, Sequence
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import lightning as L
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from ..chat import is_conversation
 from .sampling import PADDING, MixtureSampler, PromptSampler, ResumableLoader, ShardSampler, allocate, process_rank
 from .sources import load_rows
 from .tasks import TaskMixture
 
 TRUNCATION = ("left", "error")
+# chat templates by name for data.chat_template (Qwen's and many others' ChatML)
+CHAT_TEMPLATES = {
+    "chatml": "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+              "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}",
+}
 
 
 class _Rows(Dataset):
@@ -40,7 +47,11 @@ class PromptDataModule(L.LightningDataModule):
         val: validation rows (same forms); validation decodes greedily.
         task: a built-in task with ``splits() -> (train, val)`` used when ``train`` is not given.
         tokenizer: set here or later with :meth:`set_tokenizer` (the CLI and the module do that).
-        prompt_column: the column holding the prompt: a string, or a list of chat messages.
+        prompt_column: the column holding the prompt: a string, or a list of chat messages (``{"role", "content"}``
+            dicts) rendered with the tokenizer's chat template and a generation prompt (a last assistant message is
+            continued instead, as TRL does).
+        chat_template: a Jinja chat template, a file holding one, or a name in :data:`CHAT_TEMPLATES` (``"chatml"``),
+            set on the tokenizer (for one without a template, or to replace its own); ``None`` keeps the tokenizer's.
         batch_size: prompts per training step (each gets ``num_generations`` completions).
         val_batch_size: prompts per validation batch.
         max_prompt_length: longer prompts are cut from the left (``truncation="left"``, with a warning) or
@@ -49,7 +60,9 @@ class PromptDataModule(L.LightningDataModule):
         num_workers: DataLoader workers.
         seed: shuffling seed.
 
-    Every column other than the prompt reaches the reward functions as a keyword argument (a list per batch).
+    A batch holds ``prompts`` as the dataset holds them (strings, or message lists), ``prompt_texts`` as the model reads
+    them, and every column other than the prompt in ``columns``: the reward functions receive all of them as TRL passes
+    them (:meth:`~polopt_lightning.experience.ExperienceMaker.score`).
     """
 
     def __init__(
@@ -59,6 +72,7 @@ class PromptDataModule(L.LightningDataModule):
         task: Any = None,
         tokenizer: Any = None,
         prompt_column: str = "prompt",
+        chat_template: str | None = None,
         batch_size: int = 8,
         val_batch_size: int = 64,
         max_prompt_length: int | None = 512,
@@ -93,6 +107,7 @@ class PromptDataModule(L.LightningDataModule):
         self.max_prompt_length, self.truncation = max_prompt_length, truncation
         self.shuffle, self.num_workers, self.seed = shuffle, num_workers, seed
         self.tokenizer = None
+        self.chat_template = chat_template
         self._warned_truncation = False
         # a mixture's samplers: the training loader's, and the one of dynamic sampling's extra batches
         self._train_sampler: MixtureSampler | None = None
@@ -113,23 +128,39 @@ class PromptDataModule(L.LightningDataModule):
         from ..models import prepare_tokenizer
 
         self.tokenizer = prepare_tokenizer(tokenizer)
+        if self.chat_template is not None:
+            template = CHAT_TEMPLATES.get(self.chat_template, self.chat_template)
+            if "{" not in template:
+                if not Path(template).is_file():
+                    raise FileNotFoundError(f"data.chat_template={template!r} is neither a Jinja template, a file nor "
+                                            f"a template name ({sorted(CHAT_TEMPLATES)})")
+                template = Path(template).read_text()
+            self.tokenizer.chat_template = template
 
     # ------------------------------------------------------------------------------------------------------------
     def prompt_text(self, prompt: Any) -> str:
-        """Apply the chat template to message lists when the tokenizer has one."""
+        """The text the model reads for ``prompt``: a string as it is; chat messages through the tokenizer's chat
+        template, with the generation prompt, or continuing the last message when it is the assistant's."""
         if isinstance(prompt, str):
             return prompt
-        if isinstance(prompt, list) and all(isinstance(m, dict) and "content" in m for m in prompt):
-            if getattr(self.tokenizer, "chat_template", None):
-                return self.tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
-            return "\n".join(str(m["content"]) for m in prompt)
-        raise TypeError(f"prompt must be a string or a list of chat messages, got {type(prompt).__name__}: {prompt!r}")
+        if not is_conversation(prompt):
+            raise TypeError(f"data.prompt_column={self.prompt_column!r}: a prompt must be a string or a list of chat "
+                            f"messages ({{'role': ..., 'content': ...}}), got {type(prompt).__name__}: {prompt!r:.120}")
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError(f"data.prompt_column={self.prompt_column!r} holds chat messages but the tokenizer has no "
+                             "chat template: use a chat model's tokenizer, or give one with data.chat_template "
+                             "(a Jinja template or a file holding it)")
+        if prompt[-1].get("role") == "assistant":  # the assistant's turn begun: continued, not a new turn
+            return self.tokenizer.apply_chat_template(prompt, tokenize=False, continue_final_message=True)
+        return self.tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
 
     def collate(self, rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
         if self.tokenizer is None:
             raise RuntimeError("PromptDataModule has no tokenizer: pass tokenizer= or call set_tokenizer()")
         texts = [self.prompt_text(r[self.prompt_column]) for r in rows]
-        encoded = [self.tokenizer(t, add_special_tokens=True)["input_ids"] for t in texts]
+        # a chat template writes the special tokens it wants (a BOS among them) itself: none added again
+        encoded = [self.tokenizer(t, add_special_tokens=isinstance(r[self.prompt_column], str))["input_ids"]
+                   for t, r in zip(texts, rows)]
         limit = self.max_prompt_length
         for i, ids in enumerate(encoded):
             if limit is not None and len(ids) > limit:
@@ -152,7 +183,8 @@ class PromptDataModule(L.LightningDataModule):
                 prompt_ids[i, width - len(ids):] = torch.tensor(ids)
                 prompt_mask[i, width - len(ids):] = 1
         columns = {k: [r.get(k) for r in rows] for k in rows[0] if k not in (self.prompt_column, PADDING)}
-        batch = {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "prompts": texts, "columns": columns}
+        batch = {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "prompts": [r[self.prompt_column] for r in rows],
+                 "prompt_texts": texts, "columns": columns}
         if any(PADDING in r for r in rows):
             batch["padding"] = torch.tensor([PADDING in r for r in rows])
         return batch

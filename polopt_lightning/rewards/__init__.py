@@ -10,12 +10,15 @@ from .builtin import (
     SoftOverlongPenalty,
     last_number,
 )
-from .composer import RewardComposer, RewardError, RewardFunction, RewardOutput, reward_name
+from .composer import RewardComposer, RewardError, RewardFunction, RewardOutput, TrainerState, reward_name
+from .math import MathAccuracyReward, TagFormatReward
 from .mixture import MixtureRewards
+from .model import RewardModel
 
 __all__ = [
     "DigitMatchReward",
     "ExactMatchReward",
+    "MathAccuracyReward",
     "MixtureRewards",
     "NumericDistanceReward",
     "NumericMatchReward",
@@ -24,9 +27,12 @@ __all__ = [
     "RewardComposer",
     "RewardError",
     "RewardFunction",
+    "RewardModel",
     "RewardOutput",
     "build_rewards",
     "SoftOverlongPenalty",
+    "TagFormatReward",
+    "TrainerState",
     "last_number",
     "reward_name",
 ]

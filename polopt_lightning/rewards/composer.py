@@ -22,12 +22,36 @@ ON_ERROR = ("raise", "none")
 class RewardFunction(Protocol):
     """TRL's reward convention, so existing reward functions work unchanged.
 
-    ``fn(prompts, completions, **columns) -> list[float | None]``; ``columns`` holds every extra dataset column
-    (one value per completion) plus ``completion_ids``. ``None`` means "not applicable to this sample". The
-    function may be ``async``.
+    ``fn(prompts, completions, **columns) -> list[float | None]``. For a dataset of chat prompts ``prompts`` are
+    lists of messages and each completion is ``[{"role": "assistant", "content": text}]``; otherwise both are
+    strings. ``columns`` holds every extra dataset column (one value per completion), ``completion_ids`` and
+    ``trainer_state`` (a :class:`TrainerState`). ``None`` means "not applicable to this sample". The function may be
+    ``async``.
     """
 
     def __call__(self, prompts: list[str], completions: list[str], **columns: Any) -> list[float | None]: ...
+
+
+@dataclass(frozen=True)
+class TrainerState:
+    """Where training stands, passed to every reward function as ``trainer_state`` (the attributes TRL's reward
+    functions read from ``transformers.TrainerState``), e.g. to ramp a reward over training.
+
+    Attributes:
+        global_step: optimizer steps taken so far.
+        epoch: epochs completed so far.
+        max_steps: the planned number of steps (-1: bounded by epochs).
+        num_train_epochs: the planned number of epochs (``None`` or -1: bounded by steps).
+        stage: ``"train"`` (a training step's rollouts), ``"validate"`` or ``"none"`` (outside a Trainer).
+        is_world_process_zero: whether this is the first process.
+    """
+
+    global_step: int = 0
+    epoch: float = 0.0
+    max_steps: int = -1
+    num_train_epochs: int | None = None
+    stage: str = "train"
+    is_world_process_zero: bool = True
 
 
 class RewardError(RuntimeError):
@@ -148,6 +172,13 @@ class RewardComposer:
     def set_weights(self, weights: Sequence[float] | Mapping[str, float]) -> None:
         """Replace the weights (dynamic weighting schedules call this between steps)."""
         self.weights = self._check_weights(weights)
+
+    def place(self, device: torch.device | str) -> None:
+        """Tell the functions that run a model (e.g. :class:`~polopt_lightning.rewards.RewardModel`) the policy's
+        device: the module calls this when training or validation starts. Functions without ``place`` are left."""
+        for fn in self.reward_fns:
+            if callable(getattr(fn, "place", None)):
+                fn.place(device)
 
     def accuracy(self, per_function: Tensor, columns: Mapping[str, Any] | None = None, name: str | None = None) -> Tensor:
         """``[N]`` the values of the function ``name`` (default: the first), whose mean is the accuracy."""

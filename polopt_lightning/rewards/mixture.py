@@ -56,6 +56,11 @@ class MixtureRewards:
         """Every function's weight, in the order of :attr:`names`."""
         return torch.cat([c.weights for c in self.composers.values()])
 
+    def place(self, device: torch.device | str) -> None:
+        """Every task's functions told the policy's device (:meth:`RewardComposer.place`)."""
+        for composer in self.composers.values():
+            composer.place(device)
+
     def set_weights(self, weights: Sequence[float] | Mapping[str, float]) -> None:
         """Replace weights: a list over :attr:`names`, or a mapping from ``<task>/<function>`` (others unchanged)."""
         if isinstance(weights, Mapping):

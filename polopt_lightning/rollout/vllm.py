@@ -36,16 +36,39 @@ def policy_weights(model: nn.Module) -> dict[str, Tensor]:
         raise ValueError("rollout=vllm with a quantized policy (quantization=int8/nf4): its weights have no plain form "
                          "to push into vLLM; use rollout=hf, or quantization=none with adapter=lora")
     if not has_adapter(model):
-        return {k: v.detach() for k, v in model.state_dict().items()}
+        return {k: _whole(v) for k, v in model.state_dict().items()}
     base = model.get_base_model()
     with torch.no_grad():
         model.merge_adapter()
         try:
-            weights = {k.replace(".base_layer", ""): v.detach().clone() for k, v in base.state_dict().items()
+            weights = {k.replace(".base_layer", ""): _whole(v).clone() for k, v in base.state_dict().items()
                        if "lora_" not in k}
         finally:
             model.unmerge_adapter()
     return weights
+
+
+def _whole(tensor: Tensor) -> Tensor:
+    """A weight as one plain tensor: an FSDP2 shard (a DTensor) gathered (collective), anything else as it is."""
+    tensor = tensor.detach()
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
+def distributed_settings() -> dict[str, Any]:
+    """Under several processes (DDP, FSDP), each process's engine joins their group through vLLM's external launcher,
+    one engine per process on its own share of the prompts (vLLM's external data parallelism, as verl and TRL's
+    colocate mode run it); ``{}`` in one process. Sets the ``torchrun`` variables vLLM reads where the launcher did not
+    (Lightning's own launcher sets the local rank only)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return {}
+    os.environ.setdefault("RANK", str(dist.get_rank()))
+    os.environ.setdefault("WORLD_SIZE", str(dist.get_world_size()))
+    os.environ.setdefault("LOCAL_RANK", os.environ.get("LOCAL_RANK", str(dist.get_rank())))
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29500")
+    return {"distributed_executor_backend": "external_launcher"}
 
 
 class VLLMRolloutEngine(RolloutEngine):
@@ -97,6 +120,9 @@ class VLLMRolloutEngine(RolloutEngine):
         if self.model_dir is None:
             self._folder = tempfile.TemporaryDirectory(prefix="polopt_vllm_")
         folder = Path(self.model_dir or self._folder.name)
+        distributed = distributed_settings()
+        if distributed:  # one engine per process, each loading its own copy
+            folder = folder / f"rank_{os.environ['RANK']}"
         folder.mkdir(parents=True, exist_ok=True)
         from safetensors.torch import save_file
 
@@ -116,6 +142,7 @@ class VLLMRolloutEngine(RolloutEngine):
             settings.pop("gpu_memory_utilization", None)
             settings.pop("enable_sleep_mode", None)
             settings.pop("tensor_parallel_size", None)
+        settings.update(distributed)
         try:
             self.llm = LLM(model=str(folder), skip_tokenizer_init=True, enforce_eager=eager,
                            logprobs_mode="processed_logprobs", **settings)

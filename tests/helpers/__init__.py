@@ -1,6 +1,7 @@
 """Helpers the test modules share: the CLI's tiniest settings and how to run it, a drop-in module and Trainer, the
 decoding step's logits, closeness. Test modules import these from here, never from each other."""
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -57,6 +58,10 @@ NEEDS = {
     "glibc": (lambda: _host_memory().available(), "needs glibc's allocator (mallopt)"),
     "procfs": (lambda: os.path.exists("/proc/self/smaps"), "reads the process's mappings from /proc (Linux)"),
     "vllm": (lambda: _vllm_available(), "needs vLLM (its own environment: docs/vllm.md)"),
+    **{package: ((lambda p=package: importlib.util.find_spec(p) is not None),
+                 f"needs the {package} package (pip install 'polopt-lightning[{extra}]')")
+       for package, extra in (("math_verify", "math"), ("datasets", "datasets"), ("tensorboard", "tensorboard"),
+                              ("wandb", "wandb"), ("mlflow", "mlflow"))},
 }
 
 
