@@ -1,4 +1,5 @@
-"""Group-relative advantage estimators (GRPO and its variants).
+"""Advantage estimators: group-relative (GRPO and its scales), leave-one-out (RLOO) and REINFORCE++ (batch-whitened,
+with or without a group baseline), selectable by name.
 
 Rewards arrive as one flat ``[N]`` tensor with ``N = prompts * group_size``, laid out group by group: the
 completions of prompt 0 first, then those of prompt 1, and so on. NaN marks a reward that a reward function
@@ -6,6 +7,8 @@ declined to give (``None``): it is left out of the group statistics and gets adv
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -38,6 +41,116 @@ def _group_stats(grouped: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     std = (sq_dev.sum(-1, keepdim=True) / (count - 1).clamp(min=1)).sqrt()
     has_signal = (count >= 2) & (std > ZERO_STD_TOLERANCE)  # [P, 1]
     return mean, std, valid, has_signal
+
+
+@dataclass(frozen=True)
+class AdvantageEstimator:
+    """How rewards become advantages, by name (``experience.advantage_estimator``).
+
+    Attributes:
+        name: the key it is registered under.
+        baseline: what each reward is measured against: ``"group"`` (its group's mean), ``"leave_one_out"`` (the mean
+            of the group's other rewards: ``G/(G-1)`` times the group-mean difference) or ``"none"`` (the reward
+            itself, the batch mean subtracted by ``whiten``).
+        default_scale: the scale used when ``experience.advantage_scale`` is null (``None``: the objective's own).
+        whiten: with ``scale="batch"``, subtract the batch mean of the baselined values and divide by their standard
+            deviation (REINFORCE++'s normalisation); otherwise divide by the standard deviation of the batch's rewards.
+        paper: where it comes from.
+    """
+
+    name: str
+    baseline: str
+    default_scale: str | None
+    whiten: bool
+    paper: str
+
+
+ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {}
+
+
+def register_estimator(estimator: AdvantageEstimator) -> AdvantageEstimator:
+    """Make ``estimator`` selectable by its name (``experience.advantage_estimator=<name>``)."""
+    if estimator.baseline not in ("group", "leave_one_out", "none"):
+        raise ValueError(f"estimator {estimator.name!r}: baseline must be group, leave_one_out or none, got "
+                         f"{estimator.baseline!r}")
+    if estimator.default_scale is not None and estimator.default_scale not in ADVANTAGE_SCALES:
+        raise ValueError(f"estimator {estimator.name!r}: default_scale must be one of {ADVANTAGE_SCALES} or None")
+    ADVANTAGE_ESTIMATORS[estimator.name] = estimator
+    return estimator
+
+
+for _estimator in (
+    AdvantageEstimator("grpo", "group", None, False, "DeepSeekMath (Shao et al., 2024)"),
+    AdvantageEstimator("rloo", "leave_one_out", "none", False, "RLOO (Ahmadian et al., 2024)"),
+    AdvantageEstimator("reinforce_pp", "none", "batch", True, "REINFORCE++ (Hu, 2025)"),
+    AdvantageEstimator("reinforce_pp_baseline", "group", "batch", True, "REINFORCE++ with a group baseline (Hu, 2025)"),
+):
+    register_estimator(_estimator)
+
+
+def get_estimator(name: str) -> AdvantageEstimator:
+    if name not in ADVANTAGE_ESTIMATORS:
+        raise ValueError(f"experience.advantage_estimator must be one of {sorted(ADVANTAGE_ESTIMATORS)}, got {name!r}")
+    return ADVANTAGE_ESTIMATORS[name]
+
+
+def baselined(rewards: Tensor, group_size: int, estimator: str = "grpo") -> tuple[Tensor, Tensor]:
+    """``[P, G]`` rewards minus the estimator's baseline, and ``[P, G]`` which of them carry an advantage (valid, and
+    in a group with signal when the baseline is the group's)."""
+    est = get_estimator(estimator)
+    grouped = _grouped(rewards, group_size)
+    mean, _, valid, has_signal = _group_stats(grouped)
+    if est.baseline == "none":
+        return torch.where(valid, grouped, torch.zeros_like(grouped)), valid
+    centered = grouped - mean
+    if est.baseline == "leave_one_out":
+        count = valid.sum(-1, keepdim=True).float()
+        centered = centered * count / (count - 1).clamp(min=1)
+    keep = valid & has_signal
+    return torch.where(keep, centered, torch.zeros_like(centered)), keep
+
+
+def batch_values(rewards: Tensor, group_size: int, estimator: str = "grpo") -> Tensor:
+    """The values whose batch moments ``scale="batch"`` divides by (and, for a whitening estimator, subtracts the mean
+    of): the baselined values of every valid reward for a whitening estimator, else the valid rewards."""
+    est = get_estimator(estimator)
+    if not est.whiten:
+        return rewards[torch.isfinite(rewards)]
+    values, _ = baselined(rewards, group_size, estimator)
+    return values[torch.isfinite(_grouped(rewards, group_size))]
+
+
+def estimate_advantages(rewards: Tensor, group_size: int, estimator: str = "grpo", scale: str | None = None,
+                        batch_mean: Tensor | None = None, batch_std: Tensor | None = None) -> Tensor:
+    """``[N]`` advantages of ``rewards`` (group by group, NaN where missing) by the estimator ``estimator``
+    (:data:`ADVANTAGE_ESTIMATORS`) and ``scale`` (``None``: the estimator's default, ``"group"`` for GRPO).
+
+    ``grpo`` is :func:`group_relative_advantages`. ``rloo`` measures each reward against the mean of its group's
+    others. ``reinforce_pp`` whitens the rewards over the batch (``(r - mean) / std``), group structure aside;
+    ``reinforce_pp_baseline`` whitens the group-mean differences. ``batch_mean`` / ``batch_std``: the moments of
+    :func:`batch_values` over every process (each holds a share of the batch); by default these rewards' own.
+    Missing rewards get 0; so do groups without signal where the baseline is the group's.
+    """
+    est = get_estimator(estimator)
+    scale = scale or est.default_scale or "group"
+    if est.name == "grpo":
+        return group_relative_advantages(rewards, group_size, scale, batch_std)
+    if scale not in ADVANTAGE_SCALES:
+        raise ValueError(f"scale must be one of {ADVANTAGE_SCALES}, got {scale!r}")
+    values, keep = baselined(rewards, group_size, estimator)
+    if scale == "group":
+        _, std, _, has_signal = _group_stats(_grouped(rewards, group_size))
+        values, keep = values / std.clamp(min=ZERO_STD_TOLERANCE), keep & has_signal
+    elif scale == "batch":
+        if batch_std is None or (est.whiten and batch_mean is None):
+            flat = batch_values(rewards, group_size, estimator).float()
+            batch_mean = flat.mean() if flat.numel() else flat.new_zeros(())
+            batch_std = flat.std() if flat.numel() > 1 else flat.new_zeros(())
+        if est.whiten:
+            values = values - batch_mean
+        values = values / batch_std.clamp(min=ZERO_STD_TOLERANCE)
+    advantages = torch.where(keep, values, torch.zeros_like(values))
+    return advantages.reshape(-1).to(rewards.dtype if rewards.is_floating_point() else torch.float32)
 
 
 def group_relative_advantages(rewards: Tensor, group_size: int, scale: str = "group",

@@ -11,7 +11,14 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .advantages import ADVANTAGE_SCALES, group_relative_advantages, zero_std_groups
+from .advantages import (
+    ADVANTAGE_ESTIMATORS,
+    ADVANTAGE_SCALES,
+    batch_values,
+    estimate_advantages,
+    get_estimator,
+    zero_std_groups,
+)
 from .chat import completion_like
 from .distributed import all_gather_rows, all_reduce, world_size
 from .rewards import MixtureRewards, RewardComposer, RewardOutput
@@ -25,13 +32,18 @@ class ExperienceConfig(Settings):
 
     Args:
         num_generations: completions per prompt (``G >= 2``: a group of one has no relative signal).
-        advantage_scale: ``"group"``, ``"batch"`` or ``"none"``; ``None``: the objective's own (Dr. GRPO: none).
+        advantage_estimator: how rewards become advantages: ``"grpo"`` (group mean), ``"rloo"`` (leave-one-out),
+            ``"reinforce_pp"`` (batch-whitened), ``"reinforce_pp_baseline"`` (group mean, then batch-whitened); see
+            :data:`~polopt_lightning.advantages.ADVANTAGE_ESTIMATORS`.
+        advantage_scale: ``"group"``, ``"batch"`` or ``"none"``; ``None``: the estimator's own (GRPO's: the
+            objective's, Dr. GRPO none; RLOO none; REINFORCE++ batch).
         dynamic_sampling: DAPO's dynamic sampling: drop groups whose rewards are all equal and draw more prompts
             until the batch is full again, at most ``max_extra_draws`` extra batches per step.
         mask_truncated_completions: DAPO's overlong filtering: completions cut by ``max_new_tokens`` do not count.
     """
 
     num_generations: int = 8
+    advantage_estimator: str = "grpo"
     advantage_scale: str | None = None
     dynamic_sampling: bool = False
     max_extra_draws: int = 4
@@ -40,6 +52,7 @@ class ExperienceConfig(Settings):
     KEY = "experience"
     RULES = {
         "num_generations": (lambda v: v >= 2, ">= 2 (a group of one has no relative advantage)"),
+        "advantage_estimator": (lambda v: v in ADVANTAGE_ESTIMATORS, f"one of {sorted(ADVANTAGE_ESTIMATORS)}"),
         "advantage_scale": (lambda v: v is None or v in ADVANTAGE_SCALES, f"one of {ADVANTAGE_SCALES} or None"),
         "max_extra_draws": (lambda v: v >= 0, ">= 0"),
     }
@@ -95,8 +108,10 @@ class ExperienceMaker:
                  advantage_scale: str = "group") -> None:
         self.config = config = ExperienceConfig.of(config)
         self.tokenizer, self.rewards, self.num_generations = tokenizer, rewards, config.num_generations
-        self.advantage_scale = config.advantage_scale or advantage_scale
-        group_relative_advantages(torch.zeros(2), 2, self.advantage_scale)  # validates the name now
+        self.estimator = config.advantage_estimator
+        own = get_estimator(self.estimator).default_scale
+        self.advantage_scale = config.advantage_scale or own or advantage_scale
+        estimate_advantages(torch.zeros(2), 2, self.estimator, self.advantage_scale)  # validates the names now
         self.dynamic_sampling, self.max_extra_draws = config.dynamic_sampling, config.max_extra_draws
         self.mask_truncated_completions = config.mask_truncated_completions
         self.anchor = anchor
@@ -163,8 +178,9 @@ class ExperienceMaker:
             if kept_groups == 0:  # nothing learnable after every draw: train on the last draw (advantages are 0)
                 parts[-1] = (parts[-1][0], parts[-1][1], torch.ones_like(parts[-1][2]), parts[-1][3])
         fields, rewards, picked = concat_groups(parts, G, num_prompts if self.dynamic_sampling else None)
-        batch_std = self.batch_std(rewards, device) if self.advantage_scale == "batch" else None
-        advantages = group_relative_advantages(rewards, G, self.advantage_scale, batch_std).to(device)
+        moments = self.batch_moments(batch_values(rewards, G, self.estimator), device) \
+            if self.advantage_scale == "batch" else (None, None)
+        advantages = estimate_advantages(rewards, G, self.estimator, self.advantage_scale, *moments).to(device)
         self.last_samples = self.samples(scored, picked, advantages)
         if self.mask_truncated_completions:
             fields["completion_mask"] = fields["completion_mask"] * fields["finished"][:, None].long()
@@ -228,15 +244,17 @@ class ExperienceMaker:
         return self.rewards.summarize(per_function, all_reduce(errors.to(device)).cpu())
 
     @staticmethod
-    def batch_std(rewards: Tensor, device: torch.device) -> Tensor:
-        """The standard deviation of every valid reward of the step, over all processes (``advantage_scale="batch"``)."""
-        valid = rewards[torch.isfinite(rewards)].double()
+    def batch_moments(values: Tensor, device: torch.device) -> tuple[Tensor, Tensor]:
+        """The mean and standard deviation of ``values`` (:func:`~polopt_lightning.advantages.batch_values`: the step's
+        valid rewards, or what a whitening estimator whitens) over all processes (``advantage_scale="batch"``)."""
+        valid = values.double()
         moments = all_reduce(torch.stack([valid.new_tensor(float(valid.numel())), valid.sum(), (valid ** 2).sum()])
                              .to(device)).cpu()
         count, total, squares = moments.unbind()
+        mean = (total / count.clamp(min=1)).float()
         if count < 2:
-            return torch.zeros(())
-        return ((squares - total ** 2 / count) / (count - 1)).clamp(min=0).sqrt().float()
+            return mean, torch.zeros(())
+        return mean, ((squares - total ** 2 / count) / (count - 1)).clamp(min=0).sqrt().float()
 
 
 def pad_cat(tensors: Sequence[Tensor], value: int | float, left: bool = False) -> Tensor:

@@ -140,8 +140,8 @@ def load_pretrained(
     check_source(name_or_path, "model.name_or_path", "config.json", MODEL_FILES_HINT)
     tokenizer_source = tokenizer_name_or_path or name_or_path
     check_source(tokenizer_source, "model.tokenizer_name_or_path" if tokenizer_name_or_path else "model.name_or_path",
-                  TOKENIZER_FILES, "a tokenizer (save it beside the model with tokenizer.save_pretrained, or set "
-                  "model.tokenizer_name_or_path to another folder or hub id)")
+                 TOKENIZER_FILES, "a tokenizer (save it beside the model with tokenizer.save_pretrained, or set "
+                 "model.tokenizer_name_or_path to another folder or hub id)")
     try:
         model = AutoModelForCausalLM.from_pretrained(
             name_or_path,

@@ -37,9 +37,10 @@ def _update(tmp_path, world, *args):
 @pytest.mark.parametrize("args", [("grpo", "micro_batch_tokens=40"), ("gspo", "advantage_scale=batch", "anchor=0.5"),
                                   ("dr_grpo", "beta=0.5"),
                                   ("grpo", "micro_batch_tokens=40", "strategy=fsdp", "beta=0.5", "anchor=0.5"),
-                                  ("grpo", "width=512", "beta=0.5")],
+                                  ("grpo", "width=512", "beta=0.5"),
+                                  ("cispo", "advantage_estimator=reinforce_pp_baseline")],
                          ids=["grpo-token-mean-micro-batches", "gspo-batch-scale-anchor", "dr_grpo-kl",
-                              "fsdp-grpo-kl-anchor", "grpo-kl-onednn-linear"])
+                              "fsdp-grpo-kl-anchor", "grpo-kl-onednn-linear", "cispo-reinforce-pp-whitened"])
 def test_one_ddp_update_equals_the_single_process_update(args, tmp_path):
     one = _update(tmp_path, 1, *[a for a in args if not a.startswith("strategy=")])
     two = _update(tmp_path, 2, *args)  # DDP, or FSDP2 (the weights sharded over the 2 processes)

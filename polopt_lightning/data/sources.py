@@ -37,4 +37,3 @@ def load_rows(source: Any, what: str) -> list[dict[str, Any]]:
                 raise TypeError(f"{what}: row {i} is {type(row).__name__}, expected a dict of columns")
         return rows
     raise TypeError(f"{what}: expected a list of dicts, a JSON-lines path or a datasets.Dataset, got {type(source).__name__}")
-

@@ -14,17 +14,21 @@ from .base import (
     k3_kl,
     register_objective,
 )
+from .cispo import CISPO
 from .grpo import AGGREGATIONS, GRPO, dapo, dr_grpo
 from .gspo import GSPO
+from .sapo import SAPO
 
 __all__ = [
     "AGGREGATIONS",
     "ANCHOR_SCHEDULES",
+    "CISPO",
     "GRPO",
     "GSPO",
     "Objective",
     "SupervisedAnchor",
     "ObjectiveOutput",
+    "SAPO",
     "available_objectives",
     "build_objective",
     "dapo",

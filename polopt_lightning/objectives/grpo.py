@@ -49,11 +49,14 @@ class GRPO(Objective):
     """Group Relative Policy Optimization with a per-token importance ratio.
 
     Per token ``-min(r*A, clip(r, 1-clip_low, 1+clip_high)*A) + beta*k3`` with ``r = exp(lp - old)``,
-    reduced by ``aggregation``.
+    reduced by ``aggregation``. With ``dual_clip = c``, a token with ``A < 0`` loses at most ``-c*A`` (dual clip,
+    Ye et al. 2020, verl's ``clip_ratio_c``; TRL's two-sided ``delta`` is the same bound: ``min(r, delta)`` in the
+    unclipped term changes nothing where ``A > 0``).
 
     Args:
         clip_low: lower clip range (ratio floor ``1 - clip_low``).
         clip_high: upper clip range (ratio ceiling ``1 + clip_high``); ``None`` means ``clip_low`` (symmetric).
+        dual_clip: the bound ``c > 1 + clip_high`` on the ratio's weight for negative advantages; ``None``: none.
         beta: weight of the k3 KL penalty to the reference policy; needs ``ref_logprobs`` when ``> 0``.
         aggregation: ``"seq-mean-token-mean"`` | ``"token-mean"`` (DAPO) | ``"seq-mean-token-sum-norm"`` (Dr. GRPO).
         max_completion_length: the constant normaliser of ``seq-mean-token-sum-norm`` (required there).
@@ -70,8 +73,12 @@ class GRPO(Objective):
         aggregation: str = "seq-mean-token-mean",
         max_completion_length: int | None = None,
         advantage_scale: str = "group",
+        dual_clip: float | None = None,
     ) -> None:
         self.clip_low, self.clip_high = check_clip(clip_low, clip_high)
+        if dual_clip is not None and not dual_clip > 1.0 + self.clip_high:
+            raise ValueError(f"dual_clip must be > 1 + clip_high = {1.0 + self.clip_high}, got {dual_clip}")
+        self.dual_clip = None if dual_clip is None else float(dual_clip)
         self.beta = check_beta(beta)
         if aggregation not in AGGREGATIONS:
             raise ValueError(f"aggregation must be one of {AGGREGATIONS}, got {aggregation!r}")
@@ -91,27 +98,35 @@ class GRPO(Objective):
             return mask.float().sum()
         return super().normaliser(mask)
 
+    def surrogate(self, ratio: Tensor, advantages: Tensor, logprobs: Tensor, mask: Tensor
+                  ) -> tuple[Tensor, dict[str, Tensor]]:
+        """The per-token policy-gradient loss ``[B, T]`` for ratios ``r`` and advantages ``A`` (``[B, 1]`` or
+        ``[B, T]``), and its clip metrics. GRPO's: the clipped surrogate (and the dual clip). Subclasses (CISPO, SAPO)
+        replace this and keep the KL term, the aggregation and the ratio metrics."""
+        per_token, clipped_low, clipped_high = clipped_surrogate(ratio, advantages, self.clip_low, self.clip_high)
+        metrics: dict[str, Tensor] = {}
+        if self.dual_clip is not None:
+            bounded = (advantages < 0) & (per_token > -self.dual_clip * advantages)
+            per_token = torch.where(bounded, -self.dual_clip * advantages, per_token)
+            metrics["clip_frac_dual"] = masked_mean(bounded.float(), mask).detach()
+        with torch.no_grad():
+            low = masked_mean(clipped_low.float(), mask)
+            high = masked_mean(clipped_high.float(), mask)
+        metrics.update(clip_frac_low=low, clip_frac_high=high, clip_frac=low + high)
+        return per_token, metrics
+
     def compute(self, logprobs, old_logprobs, advantages, mask, ref_logprobs) -> ObjectiveOutput:
         log_ratio = (logprobs - old_logprobs).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)  # [B, T]
         ratio = torch.exp(log_ratio)
         token_adv = advantages if advantages.dim() == 2 else advantages.unsqueeze(-1)
-        per_token, clipped_low, clipped_high = clipped_surrogate(ratio, token_adv, self.clip_low, self.clip_high)
-        metrics: dict[str, Tensor] = {}
+        per_token, metrics = self.surrogate(ratio, token_adv, logprobs, mask)
         if self.beta > 0:
             kl = k3_kl(logprobs, ref_logprobs)
             per_token = per_token + self.beta * kl
             metrics["kl"] = aggregate(kl, mask, self.aggregation, self.max_completion_length).detach()
         loss = aggregate(per_token, mask, self.aggregation, self.max_completion_length)
         with torch.no_grad():
-            low = masked_mean(clipped_low.float(), mask)
-            high = masked_mean(clipped_high.float(), mask)
-            metrics.update(
-                clip_frac_low=low,
-                clip_frac_high=high,
-                clip_frac=low + high,
-                ratio_mean=masked_mean(ratio, mask),
-                ratio_max=masked_max(ratio, mask),
-            )
+            metrics.update(ratio_mean=masked_mean(ratio, mask), ratio_max=masked_max(ratio, mask))
         return ObjectiveOutput(loss=loss, metrics=metrics)
 
 
@@ -123,9 +138,10 @@ def dapo(
     aggregation: str = "token-mean",
     max_completion_length: int | None = None,
     advantage_scale: str = "group",
+    dual_clip: float | None = None,
 ) -> GRPO:
     """DAPO (Yu et al. 2025): GRPO with clip-higher (0.2 / 0.28) and token-mean aggregation."""
-    return GRPO(clip_low, clip_high, beta, aggregation, max_completion_length, advantage_scale)
+    return GRPO(clip_low, clip_high, beta, aggregation, max_completion_length, advantage_scale, dual_clip)
 
 
 @register_objective("dr_grpo")
@@ -136,6 +152,7 @@ def dr_grpo(
     beta: float = 0.0,
     aggregation: str = "seq-mean-token-sum-norm",
     advantage_scale: str = "none",
+    dual_clip: float | None = None,
 ) -> GRPO:
     """Dr. GRPO (Liu et al. 2025): token sums over a constant and advantages not divided by the group std."""
-    return GRPO(clip_low, clip_high, beta, aggregation, max_completion_length, advantage_scale)
+    return GRPO(clip_low, clip_high, beta, aggregation, max_completion_length, advantage_scale, dual_clip)

@@ -1,7 +1,7 @@
 """One training step of the module under Lightning, in 1 process or under DDP on CPU processes (gloo).
 
 ``python tests/helpers/ddp_update.py OUT WORLD OBJECTIVE [key=value ...]`` (``strategy=fsdp``: FSDP2 instead of DDP;
-``anchor=COEF``: with the supervised anchor; ``width=W``: a model W wide, whose weights from 512 on are large enough for
+``anchor=COEF``: with the supervised anchor; ``advantage_estimator=NAME``; ``width=W``: a model W wide, whose weights from 512 on are large enough for
 the oneDNN linear layers): rank 0 writes ``OUT`` (torch.save) with
 the policy's weights after the step, the step's logged metrics, and every prompt's advantages. The prompts' completions
 do not depend on the number of processes (each prompt samples with a generator seeded by its own tokens), so a run
@@ -83,7 +83,8 @@ def main() -> None:
         spec["max_completion_length"] = 4
     module = Recording(
         model, tok, objective=spec, reward_fns=[digit_share, ExactMatchReward()], generation={"max_new_tokens": 4},
-        experience={"num_generations": 4, "advantage_scale": options.get("advantage_scale")},
+        experience={"num_generations": 4, "advantage_scale": options.get("advantage_scale"),
+                    "advantage_estimator": options.get("advantage_estimator", "grpo")},
         update={"mini_batches": 1, "max_grad_norm": None,
                 "micro_batch_tokens": int(options["micro_batch_tokens"]) if "micro_batch_tokens" in options else None},
         # plain SGD: the update is the gradient itself (Adam's first step would hide a wrong gradient scale)
