@@ -65,7 +65,7 @@ def distributed_settings() -> dict[str, Any]:
         return {}
     os.environ.setdefault("RANK", str(dist.get_rank()))
     os.environ.setdefault("WORLD_SIZE", str(dist.get_world_size()))
-    os.environ.setdefault("LOCAL_RANK", os.environ.get("LOCAL_RANK", str(dist.get_rank())))
+    os.environ.setdefault("LOCAL_RANK", str(dist.get_rank()))
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29500")
     return {"distributed_executor_backend": "external_launcher"}
