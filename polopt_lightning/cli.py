@@ -362,21 +362,11 @@ def summary_table(results: dict[str, Any]) -> str:
 
 @hydra.main(config_path=config_dir(), config_name="train", version_base="1.3")
 def _hydra_main(cfg: DictConfig) -> float | None:
+    from .distributed import close_process_group
+
     results = train(cfg)
-    _close_process_group()
+    close_process_group()
     return results.get("val_accuracy_after")
-
-
-def _close_process_group() -> None:
-    """Every process of a distributed run waits for the others (the first one writes the model and results after the
-    rest are done), then closes the process group. A process that exited with its group open could abort while
-    its communication threads were torn down ("terminate called without an active exception", exit -6: once in CI
-    on a two-node launch, with the run itself complete)."""
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
 
 
 def _external_rank() -> tuple[int, int] | None:

@@ -46,3 +46,15 @@ def all_gather_objects(obj: Any) -> list[Any]:
     out: list[Any] = [None] * world_size()
     torch.distributed.all_gather_object(out, obj)
     return out
+
+
+def close_process_group() -> None:
+    """Every process of a distributed run waits for the others (the first one writes the model and results after the
+    rest are done), then closes the process group; nothing in a single process. A process that exits with its Gloo
+    group open can abort while its communication threads are torn down ("terminate called without an active
+    exception", exit -6; pytorch/pytorch#190489): call this before a script's processes end."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()

@@ -19,7 +19,7 @@ import torch
 from polopt_lightning import PolicyOptimizationModule, PromptDataModule
 from polopt_lightning.accel.cpu.linear import OneDNNLinear
 from polopt_lightning.data import ArithmeticTask
-from polopt_lightning.distributed import all_gather_objects
+from polopt_lightning.distributed import all_gather_objects, close_process_group
 from polopt_lightning.experience import pad_cat
 from polopt_lightning.models import build_tiny_model
 from polopt_lightning.rewards.builtin import ExactMatchReward
@@ -113,3 +113,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    close_process_group()  # a process that ends with its Gloo group open can abort at exit

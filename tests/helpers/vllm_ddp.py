@@ -14,7 +14,7 @@ import torch
 
 from polopt_lightning import PolicyOptimizationModule, PromptDataModule
 from polopt_lightning.data import ArithmeticTask
-from polopt_lightning.distributed import all_gather_objects
+from polopt_lightning.distributed import all_gather_objects, close_process_group
 from polopt_lightning.models import build_tiny_model
 from polopt_lightning.rewards import DigitMatchReward, ExactMatchReward
 from polopt_lightning.rollout import HFRolloutEngine, SamplingConfig
@@ -72,3 +72,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    close_process_group()  # a process that ends with its Gloo group open can abort at exit
