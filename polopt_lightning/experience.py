@@ -116,10 +116,10 @@ class ExperienceMaker:
         self.mask_truncated_completions = config.mask_truncated_completions
         self.anchor = anchor
         self.tasks = list(rewards.tasks) if isinstance(rewards, MixtureRewards) else []
-        # the last scored draw (prompt and completion texts, rewards per function), and the rows of the last step's
-        # experience as columns (see :meth:`samples`), for the completions log
+        # the last scored draw (prompt and completion texts, rewards per function), and what the last step's
+        # experience rows are made of (:attr:`last_samples` builds them only when a completions log asks)
         self.last_scored: dict[str, Any] | None = None
-        self.last_samples: dict[str, list] | None = None
+        self._last_step: tuple[list, list, Tensor] | None = None
 
     def score(self, batch: Mapping[str, Any], rollout: RolloutBatch, trainer_state: Any = None) -> RewardOutput:
         """Decode the completions and run the reward functions as TRL calls them: ``prompts`` as the dataset holds
@@ -181,10 +181,16 @@ class ExperienceMaker:
         moments = self.batch_moments(batch_values(rewards, G, self.estimator), device) \
             if self.advantage_scale == "batch" else (None, None)
         advantages = estimate_advantages(rewards, G, self.estimator, self.advantage_scale, *moments).to(device)
-        self.last_samples = self.samples(scored, picked, advantages)
+        self._last_step = (scored, picked, advantages)
         if self.mask_truncated_completions:
             fields["completion_mask"] = fields["completion_mask"] * fields["finished"][:, None].long()
         return Experience(advantages=advantages, **fields), metrics
+
+    @property
+    def last_samples(self) -> dict[str, list] | None:
+        """The last step's experience rows as columns (:meth:`samples`), built when asked (not on every step);
+        ``None`` before the first step."""
+        return None if self._last_step is None else self.samples(*self._last_step)
 
     def samples(self, scored: Sequence[dict[str, Any]], picked: Sequence[Tensor], advantages: Tensor) -> dict[str, list]:
         """The experience's rows as columns: ``prompt`` and ``completion`` texts, ``rewards/<function>`` (None where a
