@@ -9,6 +9,9 @@ than `--collapse-margin` below their best run again with `callbacks=protect` (ro
     python benchmarks/stability.py --out docs/stability                     # the full study (about an hour, 2 cores)
     python benchmarks/stability.py --out /tmp/s --quick                     # a minute: the pipeline, not a result
     python benchmarks/stability.py --out docs/stability --summarize         # tables and plots from what is there
+    python benchmarks/stability.py --out docs/stability/objectives --warm-starts good --policies off \
+        --objectives grpo cispo sapo grpo_dual_clip rloo reinforce_pp grpo_kl grpo_kl_in_reward grpo_entropy_bonus \
+        grpo_top_entropy --jobs 2                                           # the newer losses (issue 40)
 
 Writes `<out>/results.csv` (one row per run), `<out>/curves.csv` (every run's accuracy, entropy, KL and reward by
 rollout), `<out>/summary.md` (medians and ranges per setting) and PNG plots of held-out accuracy and entropy during
@@ -31,7 +34,19 @@ from pathlib import Path
 
 WARM_STARTS = {"weak": 0.15, "good": 0.65}  # warm_start.target_accuracy: greedy accuracy on a training probe
 OFF_POLICY = {"on": (1, 1), "off": (1, 4)}  # (num_iterations, mini_batches)
-OBJECTIVES = ("grpo", "gspo", "dapo")
+OBJECTIVES = ("grpo", "gspo", "dapo")  # the first study's
+# every setting the study can run, by the name its rows carry: the overrides that make it
+VARIANTS = {
+    "grpo": ["objective=grpo"], "gspo": ["objective=gspo"], "dapo": ["objective=dapo"],
+    "cispo": ["objective=cispo"], "sapo": ["objective=sapo"],
+    "grpo_dual_clip": ["objective=grpo", "objective.dual_clip=3.0"],  # verl's default clip_ratio_c
+    "rloo": ["objective=grpo", "experience.advantage_estimator=rloo"],
+    "reinforce_pp": ["objective=grpo", "experience.advantage_estimator=reinforce_pp"],
+    "grpo_kl": ["objective=grpo", "objective.beta=0.04"],  # k3 in the loss at TRL's former default beta
+    "grpo_kl_in_reward": ["objective=grpo", "reference.kl_in_reward=0.05"],  # k1 summed per completion
+    "grpo_entropy_bonus": ["objective=grpo", "update.entropy_coef=0.01"],
+    "grpo_top_entropy": ["objective=grpo", "update.top_entropy_quantile=0.2"],  # the paper's 20%
+}
 LRS = (4e-5, 3e-4)  # the default job's, and one where the peer (TRL) collapsed from a weak start
 PROMPTS, GENERATIONS = 8, 8
 COLUMNS = ["objective", "warm_start", "off_policy", "num_iterations", "mini_batches", "lr", "seed", "mode",
@@ -39,10 +54,11 @@ COLUMNS = ["objective", "warm_start", "off_policy", "num_iterations", "mini_batc
            "collapsed", "events", "event_rules", "rollbacks", "discarded_completions", "wall_s"]
 
 
-def settings(quick: bool):
+def settings(quick: bool, objectives=OBJECTIVES, warm_starts=tuple(WARM_STARTS), policies=tuple(OFF_POLICY),
+             lrs=LRS):
     if quick:
-        return [("grpo", "good", "on", 4e-5), ("gspo", "good", "on", 4e-5)]
-    return list(itertools.product(OBJECTIVES, WARM_STARTS, OFF_POLICY, LRS))
+        return [(objective, "good", "on", 4e-5) for objective in objectives[:2]]
+    return list(itertools.product(objectives, warm_starts, policies, lrs))
 
 
 def run_name(objective: str, warm: str, off: str, lr: float, seed: int, mode: str) -> str:
@@ -56,7 +72,7 @@ def run(runs: Path, objective: str, warm: str, off: str, lr: float, seed: int, m
     run_dir = runs / name
     results_file = run_dir / "results.json"
     if not results_file.is_file():
-        args = [sys.executable, "-m", "polopt_lightning", f"objective={objective}", f"seed={seed}",
+        args = [sys.executable, "-m", "polopt_lightning", *VARIANTS[objective], f"seed={seed}",
                 f"warm_start.target_accuracy={WARM_STARTS[warm]}", f"update.num_iterations={mu}",
                 f"update.mini_batches={mb}", f"optimizer.lr={lr}", "reference.track_kl=true",
                 f"trainer.max_steps={rollouts * mu * mb}", f"trainer.val_check_interval={val_every}",
@@ -231,7 +247,8 @@ def plot(out: Path) -> list[Path]:
         if not panels:
             continue
         # the metric is logged at the rollout index; a training curve is smoothed over 10 rollouts
-        paths.append(band_figure(out / f"{metric.split('/')[1]}.png", panels, list(OBJECTIVES),
+        lines = sorted({k[3] for k in data}, key=lambda o: list(VARIANTS).index(o) if o in VARIANTS else len(VARIANTS))
+        paths.append(band_figure(out / f"{metric.split('/')[1]}.png", panels, lines,
                                  lambda panel, objective, data=data: data.get((*panel, objective)),
                                  lambda p: f"{p[0]} start, {p[1]}-policy, lr {p[2]:g}", title, min(4, len(panels)),
                                  smooth=10 if metric.startswith("train/") else 0))
@@ -255,6 +272,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true", help="a tiny model and budget: checks the pipeline only")
     parser.add_argument("--summarize", action="store_true", help="tables and plots from the runs already in --out")
     parser.add_argument("--jobs", type=int, default=1, help="runs at a time (each with cores / jobs threads)")
+    parser.add_argument("--objectives", nargs="+", default=list(OBJECTIVES), choices=list(VARIANTS),
+                        help="the settings to compare (an objective, or an objective with an estimator or option)")
+    parser.add_argument("--warm-starts", nargs="+", default=list(WARM_STARTS), choices=list(WARM_STARTS))
+    parser.add_argument("--policies", nargs="+", default=list(OFF_POLICY), choices=list(OFF_POLICY))
+    parser.add_argument("--lrs", type=float, nargs="+", default=list(LRS))
     args = parser.parse_args(argv)
     out = args.out
     runs = args.runs or out / "runs"
@@ -270,7 +292,8 @@ def main(argv: list[str] | None = None) -> None:
                                  keys))
 
     # seeds innermost: runs that start together have different warm starts (each cached once, atomically)
-    rows = runs_of([(*s, seed) for s in settings(args.quick) for seed in args.seeds], "warn")
+    grid = settings(args.quick, args.objectives, args.warm_starts, args.policies, args.lrs)
+    rows = runs_of([(*s, seed) for s in grid for seed in args.seeds], "warn")
     for r in rows:
         r["collapsed"] = collapsed(r, args.collapse_margin)
     if args.rollback or args.summarize:

@@ -21,6 +21,7 @@ from .advantages import (
 )
 from .chat import completion_like
 from .distributed import all_gather_rows, all_reduce, world_size
+from .objectives.base import kl_estimate
 from .rewards import MixtureRewards, RewardComposer, RewardOutput
 from .rollout import Completions, RolloutBatch
 from .settings import Settings
@@ -72,6 +73,8 @@ class Experience(Completions):
         old_logprobs: ``[N, T]`` the policy's log-probs before the step's first update (off-policy updates);
             ``None`` on-policy.
         ref_logprobs: ``[N, T]`` the KL reference's log-probs; ``None`` when no KL is computed or watched.
+        entropies: ``[N, T]`` the sampling policy's entropy at each completion token, for the top-entropy mask;
+            ``None`` without one.
     """
 
     group_index: Tensor
@@ -80,6 +83,7 @@ class Experience(Completions):
     anchor_mask: Tensor | None = None
     old_logprobs: Tensor | None = None
     ref_logprobs: Tensor | None = None
+    entropies: Tensor | None = None
 
     @property
     def num_rows(self) -> int:
@@ -101,11 +105,13 @@ class ExperienceMaker:
         config: an :class:`ExperienceConfig` (or a dict of its fields).
         anchor: the supervised anchor (its ``column`` names the reference answers), or ``None``.
         advantage_scale: the scale used when ``config.advantage_scale`` is ``None`` (the objective's own).
+        reference: the :class:`~polopt_lightning.reference.ReferenceConfig` whose ``kl_in_reward`` (and
+            ``reward_kl_estimator``) make the KL a reward penalty; ``None``: no penalty.
     """
 
     def __init__(self, tokenizer: Any, rewards: RewardComposer | MixtureRewards,
                  config: ExperienceConfig | Mapping[str, Any] | None = None, anchor: Any = None,
-                 advantage_scale: str = "group") -> None:
+                 advantage_scale: str = "group", reference: Any = None) -> None:
         self.config = config = ExperienceConfig.of(config)
         self.tokenizer, self.rewards, self.num_generations = tokenizer, rewards, config.num_generations
         self.estimator = config.advantage_estimator
@@ -115,6 +121,8 @@ class ExperienceMaker:
         self.dynamic_sampling, self.max_extra_draws = config.dynamic_sampling, config.max_extra_draws
         self.mask_truncated_completions = config.mask_truncated_completions
         self.anchor = anchor
+        self.kl_in_reward = float(getattr(reference, "kl_in_reward", 0.0))
+        self.reward_kl_estimator = getattr(reference, "reward_kl_estimator", "k1")
         self.tasks = list(rewards.tasks) if isinstance(rewards, MixtureRewards) else []
         # the last scored draw (prompt and completion texts, rewards per function), and what the last step's
         # experience rows are made of (:attr:`last_samples` builds them only when a completions log asks)
@@ -142,11 +150,13 @@ class ExperienceMaker:
 
     def make(self, batch: Mapping[str, Any], sample: Callable[[Mapping[str, Any]], RolloutBatch],
              next_prompts: Callable[[], Mapping[str, Any]], device: torch.device,
-             trainer_state: Any = None) -> tuple[Experience, dict]:
+             trainer_state: Any = None, reference: Callable[[Experience], Tensor] | None = None
+             ) -> tuple[Experience, dict]:
         """The step's experience and its metrics: ``sample`` draws a rollout of a prompt batch; with dynamic
         sampling, ``next_prompts`` gives more prompts until the batch's groups are filled again. Metrics are over
         every process (collective: every process calls this once per step). ``trainer_state`` reaches the reward
-        functions."""
+        functions; ``reference`` gives the rows' reference log-probs ``[N, T]`` for a KL reward penalty
+        (``kl_in_reward``; they are kept in ``ref_logprobs`` for the update)."""
         G = self.num_generations
         num_prompts = batch["prompt_ids"].shape[0]
         parts, scored, kept_groups, dropped, draws = [], [], 0, 0, 0
@@ -178,13 +188,33 @@ class ExperienceMaker:
             if kept_groups == 0:  # nothing learnable after every draw: train on the last draw (advantages are 0)
                 parts[-1] = (parts[-1][0], parts[-1][1], torch.ones_like(parts[-1][2]), parts[-1][3])
         fields, rewards, picked = concat_groups(parts, G, num_prompts if self.dynamic_sampling else None)
+        exp = Experience(advantages=rewards.new_zeros(rewards.shape).to(device), **fields)
+        if self.kl_in_reward > 0:
+            if reference is None:
+                raise ValueError(f"reference.kl_in_reward={self.kl_in_reward} needs the reference's log-probs: "
+                                 "pass make(..., reference=...)")
+            exp.ref_logprobs = reference(exp)
+            penalty = self.kl_penalty(exp)
+            rewards = rewards - penalty.to(rewards)
+            metrics["train/kl_reward_penalty"] = all_reduce(penalty.sum()) / all_reduce(
+                torch.tensor(float(penalty.numel()), device=penalty.device))
         moments = self.batch_moments(batch_values(rewards, G, self.estimator), device) \
             if self.advantage_scale == "batch" else (None, None)
-        advantages = estimate_advantages(rewards, G, self.estimator, self.advantage_scale, *moments).to(device)
-        self._last_step = (scored, picked, advantages)
+        exp.advantages = estimate_advantages(rewards, G, self.estimator, self.advantage_scale, *moments).to(device)
+        self._last_step = (scored, picked, exp.advantages)
         if self.mask_truncated_completions:
-            fields["completion_mask"] = fields["completion_mask"] * fields["finished"][:, None].long()
-        return Experience(advantages=advantages, **fields), metrics
+            exp.completion_mask = exp.completion_mask * exp.finished[:, None].long()
+        return exp, metrics
+
+    def kl_penalty(self, exp: Experience) -> Tensor:
+        """Each row's KL reward penalty ``[N]``: ``kl_in_reward x sum_t KL_t`` over its completion tokens, the sampler's
+        log-probs against the reference's (verl subtracts the per-token penalty from the token rewards; its outcome
+        estimators, GRPO's and RLOO's, then sum them as here)."""
+        valid = exp.completion_mask.bool()
+        zero = torch.zeros_like(exp.sampling_logprobs)
+        kl = kl_estimate(torch.where(valid, exp.sampling_logprobs, zero), torch.where(valid, exp.ref_logprobs, zero),
+                         self.reward_kl_estimator)
+        return self.kl_in_reward * (kl * valid).sum(-1)
 
     @property
     def last_samples(self) -> dict[str, list] | None:

@@ -24,10 +24,11 @@ DEFAULT_CHUNK_ROWS = None  # rows per chunk: CHUNK_ELEMENTS // V
 class _ChosenLogProbs(torch.autograd.Function):
     """``log_softmax(x / t)[index]`` and (optionally) the entropy, chunk by chunk over the rows of ``x: [R, V]``.
 
-    Forward keeps only the ``[R]`` log-normalisers besides the logits it was given; backward writes the logits'
-    gradient, ``g / t * (onehot(index) - softmax(x / t))``, into one ``[R, V]`` tensor, chunk by chunk. Autograd
-    through the same operations would allocate a full-size zero tensor per chunk for the gather's gradient and another
-    for the slice's, plus the exponentials: at a 152k vocabulary several full-vocabulary temporaries per row. The
+    Forward keeps only the ``[R]`` log-normalisers (and entropies) besides the logits it was given; backward writes the
+    logits' gradient, ``g / t * (onehot(index) - softmax(x / t))`` plus, when the entropy takes part in the loss,
+    ``-gH / t * p * (log p + H)``, into one ``[R, V]`` tensor, chunk by chunk. Autograd through the same operations
+    would allocate a full-size zero tensor per chunk for the gather's gradient and another for the slice's, plus the
+    exponentials: at a 152k vocabulary several full-vocabulary temporaries per row. Without the entropy's gradient the
     operations are those autograd runs, in the same order, so the results are the same bits (tested)."""
 
     @staticmethod
@@ -45,15 +46,21 @@ class _ChosenLogProbs(torch.autograd.Function):
             chosen[start : start + rows] = chunk.gather(-1, index[start : start + rows, None]).squeeze(-1)
             if with_entropy:
                 entropy[start : start + rows] = part - (torch.softmax(chunk, dim=-1) * chunk).sum(-1)
-        ctx.save_for_backward(logits, index, lse)
+        ctx.save_for_backward(logits, index, lse, entropy)
         ctx.temperature, ctx.rows = temperature, rows
-        ctx.mark_non_differentiable(entropy)
+        # an output the loss does not use gets no gradient tensor (None), not zeros: the entropy's term costs nothing
+        # unless an entropy bonus asks for it
+        ctx.set_materialize_grads(False)
+        if not with_entropy:
+            ctx.mark_non_differentiable(entropy)
         return chosen - lse, entropy
 
     @staticmethod
-    def backward(ctx, grad: Tensor, _grad_entropy: Tensor):
-        logits, index, lse = ctx.saved_tensors
+    def backward(ctx, grad: Tensor | None, grad_entropy: Tensor | None):
+        logits, index, lse, entropy = ctx.saved_tensors
         temperature, rows = ctx.temperature, ctx.rows
+        if grad is None:
+            grad = lse.new_zeros(lse.shape)
         out = torch.empty_like(logits)
         for start in range(0, logits.shape[0], rows):
             chunk = logits[start : start + rows].float()
@@ -62,6 +69,10 @@ class _ChosenLogProbs(torch.autograd.Function):
             g = grad[start : start + rows, None]
             part = -g * (chunk - lse[start : start + rows, None]).exp()  # the log-normaliser's share
             part.scatter_add_(-1, index[start : start + rows, None], g)  # the chosen entry's
+            if grad_entropy is not None:  # dH/dz = -p (log p + H)
+                logp = chunk - lse[start : start + rows, None]
+                h = entropy[start : start + rows, None]
+                part = part - grad_entropy[start : start + rows, None] * logp.exp() * (logp + h)
             out[start : start + rows] = part / temperature if temperature != 1.0 else part
         return out, None, None, None, None
 
@@ -76,7 +87,8 @@ def selective_log_softmax(logits: Tensor, index: Tensor, temperature: float = 1.
         index: ``[...]`` chosen token ids.
         temperature: the sampling temperature the log-probs must match.
         chunk_rows: rows per chunk; ``None``: as many as keep a chunk at ``CHUNK_ELEMENTS``.
-        with_entropy: also return the per-position entropy of the tempered distribution (no gradient).
+        with_entropy: also return the per-position entropy of the tempered distribution (with its gradient through
+            ``logits``, computed only when a loss uses it).
 
     Returns:
         ``([...], [...] | None)`` log-probs (with gradient through ``logits``) and entropies.

@@ -156,7 +156,7 @@ class PolicyOptimizationModule(L.LightningModule):
         self.accel = CPUFastPath.of(accel)
         # rollout, rewards, dynamic sampling, advantages and the anchor's targets: one step's experience
         self.experience = ExperienceMaker(self.tokenizer, self.rewards, self.experience_config, anchor,
-                                          objective.advantage_scale)
+                                          objective.advantage_scale, self.reference_config)
         self.engine = build_engine(rollout_engine)
         if config.gradient_checkpointing:
             enable_gradient_checkpointing(model, "update.gradient_checkpointing")
@@ -165,9 +165,9 @@ class PolicyOptimizationModule(L.LightningModule):
         self.seed = seed
         if config.disable_dropout:
             _disable_dropout(self.policy)
-        # the reference exists when the KL term needs it, or when the KL is to be watched (track_kl)
+        # the reference exists when the KL term or the reward penalty needs it, or when the KL is watched (track_kl)
         self.ref_model, self.shared_reference, ref_quant = build_reference(
-            model, objective.beta > 0 or self.reference_config.track_kl, ref_model, self.reference_config)
+            model, self.reference_config.needed(objective.beta), ref_model, self.reference_config)
         if self.ref_model is not None:
             # Lightning asks every submodule to be in training mode when fit starts (and warns about each one that is
             # not); the reference only ever runs inside `evaluating`, which puts it in eval mode for its pass.
@@ -311,7 +311,8 @@ class PolicyOptimizationModule(L.LightningModule):
         with self._whole_parameters():
             G = self.experience.num_generations
             return self.experience.make(batch, lambda prompts: self.rollout(prompts, self.sampling, G),
-                                        self._next_prompts, self.device, self.trainer_state())
+                                        self._next_prompts, self.device, self.trainer_state(),
+                                        reference=self.reference_logprobs)
 
     def reference_logprobs(self, exp: Experience) -> Tensor:
         """Log-probs ``[N, T]`` of the rollout's completions under the KL reference (:meth:`.logprobs.Scorer.reference`)."""
@@ -392,6 +393,7 @@ class PolicyOptimizationModule(L.LightningModule):
             "rng": all_gather_objects(rng_state(self._sampling_generator())),
             "extra_draws": self._extra_draws,
             "anchor": self.anchor.state_dict() if self.anchor is not None else None,
+            "entropy": self.updater.entropy.state_dict(),  # the adaptive entropy coefficient
             # what `polopt-export CKPT OUT` needs to rebuild a Hugging Face folder from this file alone
             "hf": self._hf_metadata,
         }
@@ -417,6 +419,8 @@ class PolicyOptimizationModule(L.LightningModule):
             self._extra_draws = int(state.get("extra_draws", 0))
             if self.anchor is not None and state.get("anchor"):
                 self.anchor.load_state_dict(state["anchor"])
+            if state.get("entropy"):
+                self.updater.entropy.load_state_dict(state["entropy"])
             if "rng" in state:
                 self._pending_rng = state["rng"]
             else:  # checkpoints of version 0.1.0: the sampler's generator and torch's state of rank 0

@@ -26,7 +26,7 @@ from .settings import Settings
 @dataclass
 class ReferenceConfig(Settings):
     """The KL reference (the module's ``reference`` argument, ``reference.*`` in the CLI). It is made when the
-    objective's ``beta > 0`` or ``track_kl`` is set. Default: for a policy with an adapter (peft), the policy itself
+    objective's ``beta > 0``, ``track_kl`` or ``kl_in_reward`` is set. Default: for a policy with an adapter (peft), the policy itself
     with its adapters disabled (its frozen base: no second copy of the weights); otherwise a frozen copy of the
     policy taken at construction (or the module's ``ref_model``).
 
@@ -36,15 +36,32 @@ class ReferenceConfig(Settings):
         quantization: the reference copy quantized (``"int8"``, ``"nf4"``, or :class:`~polopt_lightning.models.
             Quantization` fields): a quarter to an eighth of its memory, for full fine-tuning (it never needs
             gradients). A ``transformers`` policy only; not with an adapter, whose reference is its own base.
-        track_kl: log ``train/kl`` (k3, per token, against the reference) even when the objective's ``beta`` is 0, for
-            the collapse monitor: the reference is then made as for ``beta > 0`` (one more forward pass per rollout).
+        track_kl: log ``train/kl`` (the objective's ``kl_estimator``, per token, against the reference) even when the
+            objective's ``beta`` is 0, for the collapse monitor: the reference is then made as for ``beta > 0`` (one
+            more forward pass per rollout).
+        kl_in_reward: the KL as a reward penalty (verl's ``use_kl_in_reward``, with a fixed coefficient): each
+            completion's reward less ``kl_in_reward x sum_t KL_t`` over its tokens, before the advantages, with
+            ``reward_kl_estimator`` on the sampler's log-probs against the reference's; 0: off. Logged as
+            ``train/kl_reward_penalty`` (the mean penalty); the per-token KL stays ``train/kl``.
+        reward_kl_estimator: ``"k1"`` (verl's default, the unbiased one for a reward), ``"k2"`` or ``"k3"``.
     """
 
     dtype: str | torch.dtype | None = None
     quantization: Quantization | str | Mapping[str, Any] | None = None
     track_kl: bool = False
+    kl_in_reward: float = 0.0
+    reward_kl_estimator: str = "k1"
 
     KEY = "reference"
+    RULES = {
+        "kl_in_reward": (lambda v: v >= 0, ">= 0"),
+        "reward_kl_estimator": (lambda v: v in ("k1", "k2", "k3"), "one of ('k1', 'k2', 'k3') (a penalty has no "
+                                "gradient: k3+ is k3 there)"),
+    }
+
+    def needed(self, beta: float) -> bool:
+        """Whether a reference is needed: for the objective's KL term (``beta``), ``track_kl`` or ``kl_in_reward``."""
+        return beta > 0 or self.track_kl or self.kl_in_reward > 0
 
 
 def build_reference(model: nn.Module, uses_reference: bool, ref_model: nn.Module | None = None,

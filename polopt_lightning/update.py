@@ -16,8 +16,9 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
 
 from .distributed import all_reduce, world_size
+from .entropy import EntropyControl
 from .logprobs import completion_logprobs
-from .objectives.base import k3_kl, masked_max, masked_mean
+from .objectives.base import kl_estimate, masked_max, masked_mean
 from .settings import Settings
 
 if TYPE_CHECKING:
@@ -62,6 +63,16 @@ class UpdateConfig(Settings):
         is_mode: ``"token_truncate"``, ``"token_mask"``, ``"sequence_truncate"`` or ``"sequence_mask"`` (a
             sequence's weight is the product of its tokens'; ``mask`` drops what exceeds the cap instead of capping it).
         is_cap: the largest weight kept.
+        entropy_coef: an entropy bonus, ``loss - entropy_coef x H`` with ``H`` the policy's mean per-token entropy
+            over the mini-batch (:mod:`~polopt_lightning.entropy`); with ``entropy_target`` it is the starting value
+            of an adaptive coefficient. 0: none.
+        entropy_target: the target entropy (nats per token) of the adaptive coefficient (Skywork-OR1, TRL's
+            ``use_adaptive_entropy``): it rises by ``entropy_coef_delta`` after a step at or below the target, falls
+            otherwise, within ``[entropy_coef_min, entropy_coef_max]``, and acts after steps at or below the target.
+            ``None``: the coefficient is fixed.
+        top_entropy_quantile: train the policy-gradient term only on this share of each mini-batch's tokens, those of
+            highest entropy under the policy that sampled them (Wang et al. 2025; 0.2 in the paper); 1: every token.
+            One extra forward pass per rollout (none off-policy, where the old log-probs' pass gives them).
     """
 
     num_iterations: int = 1
@@ -79,6 +90,12 @@ class UpdateConfig(Settings):
     is_correction: bool | None = None
     is_mode: str = "token_truncate"
     is_cap: float = 2.0
+    entropy_coef: float = 0.0
+    entropy_target: float | None = None
+    entropy_coef_delta: float = 0.005
+    entropy_coef_min: float = 0.0
+    entropy_coef_max: float = 1.0
+    top_entropy_quantile: float = 1.0
 
     KEY = "update"
     RULES = {
@@ -91,7 +108,17 @@ class UpdateConfig(Settings):
         "micro_batch_tokens": (lambda v: v is None or v >= 1, ">= 1 or None"),
         "is_mode": (lambda v: v in IS_MODES, f"one of {IS_MODES}"),
         "is_cap": (lambda v: v >= 1, ">= 1"),
+        "entropy_target": (lambda v: v is None or v >= 0, ">= 0 or None"),
+        "entropy_coef_delta": (lambda v: v >= 0, ">= 0"),
+        "entropy_coef_max": (lambda v: v >= 0, ">= 0"),
+        "top_entropy_quantile": (lambda v: 0 <= v <= 1, "in [0, 1]"),
     }
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not self.entropy_coef_min <= self.entropy_coef_max:
+            raise ValueError(f"update.entropy_coef_min={self.entropy_coef_min} must be <= update.entropy_coef_max="
+                             f"{self.entropy_coef_max}")
 
     @property
     def off_policy(self) -> bool:
@@ -285,6 +312,12 @@ class Updater:
 
     def __init__(self, host: Any) -> None:
         self.host = host
+        #: the entropy bonus's coefficient (and its adaptive state) and the top-entropy mask
+        self.entropy = EntropyControl.of(host.update_config)
+        if self.entropy.masks and not getattr(host.objective, "accepts_token_advantages", False):
+            raise ValueError(f"update.top_entropy_quantile={self.entropy.top_quantile} masks tokens out of the policy "
+                             f"gradient: {type(host.objective).__name__} takes one advantage a sequence; use a token-"
+                             "level objective (grpo, dapo, cispo, sapo, gspo_token) or top_entropy_quantile=1")
 
     @property
     def config(self) -> UpdateConfig:
@@ -309,14 +342,19 @@ class Updater:
             if config.off_policy:  # on-policy, old == current log-probs detached: no pass needed
                 if host.reuse_sampling_logprobs and host.engine.logprobs_match(host.policy):
                     exp.old_logprobs = exp.sampling_logprobs
+                elif self.entropy.masks:  # the top-entropy mask needs every row's entropies: one pass gives both
+                    exp.old_logprobs, exp.entropies = host.scorer.logprobs(host.policy, exp, slice(None),
+                                                                           with_entropy=True)
                 else:
                     later = orders[0][size:].to(host.device)
                     exp.old_logprobs = torch.zeros_like(exp.sampling_logprobs)
                     if later.numel():  # none when one mini-batch holds the whole rollout (mu > 1)
                         exp.old_logprobs[later] = host.scorer.logprobs(host.policy, exp, later)[0]
                     own_old = True
-            # only the KL term (or its tracking) needs the reference
-            if host.objective.beta > 0 or host.reference_config.track_kl:
+            if self.entropy.masks and exp.entropies is None:  # the sampling policy's, for every pass of the rollout
+                exp.entropies = host.scorer.logprobs(host.policy, exp, slice(None), with_entropy=True)[1]
+            # only the KL term (or its tracking) needs the reference; a KL reward penalty has taken it already
+            if exp.ref_logprobs is None and host.reference_config.needed(host.objective.beta):
                 exp.ref_logprobs = host.reference_logprobs(exp)
 
         updates = [(i, start) for i in range(len(orders)) for start in range(0, n, size)]
@@ -400,6 +438,16 @@ class Updater:
         total_weight = all_reduce(objective.normaliser(full_mask))
         sums: dict[str, Tensor] = {}
         entropy_sum = torch.zeros((), device=device)
+        # the tokens that carry the policy gradient (top-entropy mask) and those the entropy bonus averages over
+        control = self.entropy
+        keep = None
+        if control.masks:
+            keep = torch.zeros_like(exp.completion_mask, dtype=torch.bool)
+            keep[rows] = control.top_mask(exp.entropies[rows], full_mask)
+        coef = control.applied()
+        bonus_mask = keep if keep is not None else exp.completion_mask.bool()
+        bonus_tokens = all_reduce(bonus_mask[rows].sum().float()) if control.bonus else None
+        bonus_sum = torch.zeros((), device=device)
         pieces = self.micro_batches(exp, rows)
         if host.anchor is not None:
             sums.update(self.anchor_backward(exp, rows))
@@ -414,29 +462,42 @@ class Updater:
                 old = (logprobs.detach() if record_old or exp.old_logprobs is None
                        else exp.old_logprobs[micro, :width])
                 ref = exp.ref_logprobs[micro, :width] if exp.ref_logprobs is not None else None
-                advantages, is_metrics = self.advantages(exp, micro, old, mask)
+                advantages, is_metrics = self.advantages(exp, micro, old, mask,
+                                                         None if keep is None else keep[micro, :width])
                 out = objective(logprobs=logprobs, old_logprobs=old, advantages=advantages, mask=mask,
                                 ref_logprobs=ref)
                 out.metrics.update(is_metrics)
-                if ref is not None and "kl" not in out.metrics:  # track_kl: watched, not trained on
+                if ref is not None and "kl" not in out.metrics:  # watched (track_kl, kl_in_reward), not trained on
                     valid = mask.bool()  # padding may hold -inf/NaN log-probs: zeros there, as the objectives do
-                    kl = k3_kl(torch.where(valid, logprobs.detach(), 0.0), torch.where(valid, ref, 0.0))
+                    kl = kl_estimate(torch.where(valid, logprobs.detach(), 0.0), torch.where(valid, ref, 0.0),
+                                     objective.kl_estimator)
                     out.metrics["kl"] = masked_mean(kl, valid)
                 # The loss is a sum over the mini-batch divided by the objective's normaliser: weighting each piece
                 # by its share of that normaliser makes the accumulated gradient exactly the full mini-batch's.
                 share = objective.normaliser(mask) / total_weight.clamp(min=1e-12)
-                host.manual_backward(out.loss * (share * world))
+                loss = out.loss * (share * world)
+                if bonus_tokens is not None:  # - coef x the mean entropy over every process's bonus tokens
+                    piece_entropy = (entropy * bonus_mask[micro, :width]).sum()
+                    bonus_sum = bonus_sum + piece_entropy.detach()
+                    if coef:
+                        loss = loss - coef * world * piece_entropy / bonus_tokens.clamp(min=1)
+                host.manual_backward(loss)
             for key, value in {"loss": out.loss.detach(), **out.metrics}.items():
                 if key.endswith("_max"):
                     sums[key] = torch.maximum(sums[key], value) if key in sums else value
                 else:
                     sums[key] = sums.get(key, 0.0) + value * share
-            entropy_sum = entropy_sum + (entropy * mask).sum()
+            entropy_sum = entropy_sum + (entropy.detach() * mask).sum()
         # every metric over the whole mini-batch: normaliser-weighted sums added up, maxima of maxima, and the
         # entropy per token over every process's tokens
         metrics = {key: all_reduce(value, "max" if key.endswith("_max") else "sum") for key, value in sums.items()}
         tokens = all_reduce(full_mask.sum().to(entropy_sum))
         metrics["entropy"] = all_reduce(entropy_sum.detach()) / tokens.clamp(min=1)
+        if keep is not None:
+            metrics["top_entropy_frac"] = all_reduce(keep[rows].sum().float()) / tokens.clamp(min=1)
+        if bonus_tokens is not None:  # the coefficient this step used; an adaptive one then moves for the next
+            metrics["entropy_coef"] = torch.tensor(coef, device=device)
+            control.observe(float(all_reduce(bonus_sum) / bonus_tokens.clamp(min=1)))
         return metrics
 
     def corrects(self) -> bool:
@@ -444,10 +505,21 @@ class Updater:
         on = self.config.is_correction
         return bool(getattr(self.host.engine, "corrects_sampler", False)) if on is None else on
 
-    def advantages(self, exp: Experience, rows: Tensor, old: Tensor, mask: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+    def advantages(self, exp: Experience, rows: Tensor, old: Tensor, mask: Tensor, keep: Tensor | None = None
+                   ) -> tuple[Tensor, dict[str, Tensor]]:
         """The advantages of ``rows`` for the objective: with the sampler correction on, times each token's (or
         sequence's) importance weight (:func:`sampler_weights`; a surrogate linear in the advantage, so the same as
-        weighting the policy-gradient term), with its metrics."""
+        weighting the policy-gradient term), with its metrics; with a top-entropy mask ``keep`` ``[n, T]``, zero on
+        the tokens it leaves out (every objective's per-token policy term is ``A`` times a factor, so a zero advantage
+        removes exactly that term, as TRL's ``per_token_loss * entropy_mask`` does, and leaves the KL term)."""
+        advantages, metrics = self.weighted_advantages(exp, rows, old, mask)
+        if keep is not None:
+            advantages = (advantages.unsqueeze(-1) if advantages.dim() == 1 else advantages) * keep.to(advantages.dtype)
+        return advantages, metrics
+
+    def weighted_advantages(self, exp: Experience, rows: Tensor, old: Tensor, mask: Tensor
+                            ) -> tuple[Tensor, dict[str, Tensor]]:
+        """The advantages of ``rows``, times the sampler correction's weights when it is on (see :meth:`advantages`)."""
         advantages = exp.advantages[rows]
         if not self.corrects():
             return advantages, {}

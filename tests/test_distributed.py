@@ -38,9 +38,12 @@ def _update(tmp_path, world, *args):
                                   ("dr_grpo", "beta=0.5"),
                                   ("grpo", "micro_batch_tokens=40", "strategy=fsdp", "beta=0.5", "anchor=0.5"),
                                   ("grpo", "width=512", "beta=0.5"),
-                                  ("cispo", "advantage_estimator=reinforce_pp_baseline")],
+                                  ("cispo", "advantage_estimator=reinforce_pp_baseline"),
+                                  ("grpo", "micro_batch_tokens=40", "entropy_coef=0.05", "top_entropy_quantile=0.5",
+                                   "kl_in_reward=0.1", "beta=0.2", "kl_estimator=k2")],
                          ids=["grpo-token-mean-micro-batches", "gspo-batch-scale-anchor", "dr_grpo-kl",
-                              "fsdp-grpo-kl-anchor", "grpo-kl-onednn-linear", "cispo-reinforce-pp-whitened"])
+                              "fsdp-grpo-kl-anchor", "grpo-kl-onednn-linear", "cispo-reinforce-pp-whitened",
+                              "grpo-entropy-bonus-top-mask-kl-in-reward"])
 def test_one_ddp_update_equals_the_single_process_update(args, tmp_path):
     one = _update(tmp_path, 1, *[a for a in args if not a.startswith("strategy=")])
     two = _update(tmp_path, 2, *args)  # DDP, or FSDP2 (the weights sharded over the 2 processes)

@@ -91,7 +91,7 @@ def test_checkpoint_resumes(tmp_path, tiny, arithmetic_rows):
     "kwargs,error,match",
     [
         ({"experience": {"num_generations": 1}}, ValueError, "experience.num_generations must be >= 2"),
-        ({"objective": "ppo"}, KeyError, "unknown objective 'ppo'; known objectives: cispo, dapo, dr_grpo, grpo, gspo, sapo"),
+        ({"objective": "ppo"}, KeyError, "unknown objective 'ppo'; known objectives: bnpo, cispo, dapo, dr_grpo, grpo, gspo, sapo"),
         ({"update": {"mini_batches": 0}}, ValueError, "update.mini_batches must be >= 1"),
         ({"reward_fns": None}, ValueError, "reward_fns is required"),
         ({"accuracy_reward": "nope"}, ValueError, "accuracy_reward='nope'"),
@@ -223,7 +223,8 @@ def test_the_hyperparameters_hold_each_concerns_settings(tiny, arithmetic_rows):
     assert "lr" not in module.hparams and module.hparams["optimizer"] == {"name": "adamw", "lr": 3e-4,
                                                                           "betas": [0.9, 0.99]}
     assert module.hparams["update"]["mini_batches"] == 2 and module.hparams["experience"]["num_generations"] == 4
-    assert module.hparams["reference"] == {"dtype": "bfloat16", "quantization": "none", "track_kl": False}
+    assert module.hparams["reference"] == {"dtype": "bfloat16", "quantization": "none", "track_kl": False,
+                                           "kl_in_reward": 0.0, "reward_kl_estimator": "k1"}
     assert make(tiny, arithmetic_rows, optimizer={"lr": 2e-3})[0].hparams["optimizer"] == {"lr": 2e-3}
 
 

@@ -7,15 +7,17 @@
 
 from .anchor import ANCHOR_SCHEDULES, SupervisedAnchor
 from .base import (
+    KL_ESTIMATORS,
     Objective,
     ObjectiveOutput,
     available_objectives,
     build_objective,
     k3_kl,
+    kl_estimate,
     register_objective,
 )
 from .cispo import CISPO
-from .grpo import AGGREGATIONS, GRPO, dapo, dr_grpo
+from .grpo import AGGREGATIONS, GRPO, bnpo, dapo, dr_grpo
 from .gspo import GSPO
 from .sapo import SAPO
 
@@ -25,14 +27,17 @@ __all__ = [
     "CISPO",
     "GRPO",
     "GSPO",
+    "KL_ESTIMATORS",
     "Objective",
     "SupervisedAnchor",
     "ObjectiveOutput",
     "SAPO",
     "available_objectives",
+    "bnpo",
     "build_objective",
     "dapo",
     "dr_grpo",
     "k3_kl",
+    "kl_estimate",
     "register_objective",
 ]

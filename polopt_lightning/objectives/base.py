@@ -35,12 +35,14 @@ class Objective:
     objective sees finite values at masked positions (padding may hold ``-inf``/NaN log-probs).
 
     Attributes:
-        beta: weight of the k3 KL penalty against the reference policy; ``0`` disables it.
+        beta: weight of the KL penalty against the reference policy; ``0`` disables it.
+        kl_estimator: the per-token KL estimator of that term (:func:`kl_estimate`: ``k1``, ``k2``, ``k3``, ``k3+``).
         advantage_scale: how the trainer should scale group-relative advantages for this objective
             (``"group"``, ``"batch"`` or ``"none"``); Dr. GRPO sets ``"none"``.
     """
 
     beta: float = 0.0
+    kl_estimator: str = "k3"
     advantage_scale: str = "group"
     #: whether ``advantages`` may be ``[B, T]`` (per token) instead of ``[B]``.
     accepts_token_advantages: bool = False
@@ -126,6 +128,41 @@ def k3_kl(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
     """Per-token k3 estimator of KL(pi || ref): ``exp(ref - lp) - (ref - lp) - 1`` (Schulman's unbiased, >= 0)."""
     delta = (ref_logprobs - logprobs).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
     return torch.exp(delta) - delta - 1.0
+
+
+#: the per-token KL estimators, by name (:func:`kl_estimate`)
+KL_ESTIMATORS = ("k1", "k2", "k3", "k3+")
+
+
+def kl_estimate(logprobs: Tensor, ref_logprobs: Tensor, estimator: str = "k3") -> Tensor:
+    """Per-token estimate of KL(pi || ref) from the sampled tokens' log-probs (Schulman, "Approximating KL
+    divergence", 2020), ``[B, T]``:
+
+    - ``k1 = lp - ref``: unbiased value, high variance, negative on some tokens; its gradient ``grad lp`` has zero
+      expectation on-policy (as a loss term it pulls nothing); the estimator for a reward penalty.
+    - ``k2 = (lp - ref)^2 / 2``: biased value, but its gradient ``(lp - ref) grad lp`` is the reverse KL's gradient in
+      expectation on-policy.
+    - ``k3 = exp(ref - lp) - (ref - lp) - 1``: unbiased, never negative, low variance (GRPO's, TRL's ``beta`` term).
+    - ``k3+``: k3's value with k2's gradient (verl's straight-through ``"k3+"``: ``k2 - sg(k2) + sg(k3)``).
+
+    verl also clamps k3 to ``[-10, 10]``; here only the log-ratio is clamped (at :data:`LOG_RATIO_LIMIT`, as verl).
+    """
+    if estimator == "k1":
+        return logprobs - ref_logprobs
+    if estimator == "k2":
+        return 0.5 * (logprobs - ref_logprobs).square()
+    if estimator == "k3":
+        return k3_kl(logprobs, ref_logprobs)
+    if estimator == "k3+":
+        k2 = 0.5 * (logprobs - ref_logprobs).square()
+        return k2 - k2.detach() + k3_kl(logprobs, ref_logprobs).detach()
+    raise ValueError(f"kl_estimator must be one of {KL_ESTIMATORS}, got {estimator!r}")
+
+
+def check_kl_estimator(estimator: str) -> str:
+    if estimator not in KL_ESTIMATORS:
+        raise ValueError(f"kl_estimator must be one of {KL_ESTIMATORS}, got {estimator!r}")
+    return estimator
 
 
 def clipped_surrogate(ratio: Tensor, advantages: Tensor, low: float, high: float) -> tuple[Tensor, Tensor, Tensor]:

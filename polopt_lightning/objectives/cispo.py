@@ -12,7 +12,7 @@ from .grpo import GRPO
 @register_objective("cispo")
 class CISPO(GRPO):
     """Clipped IS-weight Policy Optimization: per token ``-sg(clip(r, 1-clip_low, 1+clip_high)) * A * lp``
-    (+ ``beta*k3``), reduced by ``aggregation`` (token-mean, as in the paper).
+    (+ ``beta*KL``), reduced by ``aggregation`` (token-mean, as in the paper).
 
     Where PPO's clip removes a token's gradient once its ratio leaves the range, CISPO keeps every token's gradient
     and bounds only its weight: the rare tokens that reasoning turns on ("however", "wait") keep contributing. At
@@ -22,16 +22,16 @@ class CISPO(GRPO):
     Args:
         clip_low: the weight's floor is ``1 - clip_low``; ``None``: no floor (the paper's setting).
         clip_high: the weight's cap is ``1 + clip_high``.
-        beta, aggregation, max_completion_length, advantage_scale: as :class:`GRPO`.
+        beta, aggregation, max_completion_length, advantage_scale, kl_estimator: as :class:`GRPO`.
     """
 
     def __init__(self, clip_low: float | None = None, clip_high: float = 4.0, beta: float = 0.0,
                  aggregation: str = "token-mean", max_completion_length: int | None = None,
-                 advantage_scale: str = "group") -> None:
+                 advantage_scale: str = "group", kl_estimator: str = "k3") -> None:
         if clip_high <= 0:
             raise ValueError(f"clip_high must be > 0, got {clip_high}")
         super().__init__(0.0 if clip_low is None else clip_low, clip_high, beta, aggregation, max_completion_length,
-                         advantage_scale)
+                         advantage_scale, kl_estimator=kl_estimator)
         self.floor = clip_low is not None
 
     def surrogate(self, ratio: Tensor, advantages: Tensor, logprobs: Tensor, mask: Tensor

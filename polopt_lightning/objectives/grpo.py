@@ -12,8 +12,9 @@ from .base import (
     check_advantage_scale,
     check_beta,
     check_clip,
+    check_kl_estimator,
     clipped_surrogate,
-    k3_kl,
+    kl_estimate,
     masked_max,
     masked_mean,
     mean_over_sequences,
@@ -48,7 +49,7 @@ def aggregate(per_token: Tensor, mask: Tensor, aggregation: str, max_completion_
 class GRPO(Objective):
     """Group Relative Policy Optimization with a per-token importance ratio.
 
-    Per token ``-min(r*A, clip(r, 1-clip_low, 1+clip_high)*A) + beta*k3`` with ``r = exp(lp - old)``,
+    Per token ``-min(r*A, clip(r, 1-clip_low, 1+clip_high)*A) + beta*KL`` with ``r = exp(lp - old)``,
     reduced by ``aggregation``. With ``dual_clip = c``, a token with ``A < 0`` loses at most ``-c*A`` (dual clip,
     Ye et al. 2020, verl's ``clip_ratio_c``; TRL's two-sided ``delta`` is the same bound: ``min(r, delta)`` in the
     unclipped term changes nothing where ``A > 0``).
@@ -57,7 +58,8 @@ class GRPO(Objective):
         clip_low: lower clip range (ratio floor ``1 - clip_low``).
         clip_high: upper clip range (ratio ceiling ``1 + clip_high``); ``None`` means ``clip_low`` (symmetric).
         dual_clip: the bound ``c > 1 + clip_high`` on the ratio's weight for negative advantages; ``None``: none.
-        beta: weight of the k3 KL penalty to the reference policy; needs ``ref_logprobs`` when ``> 0``.
+        beta: weight of the KL penalty to the reference policy; needs ``ref_logprobs`` when ``> 0``.
+        kl_estimator: its per-token estimator: ``"k1"``, ``"k2"``, ``"k3"`` (GRPO's) or ``"k3+"`` (:func:`kl_estimate`).
         aggregation: ``"seq-mean-token-mean"`` | ``"token-mean"`` (DAPO) | ``"seq-mean-token-sum-norm"`` (Dr. GRPO).
         max_completion_length: the constant normaliser of ``seq-mean-token-sum-norm`` (required there).
         advantage_scale: how the trainer scales group advantages: ``"group"`` std, ``"batch"`` std or ``"none"``.
@@ -74,8 +76,10 @@ class GRPO(Objective):
         max_completion_length: int | None = None,
         advantage_scale: str = "group",
         dual_clip: float | None = None,
+        kl_estimator: str = "k3",
     ) -> None:
         self.clip_low, self.clip_high = check_clip(clip_low, clip_high)
+        self.kl_estimator = check_kl_estimator(kl_estimator)
         if dual_clip is not None and not dual_clip > 1.0 + self.clip_high:
             raise ValueError(f"dual_clip must be > 1 + clip_high = {1.0 + self.clip_high}, got {dual_clip}")
         self.dual_clip = None if dual_clip is None else float(dual_clip)
@@ -121,7 +125,7 @@ class GRPO(Objective):
         token_adv = advantages if advantages.dim() == 2 else advantages.unsqueeze(-1)
         per_token, metrics = self.surrogate(ratio, token_adv, logprobs, mask)
         if self.beta > 0:
-            kl = k3_kl(logprobs, ref_logprobs)
+            kl = kl_estimate(logprobs, ref_logprobs, self.kl_estimator)
             per_token = per_token + self.beta * kl
             metrics["kl"] = aggregate(kl, mask, self.aggregation, self.max_completion_length).detach()
         loss = aggregate(per_token, mask, self.aggregation, self.max_completion_length)
@@ -139,9 +143,10 @@ def dapo(
     max_completion_length: int | None = None,
     advantage_scale: str = "group",
     dual_clip: float | None = None,
+    kl_estimator: str = "k3",
 ) -> GRPO:
     """DAPO (Yu et al. 2025): GRPO with clip-higher (0.2 / 0.28) and token-mean aggregation."""
-    return GRPO(clip_low, clip_high, beta, aggregation, max_completion_length, advantage_scale, dual_clip)
+    return GRPO(clip_low, clip_high, beta, aggregation, max_completion_length, advantage_scale, dual_clip, kl_estimator)
 
 
 @register_objective("dr_grpo")
@@ -153,6 +158,17 @@ def dr_grpo(
     aggregation: str = "seq-mean-token-sum-norm",
     advantage_scale: str = "none",
     dual_clip: float | None = None,
+    kl_estimator: str = "k3",
 ) -> GRPO:
     """Dr. GRPO (Liu et al. 2025): token sums over a constant and advantages not divided by the group std."""
-    return GRPO(clip_low, clip_high, beta, aggregation, max_completion_length, advantage_scale, dual_clip)
+    return GRPO(clip_low, clip_high, beta, aggregation, max_completion_length, advantage_scale, dual_clip, kl_estimator)
+
+
+@register_objective("bnpo")
+def bnpo(**kwargs) -> GRPO:
+    """TRL's ``loss_type="bnpo"``: GRPO's symmetric clip with the loss averaged over every token of the batch
+    (token-mean) instead of per sequence. TRL divides by the tokens of each device's local batch, so its loss changes
+    with ``per_device_train_batch_size``; here the batch is the mini-batch on every process (micro-batching and the
+    number of processes do not change it), which is TRL's ``bnpo`` with the mini-batch on one device, and DAPO's
+    normaliser without DAPO's clip-higher. Takes :class:`GRPO`'s keyword arguments."""
+    return GRPO(**{"aggregation": "token-mean", **kwargs})

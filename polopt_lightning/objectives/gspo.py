@@ -12,8 +12,9 @@ from .base import (
     check_advantage_scale,
     check_beta,
     check_clip,
+    check_kl_estimator,
     clipped_surrogate,
-    k3_kl,
+    kl_estimate,
     masked_max,
     masked_mean,
     mean_over_sequences,
@@ -29,14 +30,15 @@ class GSPO(Objective):
     """Group Sequence Policy Optimization.
 
     ``s_i = exp(sum_t mask*(lp-old) / |y_i|)``; per sequence ``-min(s*A, clip(s, 1-clip_low, 1+clip_high)*A)``,
-    averaged over sequences, plus ``beta * mean_i(mean_t k3)`` when ``beta > 0``.
+    averaged over sequences, plus ``beta * mean_i(mean_t KL)`` when ``beta > 0``.
     ``variant="token"`` (GSPO-token) uses ``s_it = sg[s_i] * exp(lp_t - sg[lp_t])``: the same value and, for
     sequence-level advantages, the same gradient, but it accepts per-token advantages ``[B, T]``.
 
     Args:
         clip_low: lower clip range of the sequence ratio (paper: 3e-4).
         clip_high: upper clip range (paper: 4e-4); ``None`` means ``clip_low``.
-        beta: weight of the k3 KL penalty; the paper uses none.
+        beta: weight of the KL penalty; the paper uses none.
+        kl_estimator: its per-token estimator (``"k3"`` by default; see :func:`~.base.kl_estimate`).
         variant: ``"sequence"`` or ``"token"``.
         advantage_scale: how the trainer scales group advantages (``"group"``, ``"batch"`` or ``"none"``).
     """
@@ -48,8 +50,10 @@ class GSPO(Objective):
         beta: float = 0.0,
         variant: str = "sequence",
         advantage_scale: str = "group",
+        kl_estimator: str = "k3",
     ) -> None:
         self.clip_low, self.clip_high = check_clip(clip_low, clip_high)
+        self.kl_estimator = check_kl_estimator(kl_estimator)
         self.beta = check_beta(beta)
         if variant not in VARIANTS:
             raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
@@ -82,7 +86,7 @@ class GSPO(Objective):
                 low = masked_mean(clipped_low.float(), mask)
                 high = masked_mean(clipped_high.float(), mask)
         if self.beta > 0:
-            kl = mean_over_sequences(sequence_mean(k3_kl(logprobs, ref_logprobs), mask), nonempty)
+            kl = mean_over_sequences(sequence_mean(kl_estimate(logprobs, ref_logprobs, self.kl_estimator), mask), nonempty)
             loss = loss + self.beta * kl
             metrics["kl"] = kl.detach()
         with torch.no_grad():

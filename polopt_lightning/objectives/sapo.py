@@ -11,7 +11,7 @@ from .grpo import GRPO
 
 @register_objective("sapo")
 class SAPO(GRPO):
-    """Per token ``-f(r) * A`` (+ ``beta*k3``) with the soft gate ``f(r) = sigmoid(tau * (r - 1)) * 4 / tau``:
+    """Per token ``-f(r) * A`` (+ ``beta*KL``) with the soft gate ``f(r) = sigmoid(tau * (r - 1)) * 4 / tau``:
     ``tau = tau_pos`` where ``A > 0``, ``tau_neg`` where ``A < 0``. The gate's slope is 1 at ``r = 1`` (GRPO's gradient
     on-policy) and fades smoothly as the ratio leaves 1, instead of dropping to 0 at a clip bound; a larger
     ``tau_neg`` fades negative advantages faster (they raise many unsampled tokens). Reduced by ``aggregation``
@@ -20,15 +20,16 @@ class SAPO(GRPO):
     Args:
         tau_pos: the gate's temperature for positive advantages (1.0 in the paper).
         tau_neg: for negative advantages (1.05; at least ``tau_pos``).
-        beta, aggregation, max_completion_length, advantage_scale: as :class:`GRPO`.
+        beta, aggregation, max_completion_length, advantage_scale, kl_estimator: as :class:`GRPO`.
     """
 
     def __init__(self, tau_pos: float = 1.0, tau_neg: float = 1.05, beta: float = 0.0,
                  aggregation: str = "token-mean", max_completion_length: int | None = None,
-                 advantage_scale: str = "group") -> None:
+                 advantage_scale: str = "group", kl_estimator: str = "k3") -> None:
         if not 0 < tau_pos <= tau_neg:
             raise ValueError(f"SAPO needs 0 < tau_pos <= tau_neg, got tau_pos={tau_pos}, tau_neg={tau_neg}")
-        super().__init__(0.2, None, beta, aggregation, max_completion_length, advantage_scale)
+        super().__init__(0.2, None, beta, aggregation, max_completion_length, advantage_scale,
+                         kl_estimator=kl_estimator)
         self.tau_pos, self.tau_neg = float(tau_pos), float(tau_neg)
 
     def surrogate(self, ratio: Tensor, advantages: Tensor, logprobs: Tensor, mask: Tensor

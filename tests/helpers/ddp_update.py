@@ -1,7 +1,8 @@
 """One training step of the module under Lightning, in 1 process or under DDP on CPU processes (gloo).
 
 ``python tests/helpers/ddp_update.py OUT WORLD OBJECTIVE [key=value ...]`` (``strategy=fsdp``: FSDP2 instead of DDP;
-``anchor=COEF``: with the supervised anchor; ``advantage_estimator=NAME``; ``width=W``: a model W wide, whose weights from 512 on are large enough for
+``anchor=COEF``: with the supervised anchor; ``advantage_estimator=NAME``; ``kl_estimator=NAME``; ``kl_in_reward=C``;
+``entropy_coef=C``; ``top_entropy_quantile=Q``; ``width=W``: a model W wide, whose weights from 512 on are large enough for
 the oneDNN linear layers): rank 0 writes ``OUT`` (torch.save) with
 the policy's weights after the step, the step's logged metrics, and every prompt's advantages. The prompts' completions
 do not depend on the number of processes (each prompt samples with a generator seeded by its own tokens), so a run
@@ -78,7 +79,7 @@ def main() -> None:
     model, tok = build_tiny_model(**model_shape(options.get("width")), seed=0)
     data = PromptDataModule(task=ArithmeticTask(digits=1, train_size=16, val_size=4, seed=0), tokenizer=tok,
                             batch_size=PROMPTS // world, shuffle=False)
-    spec = {"name": objective, "beta": float(options.get("beta", 0.0))}
+    spec = {"name": objective, "beta": float(options.get("beta", 0.0)), "kl_estimator": options.get("kl_estimator", "k3")}
     if objective == "dr_grpo":  # a constant normaliser: the completion length cap
         spec["max_completion_length"] = 4
     module = Recording(
@@ -86,7 +87,10 @@ def main() -> None:
         experience={"num_generations": 4, "advantage_scale": options.get("advantage_scale"),
                     "advantage_estimator": options.get("advantage_estimator", "grpo")},
         update={"mini_batches": 1, "max_grad_norm": None,
-                "micro_batch_tokens": int(options["micro_batch_tokens"]) if "micro_batch_tokens" in options else None},
+                "micro_batch_tokens": int(options["micro_batch_tokens"]) if "micro_batch_tokens" in options else None,
+                "entropy_coef": float(options.get("entropy_coef", 0.0)),
+                "top_entropy_quantile": float(options.get("top_entropy_quantile", 1.0))},
+        reference={"kl_in_reward": float(options.get("kl_in_reward", 0.0))},
         # plain SGD: the update is the gradient itself (Adam's first step would hide a wrong gradient scale)
         optimizer=partial(torch.optim.SGD, lr=0.5), rollout_engine=PerPromptEngine(),
         # the supervised anchor on the arithmetic answers: its NLL a token mean over every process's prompts
