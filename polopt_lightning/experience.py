@@ -92,7 +92,7 @@ class Experience(Completions):
 
 # the Completions fields a rollout carries into the experience, and the side their padding goes on (None: [N])
 ROLLOUT_FIELDS = {"prompt_ids": "left", "prompt_mask": "left", "completion_ids": "right", "completion_mask": "right",
-                  "sampling_logprobs": "right", "finished": None}
+                  "sampling_logprobs": "right", "finished": None, "context_mask": "right"}
 
 
 class ExperienceMaker:
@@ -135,11 +135,19 @@ class ExperienceMaker:
         text}]``, a string prompt's the text), ``completion_ids``, every extra column (repeated for the G
         completions) and ``trainer_state`` when given."""
         G = rollout.group_size
-        ids = [row[mask.bool()].tolist() for row, mask in zip(rollout.completion_ids, rollout.completion_mask)]
+        # the whole completion as the model reads it (a multi-turn rollout's tool results too)
+        ids = [row[mask.bool()].tolist() for row, mask in zip(rollout.completion_ids, rollout.attention_mask)]
         texts = self.tokenizer.batch_decode(ids, skip_special_tokens=True)
         prompts = [p for p in batch["prompts"] for _ in range(G)]
-        completions = [completion_like(p, t) for p, t in zip(prompts, texts)]
+        if rollout.conversations is not None:  # multi-turn: TRL's form, the completion's messages (a string prompt's:
+            # the model's last message, its answer; the whole conversation is the `conversation` column)
+            completions = [conv if not isinstance(p, str) else last_message(conv)
+                           for p, conv in zip(prompts, rollout.conversations)]
+        else:
+            completions = [completion_like(p, t) for p, t in zip(prompts, texts)]
         columns = {k: [v for v in col for _ in range(G)] for k, col in batch.get("columns", {}).items()}
+        if rollout.conversations is not None:  # the whole conversation and per-turn information, by row
+            columns.update(conversation=rollout.conversations, **(rollout.extras or {}))
         if trainer_state is not None:
             columns["trainer_state"] = trainer_state
         out = self.rewards(prompts, completions, completion_ids=ids, **columns)
@@ -171,6 +179,8 @@ class ExperienceMaker:
                     torch.tensor(float(zero.numel()), device=device))
                 if self.tasks:
                     metrics.update(self.task_signal(batch, zero.bool(), device))
+                if rollout.extras:  # a multi-turn rollout: tool calls and environment turns per completion
+                    metrics.update(self.turn_metrics(rollout, device))
             keep = torch.ones(num_prompts, dtype=torch.bool)
             if self.dynamic_sampling:
                 keep = ~zero_std_groups(rewards.total, G)
@@ -251,6 +261,18 @@ class ExperienceMaker:
                                                       else torch.tensor(float("nan"), device=device))
         return metrics
 
+    @staticmethod
+    def turn_metrics(rollout: RolloutBatch, device: torch.device) -> dict[str, Tensor]:
+        """A multi-turn rollout's means per completion over every process: ``train/tool_calls``, ``train/turns`` (the
+        policy's), ``train/env_reward``."""
+        n = len(rollout.conversations or [])
+        sums = torch.tensor([float(sum(rollout.extras.get("tool_calls", [0] * n))),
+                             float(sum(sum(m["role"] == "assistant" for m in c) for c in rollout.conversations or [])),
+                             float(sum(rollout.extras.get("env_reward", [0.0] * n))), float(n)], device=device)
+        calls, turns, reward, count = all_reduce(sums).unbind()
+        count = count.clamp(min=1)
+        return {"train/tool_calls": calls / count, "train/turns": turns / count, "train/env_reward": reward / count}
+
     def anchor_targets(self, batch: Mapping[str, Any], device: torch.device) -> dict[str, Tensor]:
         """Each prompt's reference answer as ``answer + EOS`` token ids ``[P, Ta]`` with their mask (zero where the
         answer is None), for the supervised anchor; empty without one."""
@@ -293,6 +315,11 @@ class ExperienceMaker:
         return mean, ((squares - total ** 2 / count) / (count - 1)).clamp(min=0).sqrt().float()
 
 
+def last_message(conversation: Sequence[Mapping[str, str]]) -> str:
+    """The content of a conversation's last assistant message ("" without one)."""
+    return next((m["content"] for m in reversed(conversation) if m["role"] == "assistant"), "")
+
+
 def pad_cat(tensors: Sequence[Tensor], value: int | float, left: bool = False) -> Tensor:
     """Concatenate ``[n_i, w_i]`` tensors along rows, padded with ``value`` to the widest (on the left or right)."""
     width = max(t.shape[1] for t in tensors)
@@ -320,7 +347,10 @@ def concat_groups(parts, G: int, limit: int | None) -> tuple[dict[str, Tensor], 
         picked.append(rows)
         dev_rows = rows.to(rollout.completion_ids.device)
         for name in ROLLOUT_FIELDS:
-            fields[name].append(getattr(rollout, name)[dev_rows])
+            value = getattr(rollout, name)
+            if name == "context_mask" and value is None:  # one turn: the context is the completion
+                value = rollout.completion_mask
+            fields[name].append(value[dev_rows])
         for name, value in group_fields.items():
             per_group.setdefault(name, []).append(value[idx.to(value.device)])
         fields["rewards"].append(rewards[rows])
@@ -328,6 +358,8 @@ def concat_groups(parts, G: int, limit: int | None) -> tuple[dict[str, Tensor], 
         kept += len(idx)
     out = {name: torch.cat(fields[name]) if side is None else pad_cat(fields[name], 0, left=side == "left")
            for name, side in ROLLOUT_FIELDS.items()}
+    if all(part[0].context_mask is None for part in parts):
+        out["context_mask"] = None
     out.update({name: pad_cat(values, 0) for name, values in per_group.items()})
     out["group_index"] = torch.cat(fields["group_index"]).to(out["completion_ids"].device)
     return out, torch.cat(fields["rewards"]), picked

@@ -294,8 +294,9 @@ class Scorer:
                  with_entropy: bool = False) -> tuple[Tensor, Tensor | None]:
         """Log-probs ``[n, width]`` of the completions ``rows`` under ``model`` (and their entropies if asked)."""
         width = exp.completion_ids.shape[1] if width is None else width
+        # the context (a multi-turn rollout's tool results too) is attended to; the objective masks what it trains on
         args = (model, exp.prompt_ids[rows], exp.prompt_mask[rows], exp.completion_ids[rows, :width],
-                exp.completion_mask[rows, :width])
+                exp.attention_mask[rows, :width])
         # checkpointed layers drop the cache the shared prompt is passed through; without gradient they keep it
         checkpointed = self.config.gradient_checkpointing and model is self.policy and torch.is_grad_enabled()
         with evaluating(model, keep_quantized=True) if model is self.ref_model else nullcontext():

@@ -158,6 +158,8 @@ class PolicyOptimizationModule(L.LightningModule):
         self.experience = ExperienceMaker(self.tokenizer, self.rewards, self.experience_config, anchor,
                                           objective.advantage_scale, self.reference_config)
         self.engine = build_engine(rollout_engine)
+        if getattr(self.engine, "tokenizer", False) is None:  # a multi-turn engine renders turns with the policy's
+            self.engine.set_tokenizer(self.tokenizer)
         if config.gradient_checkpointing:
             enable_gradient_checkpointing(model, "update.gradient_checkpointing")
         # sampler log-probs equal a training forward only when dropout cannot make them differ
@@ -227,10 +229,12 @@ class PolicyOptimizationModule(L.LightningModule):
 
     # ------------------------------------------------------------------------------------------------------------
     def rollout(self, batch: Mapping[str, Any], sampling: SamplingConfig, num_generations: int) -> RolloutBatch:
+        # a multi-turn engine starts each completion's environment from its dataset row
+        rows = {"rows": batch_rows(batch)} if getattr(self.engine, "takes_rows", False) else {}
         with self._whole_parameters():
             return self.engine.generate(
                 self.policy, batch["prompt_ids"], batch["prompt_mask"], num_generations, sampling,
-                self.tokenizer.eos_token_id, self.tokenizer.pad_token_id, generator=self._sampling_generator(),
+                self.tokenizer.eos_token_id, self.tokenizer.pad_token_id, generator=self._sampling_generator(), **rows,
             )
 
     def configure_model(self) -> None:
@@ -447,3 +451,9 @@ class PolicyOptimizationModule(L.LightningModule):
         pending, self._pending_rng = self._pending_rng, None
         if pending is not None:
             restore_rng(pending, self.global_rank, world_size(), self._sampling_generator())
+
+
+def batch_rows(batch: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The batch's prompts as dataset rows: ``prompt`` (as the dataset holds it) and every extra column."""
+    columns = batch.get("columns", {})
+    return [{"prompt": prompt, **{k: v[i] for k, v in columns.items()}} for i, prompt in enumerate(batch["prompts"])]

@@ -175,7 +175,7 @@ def micro_batches(exp: Experience, rows: Tensor, budget: int | None, share_promp
     """
     if not budget:
         return [rows]
-    lengths = exp.completion_mask[rows].sum(-1).clamp(min=1)
+    lengths = exp.attention_mask[rows].sum(-1).clamp(min=1)
     key = lengths
     if share_prompt:  # sort groups (not rows) by their longest completion; ties keep groups contiguous
         group = exp.group_index[rows]
@@ -453,7 +453,7 @@ class Updater:
             sums.update(self.anchor_backward(exp, rows))
         for k, micro in enumerate(pieces):
             # trim padding past the longest completion of this piece (the objectives do not depend on the width)
-            width = max(int(exp.completion_mask[micro].sum(-1).max()), 1)
+            width = max(int(exp.attention_mask[micro].sum(-1).max()), 1)
             mask = exp.completion_mask[micro, :width]
             with gradient_sync(self._wrapped(), host.policy, last=k == len(pieces) - 1):
                 logprobs, entropy = host.scorer.logprobs(host.policy, exp, micro, width, with_entropy=True)

@@ -11,7 +11,8 @@ from .tasks import (
     ReverseTask,
     SortTask,
     TaskMixture,
+    ToolArithmeticTask,
 )
 
 __all__ = ["ArithmeticTask", "CountTask", "DatasetTask", "ExpressionTask", "FileTask", "MultiplicationTask", "PromptDataModule",
-           "ReverseTask", "SortTask", "TaskMixture"]
+           "ReverseTask", "SortTask", "TaskMixture", "ToolArithmeticTask"]

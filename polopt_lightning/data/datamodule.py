@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -23,6 +23,11 @@ TRUNCATION = ("left", "error")
 CHAT_TEMPLATES = {
     "chatml": "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
               "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}",
+    # the fewest tokens for a small model's multi-turn task: messages as they are, an assistant turn ended by EOS, a
+    # tool message in parentheses (ToolArithmeticTask's demonstrations)
+    "plain_tools": "{% for m in messages %}{% if m['role'] == 'assistant' %}{{ m['content'] }}{{ eos_token }}"
+                   "{% elif m['role'] == 'tool' %}({{ m['content'] }}){% else %}{{ m['content'] }}{% endif %}"
+                   "{% endfor %}",
 }
 
 
@@ -52,6 +57,9 @@ class PromptDataModule(L.LightningDataModule):
             continued instead, as TRL does).
         chat_template: a Jinja chat template, a file holding one, or a name in :data:`CHAT_TEMPLATES` (``"chatml"``),
             set on the tokenizer (for one without a template, or to replace its own); ``None`` keeps the tokenizer's.
+        tools: Python functions (typed, with a docstring) the chat template shows the model, as
+            ``apply_chat_template(tools=...)`` does (for a multi-turn rollout's tools,
+            :mod:`~polopt_lightning.rollout.multi_turn`); chat prompts only.
         batch_size: prompts per training step (each gets ``num_generations`` completions).
         val_batch_size: prompts per validation batch.
         max_prompt_length: longer prompts are cut from the left (``truncation="left"``, with a warning) or
@@ -73,6 +81,7 @@ class PromptDataModule(L.LightningDataModule):
         tokenizer: Any = None,
         prompt_column: str = "prompt",
         chat_template: str | None = None,
+        tools: Sequence[Callable] = (),
         batch_size: int = 8,
         val_batch_size: int = 64,
         max_prompt_length: int | None = 512,
@@ -108,6 +117,7 @@ class PromptDataModule(L.LightningDataModule):
         self.shuffle, self.num_workers, self.seed = shuffle, num_workers, seed
         self.tokenizer = None
         self.chat_template = chat_template
+        self.tools = list(tools)
         self._warned_truncation = False
         # a mixture's samplers: the training loader's, and the one of dynamic sampling's extra batches
         self._train_sampler: MixtureSampler | None = None
@@ -150,9 +160,14 @@ class PromptDataModule(L.LightningDataModule):
             raise ValueError(f"data.prompt_column={self.prompt_column!r} holds chat messages but the tokenizer has no "
                              "chat template: use a chat model's tokenizer, or give one with data.chat_template "
                              "(a Jinja template or a file holding it)")
+        tools = None
+        if self.tools:
+            from ..rollout.multi_turn import tool_schema
+
+            tools = [tool_schema(fn) for fn in self.tools]
         if prompt[-1].get("role") == "assistant":  # the assistant's turn begun: continued, not a new turn
-            return self.tokenizer.apply_chat_template(prompt, tokenize=False, continue_final_message=True)
-        return self.tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+            return self.tokenizer.apply_chat_template(prompt, tools=tools, tokenize=False, continue_final_message=True)
+        return self.tokenizer.apply_chat_template(prompt, tools=tools, tokenize=False, add_generation_prompt=True)
 
     def collate(self, rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
         if self.tokenizer is None:

@@ -94,6 +94,46 @@ class ArithmeticTask(_TaskRewards):
 
 
 @dataclass
+class ToolArithmeticTask(ArithmeticTask):
+    """Addition of numbers too long to add in one's head, with an ``add`` tool (:func:`polopt_lightning.environments.add`)
+    for a multi-turn rollout (``rollout=tools``). Rows as :class:`ArithmeticTask`'s, plus ``demonstration``: what the
+    supervised warm start teaches (``warm_start.answer_column=demonstration``): for a share ``tool_share`` of the rows
+    the whole tool-using turn sequence, a pythonic call, EOS, the tool's result as the chat template renders a tool
+    message, and the answer (``[add(a=12345,b=67890)]<eos>(80235)80235``); for the others the answer alone. The warm
+    start thus leaves a policy that calls the tool some of the time; RL rewards the answers, and calling pays.
+
+    Attributes:
+        tool_share: the share of demonstrations that call the tool.
+        eos: the tokenizer's EOS text (the policy's turn ends with it).
+        tool_open, tool_close: how the chat template wraps a tool message (``data.chat_template=plain_tools``).
+    """
+
+    digits: int = 5
+    min_digits: int = 5
+    tool_share: float = 0.5
+    eos: str = "<eos>"
+    tool_open: str = "("
+    tool_close: str = ")"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.operations != ["+"]:
+            raise ValueError(f"task.operations: the add tool adds; got {self.operations}")
+        if not 0 <= self.tool_share <= 1:
+            raise ValueError(f"task.tool_share must be in [0, 1], got {self.tool_share}")
+
+    def splits(self) -> tuple[list[dict[str, str]], list[dict[str, str]]]:
+        train, val = super().splits()
+        rng = random.Random(self.seed + 1)
+        for row in train + val:
+            a, b = row["prompt"][:-1].split("+")
+            answer = row["answer"]
+            call = f"[add(a={a},b={b})]{self.eos}{self.tool_open}{answer}{self.tool_close}{answer}"
+            row["demonstration"] = call if rng.random() < self.tool_share else answer
+        return train, val
+
+
+@dataclass
 class FileTask:
     """Prompts from JSON-lines files (one object per line: the prompt column plus any columns rewards need).
 

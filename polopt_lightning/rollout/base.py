@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -69,6 +69,10 @@ class Completions:
         sampling_logprobs: ``[N, T]`` log-probs of the sampled tokens under the tempered, unfiltered distribution
             (what a fresh forward pass at the same temperature gives).
         finished: ``[N]`` True when the completion ended with EOS, False when it hit ``max_new_tokens``.
+        context_mask: ``[N, T]`` 1 on every token of the completion's context, the policy's and an environment's
+            (a multi-turn rollout's tool results, :mod:`~polopt_lightning.rollout.multi_turn`), which the forward
+            passes attend to; ``completion_mask`` is then 1 on the policy's own tokens only, the ones the loss, the
+            importance ratios and the sampling log-probs cover. ``None``: the completion mask (one turn).
     """
 
     prompt_ids: Tensor
@@ -77,18 +81,29 @@ class Completions:
     completion_mask: Tensor
     sampling_logprobs: Tensor
     finished: Tensor
+    context_mask: Tensor | None = field(default=None, kw_only=True)
 
     @property
     def completion_lengths(self) -> Tensor:
         return self.completion_mask.sum(-1)
 
+    @property
+    def attention_mask(self) -> Tensor:
+        """The completion tokens the forward passes attend to: the context mask, or the completion mask (one turn).
+        Always contiguous from the first position, so its row sums are the completions' widths."""
+        return self.completion_mask if self.context_mask is None else self.context_mask
+
 
 @dataclass
 class RolloutBatch(Completions):
     """Completions for ``P`` prompts times ``G`` generations, ``N = P * G`` rows (:class:`Completions`' fields) and
-    ``group_size``, ``G``."""
+    ``group_size``, ``G``. A multi-turn rollout also gives each row's ``conversations`` (its turns as messages,
+    TRL's conversational completion) and ``extras`` (per-row columns for the reward functions: ``env_reward``,
+    ``tool_calls``)."""
 
     group_size: int
+    conversations: list[list[dict[str, str]]] | None = field(default=None, kw_only=True)
+    extras: dict[str, list[Any]] | None = field(default=None, kw_only=True)
 
 
 class RolloutEngine(ABC):

@@ -1,0 +1,402 @@
+"""Multi-turn rollouts: the policy generates, an environment answers (tool results, or the feedback of a task with
+several steps), and the policy continues, until it answers without a tool call, the environment says it is done, or a
+turn or token budget ends.
+
+- **Tools** are typed Python functions: their signature and docstring are the schema the chat template shows the
+  model (``transformers.utils.get_json_schema``, as ``apply_chat_template(tools=...)`` takes them). A tool that raises
+  gives a tool message with the error; one that runs past ``timeout`` seconds is cut off with a tool message saying so.
+- **Environments** implement :class:`Environment`: ``reset(row)`` with the dataset row (its columns) and ``step(text)``
+  with the model's message, returning an :class:`EnvStep` (observation, reward, done). :class:`ToolEnvironment` is
+  the environment of tool calls.
+- :class:`MultiTurnEngine` runs the turns on any backend (the transformers one by default): each turn is a rollout of
+  the context so far. The environment's tokens (rendered with the tokenizer's chat template, as the role ``tool``
+  message between two assistant turns) are part of the context the policy attends to, and are masked out of the
+  loss, the importance ratios and the sampling log-probs: the completion's ``completion_mask`` is 1 on the policy's
+  tokens only, its ``context_mask`` on every token.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from .base import RolloutBatch, RolloutEngine, SamplingConfig
+
+TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+
+
+@dataclass
+class EnvStep:
+    """What an environment answers to one message of the model.
+
+    Attributes:
+        observation: the text the model sees next (a tool's result, feedback); ``None``: nothing to add.
+        reward: a reward for this step (summed over the episode into the ``env_reward`` column); ``None``: none.
+        done: the episode ends here (the model's message was its answer).
+    """
+
+    observation: str | None = None
+    reward: float | None = None
+    done: bool = False
+
+
+class Environment(ABC):
+    """A multi-turn task: one instance per completion, made by the engine's ``environment`` factory."""
+
+    def reset(self, row: Mapping[str, Any]) -> str | None:
+        """Start an episode for the dataset ``row`` (its columns: ``answer``, ...); an observation to show first, or
+        ``None``."""
+        return None
+
+    @abstractmethod
+    def step(self, message: str) -> EnvStep:
+        """The model's message (its turn's text); what the environment answers."""
+
+
+def tool_schema(fn: Callable) -> dict[str, Any]:
+    """The JSON schema of a typed, documented Python function, as chat templates take ``tools`` (transformers'
+    ``get_json_schema``: type hints for every argument, a Google-style docstring with an ``Args:`` section)."""
+    from transformers.utils import get_json_schema
+
+    try:
+        return get_json_schema(fn)
+    except Exception as err:  # transformers' own error says what is missing; name the tool
+        raise ValueError(f"tool {getattr(fn, '__name__', fn)!r}: {err}") from err
+
+
+def parse_tool_calls(text: str) -> list[dict[str, Any]]:
+    """The tool calls in a message, in the Hermes/Qwen format the common chat templates use:
+    ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` (several allowed). A call whose JSON does not parse
+    is returned as ``{"error": ...}`` (the model is told, not the run stopped)."""
+    calls = []
+    for body in TOOL_CALL.findall(text):
+        try:
+            call = json.loads(body)
+            if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+                raise ValueError("a tool call is an object with a 'name' and 'arguments'")
+            arguments = call.get("arguments", {})
+            if isinstance(arguments, str):  # some models write the arguments as a JSON string
+                arguments = json.loads(arguments)
+            if not isinstance(arguments, dict):
+                raise ValueError("'arguments' must be an object")
+            calls.append({"name": call["name"], "arguments": arguments})
+        except (ValueError, TypeError) as err:
+            calls.append({"error": f"malformed tool call {body[:200]!r}: {err}"})
+    return calls
+
+
+def parse_pythonic_tool_calls(text: str) -> list[dict[str, Any]]:
+    """Tool calls written as a Python list of calls with keyword arguments, ``[add(a=1, b=2), f(x="y")]`` (vLLM's
+    ``pythonic`` format, Llama 3.2's and 4's): the first such list in the message; arguments are literals. A list that
+    does not parse is returned as one ``{"error": ...}``."""
+    import ast
+
+    match = re.search(r"\[\s*[A-Za-z_][\w.]*\(.*?\)\s*\]", text, re.DOTALL)
+    if match is None:
+        return []
+    try:
+        node = ast.parse(match.group(0), mode="eval").body
+        calls = []
+        for call in node.elts:
+            if not isinstance(call, ast.Call) or call.args:
+                raise ValueError("each call must be name(key=value, ...)")
+            name = ast.unparse(call.func)
+            calls.append({"name": name, "arguments": {k.arg: ast.literal_eval(k.value) for k in call.keywords}})
+        return calls
+    except (SyntaxError, ValueError) as err:
+        return [{"error": f"malformed tool call {match.group(0)[:200]!r}: {err}"}]
+
+
+#: tool-call formats by name: ``hermes`` (``<tool_call>{json}</tool_call>``: Qwen, Hermes and most chat templates) and
+#: ``pythonic`` (``[f(a=1)]``)
+TOOL_CALL_FORMATS: dict[str, Callable[[str], list[dict[str, Any]]]] = {
+    "hermes": parse_tool_calls, "pythonic": parse_pythonic_tool_calls}
+
+
+def call_with_timeout(fn: Callable, arguments: Mapping[str, Any], timeout: float | None) -> str:
+    """``fn(**arguments)`` as a string; an exception or a run past ``timeout`` seconds becomes an error message. A
+    tool cut off keeps running in its (daemon) thread, which Python cannot stop: tools that may hang should bound
+    their own work too."""
+    result: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            result["value"] = fn(**arguments)
+        except Exception as err:  # the model sees what went wrong
+            result["error"] = f"{type(err).__name__}: {err}"
+
+    thread = threading.Thread(target=target, daemon=True, name=f"tool-{getattr(fn, '__name__', 'call')}")
+    thread.start()
+    thread.join(timeout)
+    if thread.is_alive():
+        return f"error: the tool timed out after {timeout:g} s"
+    if "error" in result:
+        return f"error: {result['error']}"
+    value = result.get("value")
+    return value if isinstance(value, str) else json.dumps(value)
+
+
+class ToolEnvironment(Environment):
+    """Tool calls: each message's calls (:func:`parse_tool_calls`) run, their results are the next observation (one
+    line per call, in order); a message without a call ends the episode.
+
+    Args:
+        tools: the Python functions the model may call, by their ``__name__``.
+        timeout: seconds a call may run (``None``: no limit).
+        format: how the model writes its calls: a name in :data:`TOOL_CALL_FORMATS` or a parser (text -> calls).
+    """
+
+    def __init__(self, tools: Sequence[Callable], timeout: float | None = 5.0,
+                 format: str | Callable[[str], list[dict[str, Any]]] = "hermes") -> None:
+        self.tools = {fn.__name__: fn for fn in tools}
+        self.timeout = timeout
+        if isinstance(format, str) and format not in TOOL_CALL_FORMATS:
+            raise ValueError(f"rollout.format must be one of {sorted(TOOL_CALL_FORMATS)} or a parser, got {format!r}")
+        self.parse = TOOL_CALL_FORMATS[format] if isinstance(format, str) else format
+        self.calls = 0
+
+    def step(self, message: str) -> EnvStep:
+        calls = self.parse(message)
+        if not calls:
+            return EnvStep(done=True)
+        results = []
+        for call in calls:
+            self.calls += 1
+            if "error" in call:
+                results.append(f"error: {call['error']}")
+            elif call["name"] not in self.tools:
+                results.append(f"error: unknown tool {call['name']!r}; tools: {', '.join(sorted(self.tools))}")
+            else:
+                results.append(call_with_timeout(self.tools[call["name"]], call["arguments"], self.timeout))
+        return EnvStep(observation="\n".join(results))
+
+
+@dataclass
+class Episode:
+    """One completion's turns as they are built: token ids and whose they are, the sampling log-probs of the policy's,
+    the messages (TRL's conversational completion), and what the environment said."""
+
+    env: Environment
+    ids: list[int] = field(default_factory=list)
+    policy: list[int] = field(default_factory=list)  # 1: the policy's token, 0: the environment's
+    logprobs: list[float] = field(default_factory=list)
+    messages: list[dict[str, str]] = field(default_factory=list)
+    reward: float = 0.0
+    tool_calls: int = 0
+    done: bool = False
+    finished: bool = False  # its last turn ended with EOS
+
+    def add(self, ids: Sequence[int], logprobs: Sequence[float] | None) -> None:
+        self.ids += list(ids)
+        self.policy += [1 if logprobs is not None else 0] * len(ids)
+        self.logprobs += list(logprobs) if logprobs is not None else [0.0] * len(ids)
+
+
+class ChatTurns:
+    """The tokens of an environment's message between two assistant turns, from the tokenizer's chat template: what
+    the template writes after an assistant message (from the end of its EOS token on) for a ``role`` message and the
+    next generation prompt. The policy's turn ends with EOS (generation stops there), so what the template adds after
+    it (ChatML's newline) belongs to the environment's tokens."""
+
+    def __init__(self, tokenizer: Any, tools: Sequence[Callable] = (), role: str = "tool") -> None:
+        if getattr(tokenizer, "chat_template", None) is None:
+            raise ValueError("a multi-turn rollout renders the environment's messages with the tokenizer's chat "
+                             "template, and this tokenizer has none: set data.chat_template (or tokenizer.chat_template)")
+        self.tokenizer, self.role = tokenizer, role
+        self.tools = [tool_schema(fn) for fn in tools] or None
+        self.eos = tokenizer.eos_token or ""
+
+    def render(self, messages: list[dict[str, str]], generation: bool) -> str:
+        return self.tokenizer.apply_chat_template(messages, tools=self.tools, tokenize=False,
+                                                  add_generation_prompt=generation)
+
+    def observation_ids(self, text: str) -> list[int]:
+        base = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
+        before = self.render(base, generation=False)
+        after = self.render(base + [{"role": self.role, "content": text}], generation=True)
+        if not after.startswith(before):
+            raise ValueError("the chat template does not render a conversation as a prefix of its continuation: "
+                             "multi-turn rollouts need one that does")
+        end = before.rfind(self.eos) if self.eos else -1
+        cut = end + len(self.eos) if end >= 0 else len(before)  # a template without EOS: the turn ends where it ends
+        return self.tokenizer(after[cut:], add_special_tokens=False)["input_ids"]
+
+
+def resolve(spec: Any, key: str) -> Any:
+    """An object given as itself or as an import path ``"package.module.name"`` (what a config file can hold)."""
+    if not isinstance(spec, str):
+        return spec
+    import importlib
+
+    module, _, name = spec.rpartition(".")
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError, ValueError) as err:
+        raise ValueError(f"{key}: cannot import {spec!r}: {err}") from None
+
+
+class MultiTurnEngine(RolloutEngine):
+    """Multi-turn rollouts on a backend: each completion is an episode of an :class:`Environment` (one per
+    completion), its turns sampled by ``base`` from the context so far.
+
+    Args:
+        environment: each completion's environment: ``"tools"`` (a :class:`ToolEnvironment` of ``tools``), an
+            :class:`Environment` class (made without arguments; ``reset`` gets the row) or its import path, or a
+            callable that makes one from the dataset row.
+        tools: the functions the model may call (or their import paths); the chat template shows their schemas.
+        format: how the model writes tool calls (:data:`TOOL_CALL_FORMATS`: ``hermes``, ``pythonic``).
+        timeout: seconds a tool call may run.
+        max_turns: the policy's turns at most.
+        max_tokens: the completion's tokens at most (the policy's and the environment's); a turn gets what is left,
+            at most ``generation.max_new_tokens``.
+        base: the backend that samples each turn: a :class:`RolloutEngine`, a backend name or its settings (default:
+            the transformers backend).
+        tokenizer: the policy's tokenizer, whose chat template renders the environment's messages (the module gives
+            its own when this is ``None``).
+        role: the role of the environment's messages in the chat template.
+    """
+
+    takes_rows = True  # the module passes the batch's rows (their columns) to generate
+
+    def __init__(self, environment: Any = "tools", tools: Sequence[Callable | str] = (), format: str = "hermes",
+                 timeout: float | None = 5.0, max_turns: int = 4, max_tokens: int = 256,
+                 base: RolloutEngine | str | Mapping[str, Any] | None = None, tokenizer: Any = None,
+                 role: str = "tool") -> None:
+        from . import build_engine
+
+        if max_turns < 1 or max_tokens < 1:
+            raise ValueError(f"rollout.max_turns and rollout.max_tokens must be >= 1, got {max_turns}, {max_tokens}")
+        self.tools = [resolve(fn, "rollout.tools") for fn in tools]
+        for fn in self.tools:
+            tool_schema(fn)  # a tool without types or docstring fails now, naming it
+        if environment == "tools":
+            if not self.tools:
+                raise ValueError("rollout.environment=tools needs rollout.tools (the functions the model may call)")
+            ToolEnvironment(self.tools, timeout, format)  # checks the format now
+            self.environment = lambda row: ToolEnvironment(self.tools, timeout, format)
+        else:
+            made = resolve(environment, "rollout.environment")
+            if isinstance(made, type) and issubclass(made, Environment):
+                self.environment = lambda row, cls=made: cls()
+            elif callable(made):
+                self.environment = made
+            else:
+                raise ValueError(f"rollout.environment must be 'tools', an Environment class or a callable, got "
+                                 f"{environment!r}")
+        self.max_turns, self.max_tokens, self.role = max_turns, max_tokens, role
+        self.base = build_engine(base, "rollout.base")
+        self.corrects_sampler = self.base.corrects_sampler
+        self.tokenizer, self.turns = None, None
+        if tokenizer is not None:
+            self.set_tokenizer(tokenizer)
+
+    def set_tokenizer(self, tokenizer: Any) -> None:
+        """The policy's tokenizer: its chat template renders the environment's messages (and shows the tools)."""
+        self.tokenizer, self.turns = tokenizer, ChatTurns(tokenizer, self.tools, self.role)
+
+    def logprobs_match(self, model: nn.Module) -> bool:
+        return self.base.logprobs_match(model)
+
+    def policy_updated(self, model: nn.Module) -> None:
+        self.base.policy_updated(model)
+
+    def take_turn(self, episode: Episode, out: RolloutBatch, k: int, left: int, turn: int) -> bool:
+        """Row ``k`` of a turn's rollout added to ``episode`` (at most ``left`` tokens), the environment's answer to
+        it too; whether the episode goes on."""
+        sampled = int(out.completion_mask[k].sum())
+        n = min(sampled, left)
+        tokens = out.completion_ids[k, :n].tolist()
+        episode.add(tokens, out.sampling_logprobs[k, :n].tolist())
+        episode.finished = bool(out.finished[k]) and n == sampled
+        text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+        episode.messages.append({"role": "assistant", "content": text})
+        if not episode.finished:  # cut by a token budget: the episode ends with it
+            return False
+        step = episode.env.step(text)
+        if step.reward is not None:
+            episode.reward += float(step.reward)
+        if step.done or step.observation is None or turn == self.max_turns - 1:
+            episode.done = True
+            return False
+        episode.messages.append({"role": self.turns.role, "content": step.observation})
+        episode.add(self.turns.observation_ids(step.observation)[: max(self.max_tokens - len(episode.ids), 0)], None)
+        return len(episode.ids) < self.max_tokens
+
+    def generate(self, model, prompt_ids, prompt_mask, num_generations, sampling, eos_token_id, pad_token_id,
+                 generator=None, rows: Sequence[Mapping[str, Any]] | None = None) -> RolloutBatch:
+        if self.turns is None:
+            raise RuntimeError("MultiTurnEngine has no tokenizer: pass tokenizer= or call set_tokenizer()")
+        G, P = num_generations, prompt_ids.shape[0]
+        rows = list(rows) if rows is not None else [{} for _ in range(P)]
+        episodes = [Episode(self.environment(rows[i // G])) for i in range(P * G)]
+        for i, episode in enumerate(episodes):
+            first = episode.env.reset(rows[i // G])
+            if first is not None:
+                episode.messages.append({"role": self.turns.role, "content": first})
+                episode.add(self.turns.observation_ids(first), None)
+        prompts = [ids[mask.bool()].tolist() for ids, mask in zip(prompt_ids, prompt_mask)]
+        plain_start = not any(e.ids for e in episodes)  # no first observation: turn 1 samples G per prompt at once
+        active = list(range(P * G))
+        for turn in range(self.max_turns):
+            left = {i: self.max_tokens - len(episodes[i].ids) for i in active}
+            active = [i for i in active if left[i] > 0]
+            if not active:
+                break
+            budget = min(sampling.max_new_tokens, max(left[i] for i in active))
+            settings = SamplingConfig(max_new_tokens=budget, min_new_tokens=min(sampling.min_new_tokens, budget),
+                                      temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k)
+            if turn == 0 and plain_start:  # every row, in order: row i is prompt i // G's completion i % G
+                out = self.base.generate(model, prompt_ids, prompt_mask, G, settings, eos_token_id, pad_token_id,
+                                         generator=generator)
+            else:  # each episode's context so far is the prompt of its next turn
+                ids, mask = left_pad([prompts[i // G] + episodes[i].ids for i in active], pad_token_id,
+                                     prompt_ids.device)
+                out = self.base.generate(model, ids, mask, 1, settings, eos_token_id, pad_token_id,
+                                         generator=generator)
+            active = [i for k, i in enumerate(active) if self.take_turn(episodes[i], out, k, left[i], turn)]
+        for episode in episodes:
+            episode.tool_calls = getattr(episode.env, "calls", 0)
+        return assemble(episodes, prompt_ids, prompt_mask, G, pad_token_id)
+
+
+def left_pad(rows: list[list[int]], pad: int, device: torch.device) -> tuple[Tensor, Tensor]:
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        if r:
+            ids[i, width - len(r):] = torch.tensor(r)
+            mask[i, width - len(r):] = 1
+    return ids.to(device), mask.to(device)
+
+
+def assemble(episodes: list[Episode], prompt_ids: Tensor, prompt_mask: Tensor, G: int, pad: int) -> RolloutBatch:
+    """The episodes as one rollout: each completion is its turns' tokens in order; ``completion_mask`` on the
+    policy's, ``context_mask`` on all; the sampling log-probs 0 on the environment's tokens."""
+    device = prompt_ids.device
+    width = max(max(len(e.ids) for e in episodes), 1)
+    N = len(episodes)
+    ids = torch.full((N, width), pad, dtype=torch.long)
+    policy = torch.zeros((N, width), dtype=torch.long)
+    context = torch.zeros((N, width), dtype=torch.long)
+    logprobs = torch.zeros((N, width), dtype=torch.float32)
+    for i, e in enumerate(episodes):
+        n = len(e.ids)
+        ids[i, :n] = torch.tensor(e.ids, dtype=torch.long)
+        policy[i, :n] = torch.tensor(e.policy, dtype=torch.long)
+        context[i, :n] = 1
+        logprobs[i, :n] = torch.tensor(e.logprobs, dtype=torch.float32)
+    return RolloutBatch(
+        prompt_ids=prompt_ids.repeat_interleave(G, 0), prompt_mask=prompt_mask.repeat_interleave(G, 0),
+        completion_ids=ids.to(device), completion_mask=policy.to(device), sampling_logprobs=logprobs.to(device),
+        finished=torch.tensor([e.done and e.finished for e in episodes], device=device), group_size=G,
+        context_mask=context.to(device), conversations=[e.messages for e in episodes],
+        extras={"env_reward": [e.reward for e in episodes], "tool_calls": [e.tool_calls for e in episodes]})

@@ -1,0 +1,246 @@
+"""Multi-turn rollouts: tools as typed Python functions (schema, calls, errors, time limit), environments, the
+completion laid out turn by turn with the environment's tokens in the context but out of the loss, the sampling
+log-probs equal to the training pass's on the policy's tokens, rewards that see the conversation, and training with
+every kind of objective and off-policy passes."""
+
+import time
+
+import pytest
+import torch
+
+from polopt_lightning import PolicyOptimizationModule, PromptDataModule
+from polopt_lightning.environments import GuessingGame, calculator, environment_reward
+from polopt_lightning.models import build_tiny_model, char_tokenizer
+from polopt_lightning.rollout import HFRolloutEngine, RolloutBatch, RolloutEngine, SamplingConfig
+from polopt_lightning.rollout.multi_turn import (
+    ChatTurns,
+    Environment,
+    EnvStep,
+    MultiTurnEngine,
+    ToolEnvironment,
+    parse_tool_calls,
+    tool_schema,
+)
+
+from .helpers import trainer
+
+# a compact chat template for the character-level tokenizer: the tools' names first, an assistant turn ends with EOS,
+# a tool message in brackets
+TEMPLATE = ("{% if tools %}tools:{% for t in tools %} {{ t['function']['name'] }}{% endfor %}{{ '\\n' }}{% endif %}"
+            "{% for m in messages %}{% if m['role'] == 'assistant' %}{{ m['content'] }}{{ eos_token }}"
+            "{% elif m['role'] == 'tool' %}[{{ m['content'] }}]{% else %}{{ m['content'] }}{% endif %}{% endfor %}")
+CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "12+34"}}</tool_call>'
+
+
+def tokenizer():
+    return char_tokenizer(chat_template=TEMPLATE)
+
+
+# --- tools ---------------------------------------------------------------------------------------------------------
+def test_a_tool_is_a_typed_documented_function_and_its_calls_are_parsed():
+    schema = tool_schema(calculator)
+    assert schema["function"]["name"] == "calculator"
+    assert schema["function"]["parameters"]["properties"]["expression"]["type"] == "string"
+
+    def undocumented(x):
+        return x
+
+    with pytest.raises(ValueError, match="tool 'undocumented'"):
+        tool_schema(undocumented)
+    calls = parse_tool_calls(f'think {CALL} and <tool_call>{{"name": "f", "arguments": "{{\\"a\\": 1}}"}}</tool_call> '
+                             '<tool_call>{not json}</tool_call>')
+    assert calls[0] == {"name": "calculator", "arguments": {"expression": "12+34"}}
+    assert calls[1] == {"name": "f", "arguments": {"a": 1}}  # arguments written as a JSON string
+    assert "malformed tool call" in calls[2]["error"]
+    assert parse_tool_calls("46") == []
+
+
+def test_tool_errors_and_hangs_become_tool_messages():
+    assert calculator("123456789123456789+987654321987654321") == "1111111111111111110"
+    with pytest.raises(ValueError):
+        calculator("__import__('os').system('true')")
+
+    def slow(seconds: int) -> str:
+        """Sleep.
+
+        Args:
+            seconds: how long.
+        """
+        time.sleep(seconds)
+        return "done"
+
+    env = ToolEnvironment([calculator, slow], timeout=0.2)
+    assert env.step(CALL).observation == "46"
+    assert env.step('<tool_call>{"name": "calculator", "arguments": {"expression": "1/0"}}</tool_call>'
+                    ).observation.startswith("error: ValueError")
+    assert "unknown tool 'search'" in env.step('<tool_call>{"name": "search", "arguments": {}}</tool_call>').observation
+    assert "malformed tool call" in env.step("<tool_call>{oops</tool_call>").observation
+    start = time.perf_counter()
+    assert env.step('<tool_call>{"name": "slow", "arguments": {"seconds": 3}}</tool_call>').observation == \
+        "error: the tool timed out after 0.2 s"
+    assert time.perf_counter() - start < 2
+    assert env.step("the answer is 46").done and env.calls == 5
+
+
+def test_guessing_game_answers_each_guess_and_rewards_finding_it():
+    game = GuessingGame(penalty=0.25)
+    game.reset({"answer": 7})
+    assert game.step("5").observation == "higher" and game.step("I guess 9").observation == "lower"
+    last = game.step("7")
+    assert last.observation == "correct" and last.done and last.reward == pytest.approx(0.5)
+    game.reset({"answer": 3})
+    assert game.step("no idea") == EnvStep(reward=0.0, done=True)
+    with pytest.raises(KeyError, match="no 'answer' column"):
+        GuessingGame().reset({"prompt": "x"})
+    assert environment_reward([], ["a", "b"], env_reward=[1, 0.5]) == [1.0, 0.5]
+    assert environment_reward([], ["a"]) == [None]
+
+
+def test_the_environments_tokens_come_from_the_chat_template():
+    tok = tokenizer()
+    turns = ChatTurns(tok, [calculator])
+    assert tok.decode(turns.observation_ids("46")) == "[46]"
+    assert turns.render([{"role": "user", "content": "2+2="}], True).startswith("tools: calculator\n")
+    with pytest.raises(ValueError, match="data.chat_template"):
+        ChatTurns(char_tokenizer())
+
+
+# --- the rollout -----------------------------------------------------------------------------------------------------
+class Scripted(RolloutEngine):
+    """Replies by a script from the context so far (a tool call first, then the answer); log-prob -0.5 a token."""
+
+    def __init__(self, tok, reply):
+        self.tok, self.reply, self.contexts = tok, reply, []
+
+    def generate(self, model, prompt_ids, prompt_mask, num_generations, sampling, eos_token_id, pad_token_id,
+                 generator=None) -> RolloutBatch:
+        rows, finished = [], []
+        for ids, mask in zip(prompt_ids, prompt_mask):
+            context = self.tok.decode(ids[mask.bool()].tolist())
+            self.contexts.append(context)
+            for g in range(num_generations):
+                row = self.tok(self.reply(context, g), add_special_tokens=False)["input_ids"] + [eos_token_id]
+                finished.append(len(row) <= sampling.max_new_tokens)
+                rows.append(row[:sampling.max_new_tokens])
+        width = max(len(r) for r in rows)
+        ids = torch.full((len(rows), width), pad_token_id)
+        mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for i, r in enumerate(rows):
+            ids[i, :len(r)], mask[i, :len(r)] = torch.tensor(r), 1
+        return RolloutBatch(prompt_ids=prompt_ids.repeat_interleave(num_generations, 0),
+                            prompt_mask=prompt_mask.repeat_interleave(num_generations, 0), completion_ids=ids,
+                            completion_mask=mask, sampling_logprobs=-0.5 * mask.float(),
+                            finished=torch.tensor(finished), group_size=num_generations)
+
+
+def tool_then_answer(context, g):
+    return CALL if "[" not in context else "it is 46"
+
+
+def test_a_tool_call_turn_then_the_answer_laid_out_with_masks_and_the_conversation():
+    tok = tokenizer()
+    script = Scripted(tok, tool_then_answer)
+    engine = MultiTurnEngine("tools", tools=[calculator], tokenizer=tok, base=script)
+    enc = tok(["12+34=", "1+1="], padding=True, return_tensors="pt")
+    out = engine.generate(None, enc.input_ids, enc.attention_mask, 2, SamplingConfig(max_new_tokens=100),
+                          tok.eos_token_id, tok.pad_token_id, rows=[{"answer": "46"}, {"answer": "2"}])
+    call, result, answer = tok(CALL)["input_ids"] + [1], tok("[46]")["input_ids"], tok("it is 46")["input_ids"] + [1]
+    row = out.completion_ids[1, :len(call) + len(result) + len(answer)].tolist()
+    assert row == call + result + answer  # prompt 0, completion 1: the call, the tool's result, the answer
+    policy = [1] * len(call) + [0] * len(result) + [1] * len(answer)
+    assert out.completion_mask[1, :len(policy)].tolist() == policy and out.completion_mask[1, len(policy):].sum() == 0
+    assert out.context_mask[1].sum() == len(policy) and out.attention_mask is out.context_mask
+    assert torch.equal(out.sampling_logprobs[1, :len(policy)], -0.5 * torch.tensor(policy, dtype=torch.float32))
+    assert out.finished.all() and out.extras["tool_calls"] == [1, 1, 1, 1]
+    assert out.conversations[1] == [{"role": "assistant", "content": CALL}, {"role": "tool", "content": "46"},
+                                    {"role": "assistant", "content": "it is 46"}]
+    # the second turn samples one continuation per episode from its context: the prompt, the call (with its EOS)
+    # and the result, as the template renders them
+    assert script.contexts[-1] == "1+1=" + CALL + "<eos>[46]" and len(script.contexts) == 2 + 4
+    # a budget of one turn ends each episode at its call (the environment still answers the last message, for its
+    # reward; the result is not shown); a token budget cuts the answer (not finished)
+    one = MultiTurnEngine("tools", tools=[calculator], tokenizer=tok, base=Scripted(tok, tool_then_answer),
+                          max_turns=1).generate(None, enc.input_ids, enc.attention_mask, 2,
+                                                SamplingConfig(max_new_tokens=100), 1, 0)
+    assert one.context_mask.sum(-1).tolist() == [len(call)] * 4 and one.extras["tool_calls"] == [1] * 4
+    short = MultiTurnEngine("tools", tools=[calculator], tokenizer=tok, base=Scripted(tok, tool_then_answer),
+                            max_tokens=len(call) + len(result) + 3).generate(
+        None, enc.input_ids, enc.attention_mask, 2, SamplingConfig(max_new_tokens=100), 1, 0)
+    assert short.context_mask.sum(-1).tolist() == [len(call) + len(result) + 3] * 4 and not short.finished.any()
+
+
+class AlwaysLower(Environment):
+    def step(self, message):
+        return EnvStep(observation="lower")
+
+
+def chat_rows(n):
+    return [{"prompt": [{"role": "user", "content": f"{i}+{i}="}], "answer": str(2 * i)} for i in range(n)]
+
+
+def short_answers(model, tok, steps=60):
+    """A few supervised steps on "a+a=c<eos>[lower]a<eos>": the tiny model then ends its turns with EOS (an untrained
+    one runs to the token limit, which ends an episode)."""
+    texts = [f"{i}+{i}={2 * i % 10}<eos>[lower]{i}<eos>" for i in range(10)]
+    ids = torch.tensor([tok(t)["input_ids"] for t in texts])
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    for _ in range(steps):
+        loss = model(input_ids=ids, labels=ids).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    return model
+
+
+def test_real_sampling_three_turns_log_probs_match_the_training_pass_on_the_policys_tokens():
+    model, _ = build_tiny_model(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64, seed=1)
+    tok = tokenizer()
+    short_answers(model, tok)
+    engine = MultiTurnEngine(AlwaysLower, max_turns=3, max_tokens=40)  # the module gives its tokenizer
+    module = PolicyOptimizationModule(model, tok, reward_fns=[environment_reward], rollout_engine=engine,
+                                      experience={"num_generations": 2}, generation={"max_new_tokens": 8}, seed=0)
+    dm = PromptDataModule(train=chat_rows(3), tokenizer=tok, batch_size=3)
+    batch = dm.collate(dm.train_rows)
+    exp, _ = module.make_experience(batch)
+    policy, context = exp.completion_mask.bool(), exp.context_mask.bool()
+    assert (context.sum(-1) - policy.sum(-1) >= len("[lower]")).all()  # the environment's tokens in the context ...
+    assert (policy & ~context).sum() == 0
+    with torch.no_grad():
+        lp = module.scorer.logprobs(module.policy, exp, slice(None))[0]
+    # ... attended to by the training pass: its log-probs on the policy's tokens are the sampler's (ratios of 1)
+    torch.testing.assert_close(lp[policy], exp.sampling_logprobs[policy], atol=1e-5, rtol=1e-5)
+    assert (exp.sampling_logprobs[context & ~policy] == 0).all()
+    # without the environment's tokens in the context the later turns' log-probs would differ (the unpacked pass: the
+    # packed one attends to every token before a completion's end whatever the mask)
+    exp.context_mask = None
+    module.update_config.pack_groups = False
+    with torch.no_grad():
+        lp_without = module.scorer.logprobs(module.policy, exp, slice(None))[0]
+    assert not torch.allclose(lp_without[policy], lp[policy], atol=1e-3)
+
+
+@pytest.mark.parametrize("objective", ["grpo", "gspo", "cispo"])
+def test_training_on_multi_turn_rollouts_with_off_policy_passes(objective, tmp_path):
+    model, _ = build_tiny_model(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64, seed=1)
+    tok = tokenizer()
+    short_answers(model, tok)
+    seen = []
+
+    def sees_the_conversation(prompts, completions, conversation, env_reward, tool_calls, answer, **kw):
+        seen.append((completions[0], conversation[0], env_reward[0], tool_calls[0], answer[0]))
+        return [float(len(c)) for c in conversation]  # more turns, more reward: some learning signal
+
+    engine = MultiTurnEngine("polopt_lightning.environments.GuessingGame", max_turns=3, max_tokens=30)
+    module = PolicyOptimizationModule(model, tok, objective=objective, reward_fns=[sees_the_conversation],
+                                      rollout_engine=engine, experience={"num_generations": 4},
+                                      generation={"max_new_tokens": 6}, update={"mini_batches": 2},
+                                      optimizer={"lr": 1e-3}, seed=0)
+    dm = PromptDataModule(train=chat_rows(8), tokenizer=tok, batch_size=2, shuffle=False)
+    before = [p.detach().clone() for p in module.policy.parameters()]
+    t = trainer(tmp_path, steps=2, limit_val_batches=0)
+    t.fit(module, datamodule=dm)
+    assert any(not torch.equal(a, b) for a, b in zip(before, module.policy.parameters()))
+    assert torch.isfinite(t.logged_metrics["train/loss"])
+    completion, conversation, env_reward, tool_calls, answer = seen[0]
+    assert completion == conversation and conversation[0]["role"] == "assistant"  # TRL's conversational form
+    assert isinstance(env_reward, float) and tool_calls == 0 and answer in {"0", "2"}
