@@ -1,5 +1,6 @@
 """The tool task's learning: `experiment=tool_arithmetic` (5-digit addition, an `add` tool, multi-turn rollouts) against
-the same run without the tool (`rollout=hf`: one turn; a call gets no result), the same warm start, seeds and budget.
+the same run without the tool (`rollout=hf`: one turn; a call gets no result), the same warm start, seeds and budget,
+and against a run without the tool whose warm start taught direct answers only (`task.tool_share=0`).
 
 Every run is `polopt-train` in its own process; the warm start (on demonstrations that call the tool half of the time)
 is cached, so the no-tool run of a seed reuses its tool run's.
@@ -25,7 +26,9 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-SETTINGS = {"tool": [], "no_tool": ["rollout=hf"]}  # the overrides of each setting over experiment=tool_arithmetic
+# the overrides of each setting over experiment=tool_arithmetic: with the tool; without it (one turn: a call gets no
+# result); and without it after a warm start spent on direct answers alone (no demonstration calls the tool)
+SETTINGS = {"tool": [], "no_tool": ["rollout=hf"], "direct": ["rollout=hf", "task.tool_share=0"]}
 COLUMNS = ["setting", "seed", "accuracy_before", "accuracy_after", "accuracy_best", "best_rollout",
            "tool_calls_first", "tool_calls_last", "rl_wall_s"]
 
@@ -74,13 +77,14 @@ def summarize(rows: list[dict], out: Path) -> str:
         lines.append(f"| {setting} | {len(rs)} | {median_range([r['accuracy_before'] for r in rs])} | "
                      f"{median_range([r['accuracy_after'] for r in rs])} | {calls} |")
     tool = {r["seed"]: r["accuracy_after"] for r in rows if r["setting"] == "tool"}
-    none = {r["seed"]: r["accuracy_after"] for r in rows if r["setting"] == "no_tool"}
-    seeds = sorted(set(tool) & set(none))
-    if seeds:
-        diffs = [tool[s] - none[s] for s in seeds]
-        lines.append("")
-        lines.append(f"With the tool minus without, after RL, same seeds: median {100 * statistics.median(diffs):+.1f} "
-                     f"points (per seed: {', '.join(f'{100 * d:+.1f}' for d in diffs)}).")
+    lines.append("")
+    for other in ("no_tool", "direct"):
+        base = {r["seed"]: r["accuracy_after"] for r in rows if r["setting"] == other}
+        seeds = sorted(set(tool) & set(base))
+        if seeds:
+            diffs = [tool[s] - base[s] for s in seeds]
+            lines.append(f"- tool minus {other}, after RL, same seeds: median {100 * statistics.median(diffs):+.1f} "
+                         f"points (per seed: {', '.join(f'{100 * d:+.1f}' for d in diffs)})")
     text = "\n".join(lines) + "\n"
     (out / "summary.md").write_text(text)
     return text
@@ -101,11 +105,10 @@ def main(argv: list[str] | None = None) -> None:
     # the tool run of a seed first: it makes the warm start its no-tool run then loads from the cache
     keys = [(setting, seed) for seed in args.seeds for setting in SETTINGS]
     with ThreadPoolExecutor(args.jobs) as pool:
-        tool_rows = list(pool.map(lambda k: run(runs, *k, args.quick, cache, threads),
-                                  [k for k in keys if k[0] == "tool"]))
-        other_rows = list(pool.map(lambda k: run(runs, *k, args.quick, cache, threads),
-                                   [k for k in keys if k[0] != "tool"]))
-    rows = tool_rows + other_rows
+        first = list(pool.map(lambda k: run(runs, *k, args.quick, cache, threads),
+                              [k for k in keys if k[0] != "no_tool"]))
+        rows = first + list(pool.map(lambda k: run(runs, *k, args.quick, cache, threads),
+                                     [k for k in keys if k[0] == "no_tool"]))
     with open(out / "results.csv", "w", newline="") as fh:
         writer = csv.DictWriter(fh, fieldnames=COLUMNS)
         writer.writeheader()

@@ -37,3 +37,16 @@ def test_grpo_vs_gspo_notebook_reads_the_study(tmp_path, monkeypatch):
     outputs = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []))
     assert f"runs from {study}" in outputs and "GSPO - GRPO" in outputs and "all settings: median" in outputs
     assert "CONCLUSION" not in nb.cells[-1].source  # the paragraph is written from the measurements
+
+
+def test_multi_turn_notebook_trains_the_tool_task(tmp_path, monkeypatch):
+    """It warm-starts, shows a conversation with a tool call, trains on multi-turn rollouts and shows it again (a few
+    steps here: the learning itself is benchmarks/tool_task.py's)."""
+    monkeypatch.setenv("MULTI_TURN_WARM", "20")
+    monkeypatch.setenv("MULTI_TURN_STEPS", "2")
+    monkeypatch.setenv("MULTI_TURN_VAL", "16")
+    monkeypatch.setenv("POLOPT_CACHE", str(tmp_path / "cache"))
+    nb = nbformat.read(NOTEBOOK.parent / "multi_turn.ipynb", as_version=4)
+    NotebookClient(nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
+    outputs = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []))
+    assert outputs.count("assistant") >= 2 and "in the context" in outputs and "held-out accuracy" in outputs

@@ -99,7 +99,7 @@ class RolloutBatch(Completions):
     """Completions for ``P`` prompts times ``G`` generations, ``N = P * G`` rows (:class:`Completions`' fields) and
     ``group_size``, ``G``. A multi-turn rollout also gives each row's ``conversations`` (its turns as messages,
     TRL's conversational completion) and ``extras`` (per-row columns for the reward functions: ``env_reward``,
-    ``tool_calls``)."""
+    ``turn_rewards``, ``tool_calls``)."""
 
     group_size: int
     conversations: list[list[dict[str, str]]] | None = field(default=None, kw_only=True)

@@ -190,6 +190,7 @@ class Episode:
     logprobs: list[float] = field(default_factory=list)
     messages: list[dict[str, str]] = field(default_factory=list)
     reward: float = 0.0
+    turn_rewards: list[float | None] = field(default_factory=list)  # each policy turn's reward from the environment
     tool_calls: int = 0
     done: bool = False
     finished: bool = False  # its last turn ended with EOS
@@ -321,6 +322,7 @@ class MultiTurnEngine(RolloutEngine):
         if not episode.finished:  # cut by a token budget: the episode ends with it
             return False
         step = episode.env.step(text)
+        episode.turn_rewards.append(step.reward)
         if step.reward is not None:
             episode.reward += float(step.reward)
         if step.done or step.observation is None or turn == self.max_turns - 1:
@@ -399,4 +401,5 @@ def assemble(episodes: list[Episode], prompt_ids: Tensor, prompt_mask: Tensor, G
         completion_ids=ids.to(device), completion_mask=policy.to(device), sampling_logprobs=logprobs.to(device),
         finished=torch.tensor([e.done and e.finished for e in episodes], device=device), group_size=G,
         context_mask=context.to(device), conversations=[e.messages for e in episodes],
-        extras={"env_reward": [e.reward for e in episodes], "tool_calls": [e.tool_calls for e in episodes]})
+        extras={"env_reward": [e.reward for e in episodes], "turn_rewards": [e.turn_rewards for e in episodes],
+                "tool_calls": [e.tool_calls for e in episodes]})
