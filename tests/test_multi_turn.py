@@ -14,7 +14,6 @@ from polopt_lightning.models import build_tiny_model, char_tokenizer
 from polopt_lightning.rollout import RolloutBatch, RolloutEngine, SamplingConfig
 from polopt_lightning.rollout.multi_turn import (
     ChatTurns,
-    Environment,
     EnvStep,
     MultiTurnEngine,
     ToolEnvironment,
@@ -23,12 +22,8 @@ from polopt_lightning.rollout.multi_turn import (
 )
 
 from .helpers import trainer
+from .helpers.multi_turn import TEMPLATE, AlwaysLower, short_answers
 
-# a compact chat template for the character-level tokenizer: the tools' names first, an assistant turn ends with EOS,
-# a tool message in brackets
-TEMPLATE = ("{% if tools %}tools:{% for t in tools %} {{ t['function']['name'] }}{% endfor %}{{ '\\n' }}{% endif %}"
-            "{% for m in messages %}{% if m['role'] == 'assistant' %}{{ m['content'] }}{{ eos_token }}"
-            "{% elif m['role'] == 'tool' %}[{{ m['content'] }}]{% else %}{{ m['content'] }}{% endif %}{% endfor %}")
 CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "12+34"}}</tool_call>'
 
 
@@ -177,27 +172,8 @@ def test_a_tool_call_turn_then_the_answer_laid_out_with_masks_and_the_conversati
     assert short.context_mask.sum(-1).tolist() == [len(call) + len(result) + 3] * 4 and not short.finished.any()
 
 
-class AlwaysLower(Environment):
-    def step(self, message):
-        return EnvStep(observation="lower")
-
-
 def chat_rows(n):
     return [{"prompt": [{"role": "user", "content": f"{i}+{i}="}], "answer": str(2 * i)} for i in range(n)]
-
-
-def short_answers(model, tok, steps=100):
-    """A few supervised steps on "a+a=c<eos>[lower]a<eos>": the tiny model then ends its turns with EOS (an untrained
-    one runs to the token limit, which ends an episode)."""
-    texts = [f"{i}+{i}={2 * i % 10}<eos>[lower]{i}<eos>" for i in range(10)]
-    ids = torch.tensor([tok(t)["input_ids"] for t in texts])
-    optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
-    for _ in range(steps):
-        loss = model(input_ids=ids, labels=ids).loss
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-    return model
 
 
 def test_real_sampling_three_turns_log_probs_match_the_training_pass_on_the_policys_tokens():

@@ -182,7 +182,7 @@ def test_multi_turn_rollouts_run_on_vllm_as_on_the_transformers_backend(engine):
     from polopt_lightning.rollout import HFRolloutEngine
     from polopt_lightning.rollout.multi_turn import MultiTurnEngine
 
-    from .test_multi_turn import TEMPLATE, AlwaysLower, short_answers
+    from .helpers.multi_turn import TEMPLATE, AlwaysLower, short_answers
 
     model, tok = build_tiny_model(hidden_size=128, num_layers=2, num_heads=2, intermediate_size=256, seed=7)
     tok.chat_template = TEMPLATE
