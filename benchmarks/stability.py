@@ -38,7 +38,8 @@ OBJECTIVES = ("grpo", "gspo", "dapo")  # the first study's
 # every setting the study can run, by the name its rows carry: the overrides that make it
 VARIANTS = {
     "grpo": ["objective=grpo"], "gspo": ["objective=gspo"], "dapo": ["objective=dapo"],
-    "cispo": ["objective=cispo"], "sapo": ["objective=sapo"],
+    "cispo": ["objective=cispo"],
+    "sapo": ["objective=sapo", "objective.aggregation=token-mean"],  # as the study ran it (SAPO's default until 55)
     "grpo_dual_clip": ["objective=grpo", "objective.dual_clip=3.0"],  # verl's default clip_ratio_c
     "rloo": ["objective=grpo", "experience.advantage_estimator=rloo"],
     "reinforce_pp": ["objective=grpo", "experience.advantage_estimator=reinforce_pp"],

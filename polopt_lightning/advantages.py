@@ -120,8 +120,32 @@ def batch_values(rewards: Tensor, group_size: int, estimator: str = "grpo") -> T
     return values[torch.isfinite(_grouped(rewards, group_size))]
 
 
+def batch_weights(rewards: Tensor, token_counts: Tensor | None) -> Tensor | None:
+    """The weights of :func:`batch_values`' entries under per-token whitening: each valid reward's completion's token
+    count (``token_counts`` ``[N]``, in the rewards' order); ``None`` for ``None`` (each completion once)."""
+    if token_counts is None:
+        return None
+    if token_counts.shape != rewards.shape:
+        raise ValueError(f"token_counts must have the shape of rewards {tuple(rewards.shape)}, got "
+                         f"{tuple(token_counts.shape)}")
+    return token_counts.to(rewards.device)[torch.isfinite(rewards)]
+
+
+def weighted_moments(values: Tensor, weights: Tensor) -> tuple[Tensor, Tensor]:
+    """Mean and unbiased standard deviation of ``values``, each counted ``weights`` times (a completion's value once per
+    token: ``var = sum w (x - mean)^2 / (sum w - 1)``, verl's ``masked_whiten`` over the tokens); 0 for fewer than two
+    counted."""
+    w, x = weights.double(), values.double()
+    count, total, squares = w.sum(), (w * x).sum(), (w * x * x).sum()
+    mean = (total / count.clamp(min=1)).float()
+    if count < 2:
+        return mean, torch.zeros((), device=values.device)
+    return mean, ((squares - total ** 2 / count) / (count - 1)).clamp(min=0).sqrt().float()
+
+
 def estimate_advantages(rewards: Tensor, group_size: int, estimator: str = "grpo", scale: str | None = None,
-                        batch_mean: Tensor | None = None, batch_std: Tensor | None = None) -> Tensor:
+                        batch_mean: Tensor | None = None, batch_std: Tensor | None = None,
+                        token_counts: Tensor | None = None) -> Tensor:
     """``[N]`` advantages of ``rewards`` (group by group, NaN where missing) by the estimator ``estimator``
     (:data:`ADVANTAGE_ESTIMATORS`) and ``scale`` (``None``: the estimator's default, ``"group"`` for GRPO).
 
@@ -129,10 +153,21 @@ def estimate_advantages(rewards: Tensor, group_size: int, estimator: str = "grpo
     others. ``reinforce_pp`` whitens the rewards over the batch (``(r - mean) / std``), group structure aside;
     ``reinforce_pp_baseline`` whitens the group-mean differences. ``batch_mean`` / ``batch_std``: the moments of
     :func:`batch_values` over every process (each holds a share of the batch); by default these rewards' own.
-    Missing rewards get 0; so do groups without signal where the baseline is the group's.
+    ``token_counts`` ``[N]`` (``experience.whitening="token"``): a whitening estimator's own moments count each
+    completion's value once per token (:func:`weighted_moments`), as the REINFORCE++ paper and verl whiten over the
+    batch's tokens; ``None``: once per completion. Missing rewards get 0; so do groups without signal where the
+    baseline is the group's. A group of one (``group_size=1``) has no baseline: estimators with one refuse it.
     """
     est = get_estimator(estimator)
     scale = scale or est.default_scale or "group"
+    if group_size == 1 and est.baseline != "none":
+        raise ValueError(f"experience.num_generations=1: the {estimator} estimator measures each completion against "
+                         "the other completions of its prompt, and a group of one has none (every advantage would be "
+                         "0); draw at least 2 completions per prompt (experience.num_generations >= 2)")
+    if token_counts is not None and not (est.whiten and scale == "batch"):
+        raise ValueError(f"experience.whitening='token' weighs REINFORCE++'s batch whitening by tokens: the "
+                         f"{estimator} estimator with scale {scale!r} does not whiten (reinforce_pp, "
+                         "reinforce_pp_baseline with scale 'batch' do)")
     if est.name == "grpo":
         return group_relative_advantages(rewards, group_size, scale, batch_std)
     if scale not in ADVANTAGE_SCALES:
@@ -144,8 +179,11 @@ def estimate_advantages(rewards: Tensor, group_size: int, estimator: str = "grpo
     elif scale == "batch":
         if batch_std is None or (est.whiten and batch_mean is None):
             flat = batch_values(rewards, group_size, estimator).float()
-            batch_mean = flat.mean() if flat.numel() else flat.new_zeros(())
-            batch_std = flat.std() if flat.numel() > 1 else flat.new_zeros(())
+            if token_counts is not None:
+                batch_mean, batch_std = weighted_moments(flat, batch_weights(rewards, token_counts))
+            else:
+                batch_mean = flat.mean() if flat.numel() else flat.new_zeros(())
+                batch_std = flat.std() if flat.numel() > 1 else flat.new_zeros(())
         if est.whiten:
             values = values - batch_mean
         values = values / batch_std.clamp(min=ZERO_STD_TOLERANCE)

@@ -1,7 +1,8 @@
 """The update's entropy terms (both off by default; settings in :class:`~polopt_lightning.update.UpdateConfig`):
 
 - an **entropy bonus**, ``loss - coef x H`` with ``H`` the mean per-token entropy of the policy over the mini-batch's
-  tokens (the same meaning whatever the objective's aggregation, as TRL's ``entropy_coef``), its coefficient fixed or
+  tokens (the same meaning whatever the objective's aggregation, as TRL's ``entropy_coef``; with
+  ``update.entropy_aggregation="objective"``, aggregated as the objective's loss, verl's form), its coefficient fixed or
   adapted to a target entropy (Skywork-OR1, He et al. 2025; TRL's ``use_adaptive_entropy``): after each optimizer
   step the coefficient rises by ``delta`` when the step's entropy is at or below the target and falls by ``delta``
   otherwise, within ``[coef_min, coef_max]``, and it acts only on steps that follow one at or below the target;

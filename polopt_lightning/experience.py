@@ -15,6 +15,7 @@ from .advantages import (
     ADVANTAGE_ESTIMATORS,
     ADVANTAGE_SCALES,
     batch_values,
+    batch_weights,
     estimate_advantages,
     get_estimator,
     zero_std_groups,
@@ -26,6 +27,7 @@ from .rewards import MixtureRewards, RewardComposer, RewardOutput
 from .rollout import Completions, RolloutBatch
 from .settings import Settings
 
+WHITENINGS = ("completion", "token")
 
 @dataclass
 class ExperienceConfig(Settings):
@@ -38,6 +40,10 @@ class ExperienceConfig(Settings):
             :data:`~polopt_lightning.advantages.ADVANTAGE_ESTIMATORS`.
         advantage_scale: ``"group"``, ``"batch"`` or ``"none"``; ``None``: the estimator's own (GRPO's: the
             objective's, Dr. GRPO none; RLOO none; REINFORCE++ batch).
+        whitening: what REINFORCE++'s batch whitening (``reinforce_pp``, ``reinforce_pp_baseline`` with the batch
+            scale) averages over: ``"completion"``, each completion's value once; ``"token"``, once per completion
+            token (the paper's and verl's, which whiten the per-token advantages: long completions weigh more in the
+            mean and deviation). Each completion keeps one advantage for all its tokens either way.
         dynamic_sampling: DAPO's dynamic sampling: drop groups whose rewards are all equal and draw more prompts
             until the batch is full again, at most ``max_extra_draws`` extra batches per step.
         mask_truncated_completions: DAPO's overlong filtering: completions cut by ``max_new_tokens`` do not count.
@@ -46,6 +52,7 @@ class ExperienceConfig(Settings):
     num_generations: int = 8
     advantage_estimator: str = "grpo"
     advantage_scale: str | None = None
+    whitening: str = "completion"
     dynamic_sampling: bool = False
     max_extra_draws: int = 4
     mask_truncated_completions: bool = False
@@ -55,9 +62,20 @@ class ExperienceConfig(Settings):
         "num_generations": (lambda v: v >= 2, ">= 2 (a group of one has no relative advantage)"),
         "advantage_estimator": (lambda v: v in ADVANTAGE_ESTIMATORS, f"one of {sorted(ADVANTAGE_ESTIMATORS)}"),
         "advantage_scale": (lambda v: v is None or v in ADVANTAGE_SCALES, f"one of {ADVANTAGE_SCALES} or None"),
+        "whitening": (lambda v: v in WHITENINGS, f"one of {WHITENINGS}"),
         "max_extra_draws": (lambda v: v >= 0, ">= 0"),
     }
 
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.whitening == "token":
+            estimator = get_estimator(self.advantage_estimator)
+            scale = self.advantage_scale or estimator.default_scale
+            if not estimator.whiten or scale != "batch":
+                raise ValueError(f"experience.whitening=token weighs REINFORCE++'s batch whitening by tokens, and "
+                                 f"experience.advantage_estimator={self.advantage_estimator} with advantage_scale="
+                                 f"{scale} does not whiten: use reinforce_pp or reinforce_pp_baseline (advantage_scale "
+                                 "batch or null), or whitening=completion")
 
 
 @dataclass
@@ -203,14 +221,17 @@ class ExperienceMaker:
             if reference is None:
                 raise ValueError(f"reference.kl_in_reward={self.kl_in_reward} needs the reference's log-probs: "
                                  "pass make(..., reference=...)")
-            exp.ref_logprobs = reference(exp)
+            exp.ref_logprobs = reference(exp).detach()  # a target: no graph is kept over the rollout
             penalty = self.kl_penalty(exp)
             rewards = rewards - penalty.to(rewards)
             metrics["train/kl_reward_penalty"] = all_reduce(penalty.sum()) / all_reduce(
                 torch.tensor(float(penalty.numel()), device=penalty.device))
-        moments = self.batch_moments(batch_values(rewards, G, self.estimator), device) \
-            if self.advantage_scale == "batch" else (None, None)
-        exp.advantages = estimate_advantages(rewards, G, self.estimator, self.advantage_scale, *moments).to(device)
+        # per-token whitening: each completion's value counts once per completion token
+        tokens = exp.completion_mask.sum(-1).to(rewards.device) if self.config.whitening == "token" else None
+        moments = (self.batch_moments(batch_values(rewards, G, self.estimator), device, batch_weights(rewards, tokens))
+                   if self.advantage_scale == "batch" else (None, None))
+        exp.advantages = estimate_advantages(rewards, G, self.estimator, self.advantage_scale, *moments,
+                                             token_counts=tokens).to(device)
         self._last_step = (scored, picked, exp.advantages)
         if self.mask_truncated_completions:
             exp.completion_mask = exp.completion_mask * exp.finished[:, None].long()
@@ -302,12 +323,17 @@ class ExperienceMaker:
         return self.rewards.summarize(per_function, all_reduce(errors.to(device)).cpu())
 
     @staticmethod
-    def batch_moments(values: Tensor, device: torch.device) -> tuple[Tensor, Tensor]:
+    def batch_moments(values: Tensor, device: torch.device, weights: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """The mean and standard deviation of ``values`` (:func:`~polopt_lightning.advantages.batch_values`: the step's
-        valid rewards, or what a whitening estimator whitens) over all processes (``advantage_scale="batch"``)."""
+        valid rewards, or what a whitening estimator whitens) over all processes (``advantage_scale="batch"``), each
+        value counted ``weights`` times (:func:`~polopt_lightning.advantages.batch_weights`; ``None``: once)."""
         valid = values.double()
-        moments = all_reduce(torch.stack([valid.new_tensor(float(valid.numel())), valid.sum(), (valid ** 2).sum()])
-                             .to(device)).cpu()
+        if weights is None:
+            sums = [valid.new_tensor(float(valid.numel())), valid.sum(), (valid ** 2).sum()]
+        else:
+            w = weights.double().to(valid.device)
+            sums = [w.sum(), (w * valid).sum(), (w * valid ** 2).sum()]
+        moments = all_reduce(torch.stack(sums).to(device)).cpu()
         count, total, squares = moments.unbind()
         mean = (total / count.clamp(min=1)).float()
         if count < 2:

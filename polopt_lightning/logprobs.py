@@ -315,10 +315,12 @@ class Scorer:
         return bool(pack) or (even and length <= PACKED_MAX_TOKENS)
 
     def reference(self, exp: Experience) -> Tensor:
-        """Log-probs ``[N, T]`` of every completion under the KL reference."""
-        if not self.shared_reference:
-            return self.logprobs(self.ref_model, exp, slice(None))[0]
-        # the policy's frozen base, adapters disabled; eval mode as a reference copy's pass, except the quantized
-        # layers, which keep the kernels the training forward uses (see `evaluating`)
-        with evaluating(self.policy, keep_quantized=True), reference_context(self.policy):
-            return self.logprobs(self.policy, exp, slice(None))[0]
+        """Log-probs ``[N, T]`` of every completion under the KL reference, without gradient (a target, never
+        trained: with grad on, a KL reward penalty's pass would keep its activations for the whole rollout)."""
+        with torch.no_grad():
+            if not self.shared_reference:
+                return self.logprobs(self.ref_model, exp, slice(None))[0]
+            # the policy's frozen base, adapters disabled; eval mode as a reference copy's pass, except the quantized
+            # layers, which keep the kernels the training forward uses (see `evaluating`)
+            with evaluating(self.policy, keep_quantized=True), reference_context(self.policy):
+                return self.logprobs(self.policy, exp, slice(None))[0]

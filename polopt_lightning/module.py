@@ -84,7 +84,8 @@ class PolicyOptimizationModule(L.LightningModule):
             default torch's AdamW at lr 1e-5, fused where allowed.
         reference: the KL reference's dtype, quantization and ``track_kl``
             (:class:`~polopt_lightning.reference.ReferenceConfig`, or a dict of its fields).
-        ref_model: the reference policy itself, when it is not the starting policy (cast to ``reference.dtype``).
+        ref_model: the reference policy itself, when it is not the starting policy (frozen in place: its parameters'
+            ``requires_grad`` off; cast to ``reference.dtype``).
         rollout_engine: the rollout backend (:mod:`polopt_lightning.rollout`): a
             :class:`~polopt_lightning.rollout.RolloutEngine`, a backend's name, or a dict of its arguments with
             ``name`` (e.g. ``{"name": "hf", "dtype": "bfloat16"}``); default the transformers backend.

@@ -72,7 +72,8 @@ def build_reference(model: nn.Module, uses_reference: bool, ref_model: nn.Module
     ``copy`` is the model the reference pass runs (``None`` when none is needed or when it is shared); ``shared`` says
     the policy's own base, adapters disabled, is the reference (a policy with an adapter and no ``ref_model``: no copy
     of the weights); ``quantization`` is ``config.quantization`` resolved. Without ``uses_reference`` nothing is built.
-    A given ``ref_model`` is cast to ``config.dtype`` in place; otherwise a frozen copy of ``model`` is taken, in
+    A given ``ref_model`` is frozen (``requires_grad`` off) and cast to ``config.dtype`` in place (one that shares
+    parameters with ``model`` raises); otherwise a frozen copy of ``model`` is taken, in
     that dtype or quantized. Settings with nothing to act on, or that contradict each other, raise a ValueError
     naming the key.
     """
@@ -92,7 +93,13 @@ def build_reference(model: nn.Module, uses_reference: bool, ref_model: nn.Module
                          f"its own base with the adapter disabled (no copy to cast or quantize); leave {key} unset")
     reference = None
     if uses_reference and ref_model is not None:
-        reference = ref_model
+        policy_params = {id(p) for p in model.parameters()}
+        if any(id(p) in policy_params for p in ref_model.parameters()):
+            raise ValueError("ref_model shares parameters with the policy: the reference must stay where the policy "
+                             "started (it is frozen); pass a separate model, or leave ref_model unset for a frozen "
+                             "copy of the policy")
+        # frozen as the default copy is: no gradient is ever wanted of it, and none then keeps its activations
+        reference = ref_model.requires_grad_(False)
         if ref_torch_dtype is not None:
             cast_weights(ref_model, ref_torch_dtype, "reference.dtype")
     elif uses_reference and not shared:

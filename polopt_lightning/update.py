@@ -26,6 +26,7 @@ if TYPE_CHECKING:
 
 LR_SCHEDULES = ("constant", "linear", "cosine")
 IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+ENTROPY_AGGREGATIONS = ("token-mean", "objective")
 
 
 @dataclass
@@ -66,6 +67,11 @@ class UpdateConfig(Settings):
         entropy_coef: an entropy bonus, ``loss - entropy_coef x H`` with ``H`` the policy's mean per-token entropy
             over the mini-batch (:mod:`~polopt_lightning.entropy`); with ``entropy_target`` it is the starting value
             of an adaptive coefficient. 0: none.
+        entropy_aggregation: how the bonus's ``H`` averages the tokens' entropies: ``"token-mean"``, one mean over the
+            mini-batch's tokens whatever the objective (TRL's); ``"objective"``, as the objective aggregates its loss
+            (:meth:`~polopt_lightning.objectives.Objective.aggregate_tokens`: GRPO's each sequence's token mean, then
+            over sequences), verl's ``entropy_coeff`` with its ``loss_agg_mode``. The adaptive coefficient and
+            ``train/entropy`` read the token mean either way.
         entropy_target: the target entropy (nats per token) of the adaptive coefficient (Skywork-OR1, TRL's
             ``use_adaptive_entropy``): it rises by ``entropy_coef_delta`` after a step at or below the target, falls
             otherwise, within ``[entropy_coef_min, entropy_coef_max]``, and acts after steps at or below the target.
@@ -91,6 +97,7 @@ class UpdateConfig(Settings):
     is_mode: str = "token_truncate"
     is_cap: float = 2.0
     entropy_coef: float = 0.0
+    entropy_aggregation: str = "token-mean"
     entropy_target: float | None = None
     entropy_coef_delta: float = 0.005
     entropy_coef_min: float = 0.0
@@ -108,6 +115,7 @@ class UpdateConfig(Settings):
         "micro_batch_tokens": (lambda v: v is None or v >= 1, ">= 1 or None"),
         "is_mode": (lambda v: v in IS_MODES, f"one of {IS_MODES}"),
         "is_cap": (lambda v: v >= 1, ">= 1"),
+        "entropy_aggregation": (lambda v: v in ENTROPY_AGGREGATIONS, f"one of {ENTROPY_AGGREGATIONS}"),
         "entropy_target": (lambda v: v is None or v >= 0, ">= 0 or None"),
         "entropy_coef_delta": (lambda v: v >= 0, ">= 0"),
         "entropy_coef_max": (lambda v: v >= 0, ">= 0"),
@@ -447,6 +455,9 @@ class Updater:
         coef = control.applied()
         bonus_mask = keep if keep is not None else exp.completion_mask.bool()
         bonus_tokens = all_reduce(bonus_mask[rows].sum().float()) if control.bonus else None
+        # with entropy_aggregation="objective": the objective's normaliser of the bonus tokens over every process
+        by_objective = control.bonus and self.config.entropy_aggregation == "objective"
+        bonus_weight = all_reduce(objective.normaliser(bonus_mask[rows])) if by_objective else None
         bonus_sum = torch.zeros((), device=device)
         pieces = self.micro_batches(exp, rows)
         if host.anchor is not None:
@@ -477,9 +488,13 @@ class Updater:
                 share = objective.normaliser(mask) / total_weight.clamp(min=1e-12)
                 loss = out.loss * (share * world)
                 if bonus_tokens is not None:  # - coef x the mean entropy over every process's bonus tokens
-                    piece_entropy = (entropy * bonus_mask[micro, :width]).sum()
+                    piece_mask = bonus_mask[micro, :width]
+                    piece_entropy = (entropy * piece_mask).sum()
                     bonus_sum = bonus_sum + piece_entropy.detach()
-                    if coef:
+                    if coef and bonus_weight is not None:  # the objective's aggregate, weighted as its loss is
+                        piece_share = objective.normaliser(piece_mask) / bonus_weight.clamp(min=1e-12)
+                        loss = loss - coef * world * objective.aggregate_tokens(entropy, piece_mask) * piece_share
+                    elif coef:
                         loss = loss - coef * world * piece_entropy / bonus_tokens.clamp(min=1)
                 host.manual_backward(loss)
             for key, value in {"loss": out.loss.detach(), **out.metrics}.items():

@@ -64,6 +64,92 @@ def test_grpo_is_the_group_relative_estimator_unchanged():
         ExperienceConfig(advantage_estimator="gae")
 
 
+def test_a_group_of_one_is_refused_by_the_estimators_with_a_group_baseline():
+    rewards = torch.tensor([1.0, 0.0, 2.0, 0.5])
+    # a group of one has no other completion to measure against: these would give all-zero advantages, silently
+    for estimator in ("grpo", "rloo", "reinforce_pp_baseline"):
+        with pytest.raises(ValueError, match=r"experience.num_generations=1: the .* estimator .*\(experience.num_"
+                                             r"generations >= 2\)"):
+            estimate_advantages(rewards, 1, estimator)
+        with pytest.raises(ValueError, match=r"experience.num_generations must be >= 2"):
+            ExperienceConfig(num_generations=1, advantage_estimator=estimator)
+    # REINFORCE++ without a baseline whitens over the batch: the group size does not enter
+    torch.testing.assert_close(estimate_advantages(rewards, 1, "reinforce_pp"),
+                               (rewards - rewards.mean()) / rewards.std())
+
+
+def peer_batch(seed=0, groups=4, G=3, T=9):
+    """Rewards with signal in every group, completions of 1..T tokens, their masks."""
+    g = torch.Generator().manual_seed(seed)
+    rewards = torch.randint(0, 4, (groups * G,), generator=g).float()
+    rewards.view(groups, G)[:, 0] += 5.0  # every group has unequal rewards
+    lengths = torch.randint(1, T + 1, (groups * G,), generator=g)
+    mask = (torch.arange(T)[None, :] < lengths[:, None]).float()
+    return rewards, lengths, mask
+
+
+def verl_masked_whiten(values, mask):
+    """verl's masked_whiten: mean and unbiased variance over the masked entries, (x - mean) * rsqrt(var + 1e-8)."""
+    n = mask.sum()
+    mean = (values * mask).sum() / n
+    var = ((values - mean) ** 2 * mask).sum() / n * n / (n - 1)
+    return (values - mean) * torch.rsqrt(var + 1e-8)
+
+
+def test_reinforce_pp_whitening_by_tokens_is_verls_on_the_same_tensors():
+    rewards, lengths, mask = peer_batch()
+    # verl's REINFORCE++: the outcome reward on each completion's last token, returns (gamma 1) summed from the end,
+    # whitened over every token of the batch
+    token_rewards = torch.zeros_like(mask)
+    token_rewards[torch.arange(len(lengths)), lengths - 1] = rewards
+    returns = token_rewards.flip(-1).cumsum(-1).flip(-1) * mask
+    verl = verl_masked_whiten(returns, mask) * mask
+    ours = estimate_advantages(rewards, 3, "reinforce_pp", token_counts=lengths)
+    torch.testing.assert_close(ours[:, None] * mask, verl)
+    # verl's REINFORCE++-baseline: each score minus its group's mean, on every token, whitened over the tokens
+    centered = rewards.view(4, 3) - rewards.view(4, 3).mean(-1, keepdim=True)
+    verl = verl_masked_whiten(centered.reshape(-1, 1) * mask, mask) * mask
+    ours = estimate_advantages(rewards, 3, "reinforce_pp_baseline", token_counts=lengths)
+    torch.testing.assert_close(ours[:, None] * mask, verl)
+    # the default whitens each completion's value once: with lengths 1..9 the two forms differ
+    per_completion = estimate_advantages(rewards, 3, "reinforce_pp_baseline")
+    assert (per_completion - ours).abs().max() > 0.05
+    x = centered.reshape(-1)
+    torch.testing.assert_close(per_completion, (x - x.mean()) / x.std())
+    # settings with nothing to weigh are refused
+    with pytest.raises(ValueError, match="experience.whitening='token' weighs REINFORCE"):
+        estimate_advantages(rewards, 3, "rloo", token_counts=lengths)
+    with pytest.raises(ValueError, match="experience.whitening=token weighs REINFORCE"):
+        ExperienceConfig(whitening="token")
+    with pytest.raises(ValueError, match="advantage_scale=group does not whiten"):
+        ExperienceConfig(advantage_estimator="reinforce_pp", advantage_scale="group", whitening="token")
+    with pytest.raises(ValueError, match="experience.whitening must be one of"):
+        ExperienceConfig(whitening="sequence")
+
+
+def test_the_experience_whitens_by_the_completions_tokens():
+    from polopt_lightning import PolicyOptimizationModule
+    from polopt_lightning.models import build_tiny_model
+
+    model, tok = build_tiny_model(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64, seed=1)
+
+    def varied(prompts, completions, **kw):
+        return [float(sum(map(ord, c)) % 5) for c in completions]
+
+    module = PolicyOptimizationModule(model, tok, reward_fns=[varied], generation={"max_new_tokens": 6}, seed=3,
+                                      experience={"num_generations": 4, "advantage_estimator": "reinforce_pp_baseline",
+                                                  "whitening": "token"})
+    prompts = ["12+34=", "5+6=", "100+200+3="]
+    enc = tok(prompts, padding=True, return_tensors="pt")
+    exp, _ = module.make_experience({"prompt_ids": enc.input_ids, "prompt_mask": enc.attention_mask,
+                                     "prompts": prompts, "columns": {}})
+    rewards = module.experience.last_scored["rewards"][:, 0]
+    tokens = exp.completion_mask.sum(-1)
+    assert tokens.unique().numel() > 1  # lengths differ, or the check would not tell the forms apart
+    torch.testing.assert_close(exp.advantages, estimate_advantages(rewards, 4, "reinforce_pp_baseline",
+                                                                   token_counts=tokens))
+
+
 def test_the_experience_uses_the_estimator_and_its_default_scale(tiny):
     model, tok = tiny
     from polopt_lightning.rewards import RewardComposer
@@ -141,7 +227,7 @@ def test_cispo_keeps_every_tokens_gradient_with_a_clipped_detached_weight():
 
 
 def test_sapo_gates_softly_and_matches_grpo_on_policy():
-    out, grad = run(SAPO(tau_pos=1.0, tau_neg=1.05))
+    out, grad = run(SAPO(tau_pos=1.0, tau_neg=1.05, aggregation="token-mean"))  # by_hand's token mean
 
     def token(lp, old, a):
         tau = 1.0 if a > 0 else 1.05
@@ -150,12 +236,64 @@ def test_sapo_gates_softly_and_matches_grpo_on_policy():
     loss, expected = by_hand(token)
     assert out.loss.item() == pytest.approx(loss)
     torch.testing.assert_close(grad, expected)
-    # on-policy (r = 1) the gate's slope is 1: GRPO's token-mean gradient exactly
+    # on-policy (r = 1) the gate's slope is 1: GRPO's gradient exactly, under either aggregation
     _, sapo_grad = run(SAPO(), old=LP)
+    _, grpo_grad = run(GRPO(), old=LP)
+    torch.testing.assert_close(sapo_grad, grpo_grad)
+    _, sapo_grad = run(SAPO(aggregation="token-mean"), old=LP)
     _, grpo_grad = run(GRPO(aggregation="token-mean"), old=LP)
     torch.testing.assert_close(sapo_grad, grpo_grad)
     with pytest.raises(ValueError, match="0 < tau_pos <= tau_neg"):
         SAPO(tau_pos=2.0, tau_neg=1.0)
+
+
+def test_sapo_aggregates_as_the_paper_trl_and_verl_do():
+    """The paper's objective is 1/G sum_i 1/|y_i| sum_t f(r_it) A_it; TRL 1.x reduces loss_type="sapo" with "grpo"
+    (each sequence's token mean, then the mean over sequences) and verl's compute_policy_loss_sapo forces
+    agg_loss(..., "seq-mean-token-mean"). SAPO's default is that; token-mean is an option."""
+    g = torch.Generator().manual_seed(0)
+    B, T = 6, 9
+    lengths = torch.tensor([1, 9, 3, 7, 2, 5])
+    mask = (torch.arange(T)[None, :] < lengths[:, None]).float()
+    lp0 = -torch.rand(B, T, generator=g, dtype=torch.float64) * 3
+    old = lp0 + torch.randn(B, T, generator=g, dtype=torch.float64) * 1.5  # ratios from e^-4 to e^4
+    adv = torch.tensor([1.3, -0.7, 0.4, -1.9, 2.2, -0.1], dtype=torch.float64)
+
+    def ours(objective):
+        lp = lp0.clone().requires_grad_(True)
+        poisoned = torch.where(mask.bool(), lp, torch.full_like(lp, float("nan")))  # padding never counts
+        out = objective(logprobs=poisoned, old_logprobs=old, advantages=adv, mask=mask)
+        out.loss.backward()
+        return out.loss.detach(), lp.grad
+
+    def per_token_loss(lp, tau_pos=1.0, tau_neg=1.05):  # both peers' gate: tau_pos where A > 0, tau_neg otherwise
+        ratio = torch.exp(lp - old)
+        a = adv[:, None]
+        tau = torch.where(a > 0, torch.full_like(a, tau_pos), torch.full_like(a, tau_neg))
+        return -torch.sigmoid(tau * (ratio - 1)) * 4 / tau * a
+
+    def peer(reduce):
+        lp = lp0.clone().requires_grad_(True)
+        loss = reduce(per_token_loss(lp))
+        loss.backward()
+        return loss.detach(), lp.grad
+
+    # TRL: ((per_token_loss * mask).sum(-1) / mask.sum(-1).clamp(min=1)).mean()
+    trl = peer(lambda x: ((x * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean())
+    # verl's agg_loss "seq-mean-token-mean": token sum / (count + 1e-8), over the sequences with a token
+    verl = peer(lambda x: ((x * mask).sum(-1) / (mask.sum(-1) + 1e-8) * (mask.sum(-1) > 0)).sum()
+                / (mask.sum(-1) > 0).sum())
+    # the token mean over the batch (DAPO's; SAPO's default before issue 55)
+    token_mean = peer(lambda x: (x * mask).sum() / mask.sum())
+    default = ours(SAPO())
+    assert SAPO().aggregation == build_objective("sapo").aggregation == "seq-mean-token-mean"
+    for reference in (trl, verl):
+        torch.testing.assert_close(default[0], reference[0])
+        torch.testing.assert_close(default[1], reference[1])
+    option = ours(SAPO(aggregation="token-mean"))
+    torch.testing.assert_close(option[0], token_mean[0])
+    torch.testing.assert_close(option[1], token_mean[1])
+    assert abs(float(token_mean[0] - trl[0])) > 0.05  # the two reductions are far apart on these lengths
 
 
 def test_dual_clip_bounds_negative_advantages_as_verl_and_trl_delta_do():

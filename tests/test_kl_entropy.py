@@ -12,7 +12,7 @@ from polopt_lightning import PolicyOptimizationModule
 from polopt_lightning.advantages import estimate_advantages
 from polopt_lightning.entropy import EntropyControl
 from polopt_lightning.logprobs import completion_logprobs, selective_log_softmax
-from polopt_lightning.models import build_tiny_model
+from polopt_lightning.models import Adapter, apply_adapter, build_tiny_model
 from polopt_lightning.objectives import GRPO, KL_ESTIMATORS, build_objective, kl_estimate
 from polopt_lightning.update import UpdateConfig
 
@@ -172,8 +172,10 @@ def varied(prompts, completions, **kw):
     return [float(sum(map(ord, c)) % 5) for c in completions]
 
 
-def experience(update, objective="grpo", **kwargs):
+def experience(update, objective="grpo", adapter=None, **kwargs):
     model, tok = build_tiny_model(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64, seed=1)
+    if adapter is not None:
+        model = apply_adapter(model, adapter)
     module = PolicyOptimizationModule(model, tok, objective=objective, reward_fns=[varied],
                                       experience={"num_generations": 4}, update={"mini_batches": 1, **update},
                                       generation={"max_new_tokens": 6}, seed=3, **kwargs)
@@ -193,10 +195,12 @@ def gradients(module, exp, rows, **settings):
     return metrics, {n: p.grad.clone() for n, p in module.policy.named_parameters() if p.grad is not None}
 
 
-def hand_gradients(module, exp, per_token_weight=None, bonus=0.0):
+def hand_gradients(module, exp, per_token_weight=None, bonus=0.0, verl_entropy=False):
     """TRL's loss written out on the module's own log-probs: GRPO's per-token loss (on-policy: the ratio is 1 with
     gradient), times the top-entropy mask, each sequence's token mean, the mean over sequences, minus ``bonus`` x the
-    mean entropy over the tokens the mask keeps."""
+    mean entropy over the tokens the mask keeps. ``verl_entropy``: the bonus as verl's actor writes it, the entropy
+    through ``agg_loss`` with the loss's ``loss_agg_mode`` (here ``seq-mean-token-mean``: each sequence's token sum
+    over its count + 1e-8, summed over the sequences with a token, over their number)."""
     module = copy.deepcopy(module)
     mask = exp.completion_mask
     lp, h = completion_logprobs(module.policy, exp.prompt_ids, exp.prompt_mask, exp.completion_ids, mask,
@@ -207,7 +211,13 @@ def hand_gradients(module, exp, per_token_weight=None, bonus=0.0):
     keep = mask.float() if per_token_weight is None else per_token_weight.float()
     per_token = per_token * keep
     loss = ((per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1)).mean()
-    loss = loss - bonus * (h * keep).sum() / keep.sum().clamp(min=1)
+    if verl_entropy:
+        counts = keep.sum(-1)
+        per_seq = (h * keep).sum(-1) / (counts + 1e-8)
+        has_tokens = (counts > 0).float()
+        loss = loss - bonus * (per_seq * has_tokens).sum() / has_tokens.sum()
+    else:
+        loss = loss - bonus * (h * keep).sum() / keep.sum().clamp(min=1)
     loss.backward()
     return {n: p.grad.clone() for n, p in module.policy.named_parameters() if p.grad is not None}, h.detach()
 
@@ -233,6 +243,35 @@ def test_entropy_bonus_is_the_loss_minus_coef_times_the_mean_entropy_under_any_m
     # and it is a real term: without it the gradient differs
     plain, _ = hand_gradients(module, exp)
     assert any(not torch.allclose(plain[n], expected[n], atol=1e-6) for n in plain)
+
+
+def test_entropy_aggregation_objective_is_verls_entropy_term_under_any_micro_batching():
+    """update.entropy_aggregation="objective": the bonus's entropy aggregated as the objective aggregates its loss,
+    verl's ``agg_loss(entropy, response_mask, loss_agg_mode)``; GRPO's seq-mean-token-mean here."""
+    module, exp, _ = experience({"entropy_coef": 0.3, "entropy_aggregation": "objective"})
+    rows = torch.arange(exp.num_rows)
+    metrics, whole = gradients(module, exp, rows, share_prompt=False, micro_batch_tokens=None)
+    expected, h = hand_gradients(module, exp, bonus=0.3, verl_entropy=True)
+    assert_same(whole, expected)
+    _, split = gradients(module, exp, rows, share_prompt=True, micro_batch_tokens=30)
+    assert_same(split, expected)
+    # the completions' lengths differ, so the two forms differ: the default stays the token mean
+    token_mean, _ = hand_gradients(module, exp, bonus=0.3)
+    assert any(not torch.allclose(token_mean[n], expected[n], atol=1e-6) for n in token_mean)
+    _, default = gradients(module, exp, rows, share_prompt=False, micro_batch_tokens=None,
+                           entropy_aggregation="token-mean")
+    assert_same(default, token_mean)
+    # train/entropy is the token mean either way
+    mask = exp.completion_mask.bool()
+    assert metrics["entropy"].item() == pytest.approx(h[mask].mean().item(), rel=1e-5)
+    # an objective whose loss is one token mean (DAPO, verl's default token-mean): the two forms are the same
+    module, exp, _ = experience({"entropy_coef": 0.3, "entropy_aggregation": "objective"}, objective="dapo")
+    _, by_objective = gradients(module, exp, torch.arange(exp.num_rows), micro_batch_tokens=30)
+    _, by_token = gradients(module, exp, torch.arange(exp.num_rows), micro_batch_tokens=30,
+                            entropy_aggregation="token-mean")
+    assert_same(by_objective, by_token)
+    with pytest.raises(ValueError, match="update.entropy_aggregation must be one of"):
+        UpdateConfig(entropy_aggregation="seq-mean")
 
 
 def test_top_entropy_mask_trains_only_the_highest_entropy_tokens_of_the_mini_batch():
@@ -301,6 +340,61 @@ def test_kl_in_reward_lowers_each_reward_by_its_summed_kl_before_the_advantages(
     module.reference_logprobs = lambda exp: pytest.fail("the reference pass ran twice")
     out = module.accumulate_gradients(exp, torch.arange(exp.num_rows))
     assert "kl" in out  # logged under the one name
+
+
+def exp_batch(module):
+    tok = module.tokenizer
+    prompts = ["12+34=", "5+6="]
+    enc = tok(prompts, padding=True, return_tensors="pt")
+    return {"prompt_ids": enc.input_ids, "prompt_mask": enc.attention_mask, "prompts": prompts, "columns": {}}
+
+
+def reference_pass_grad_modes(module):
+    """Whether grad was on in each reference pass the module runs from now on."""
+    modes, run = [], module.scorer.logprobs
+
+    def spy(model, *args, **kwargs):
+        if model is module.ref_model or module.shared_reference:
+            modes.append(torch.is_grad_enabled())
+        return run(model, *args, **kwargs)
+
+    module.scorer.logprobs = spy
+    return modes
+
+
+def test_a_given_reference_is_frozen_and_a_kl_reward_penalty_keeps_no_graph():
+    ref_model, _ = build_tiny_model(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64, seed=2,
+                                    dropout=0.5)
+    assert all(p.requires_grad for p in ref_model.parameters())
+    module, exp, _ = experience({}, reference={"kl_in_reward": 0.5}, ref_model=ref_model)
+    assert module.ref_model is ref_model and not any(p.requires_grad for p in ref_model.parameters())
+    # the reward penalty's reference pass ran inside make_experience: nothing it made carries a graph
+    assert not exp.ref_logprobs.requires_grad and exp.ref_logprobs.grad_fn is None
+    assert not exp.advantages.requires_grad and exp.advantages.grad_fn is None
+    modes = reference_pass_grad_modes(module)
+    again = module.reference_logprobs(exp)
+    assert modes == [False]
+    # its passes run in eval mode: its dropout (0.5) is off, so every pass gives the same log-probs
+    mask = exp.completion_mask.bool()
+    assert torch.equal(again[mask], exp.ref_logprobs[mask])
+    # a reference that is (or shares weights with) the policy would be frozen with it: refused
+    model, tok = build_tiny_model(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64, seed=1)
+    with pytest.raises(ValueError, match="ref_model shares parameters with the policy"):
+        PolicyOptimizationModule(model, tok, reward_fns=[varied], experience={"num_generations": 2},
+                                 reference={"kl_in_reward": 0.5}, ref_model=model)
+
+
+@pytest.mark.filterwarnings("ignore:Careful, disabling adapter layers:UserWarning")  # peft, on bias="all"
+def test_the_adapter_disabled_reference_of_a_lora_policy_keeps_no_graph():
+    # bias="all": the base's biases train, and the adapter-disabled pass goes through them
+    module, exp, _ = experience({}, reference={"kl_in_reward": 0.5}, adapter=Adapter(kind="lora", r=4, bias="all"))
+    assert module.shared_reference and module.ref_model is None
+    assert any(p.requires_grad for n, p in module.policy.named_parameters() if "lora_" not in n)
+    assert not exp.ref_logprobs.requires_grad and exp.ref_logprobs.grad_fn is None
+    assert not exp.advantages.requires_grad and exp.advantages.grad_fn is None
+    modes = reference_pass_grad_modes(module)
+    exp2, _ = module.make_experience(exp_batch(module))
+    assert modes == [False] and not exp2.ref_logprobs.requires_grad
 
 
 def test_kl_in_reward_settings_are_checked(tiny, arithmetic_rows):

@@ -92,6 +92,14 @@ class Objective:
         """
         return mask.bool().any(-1).sum().float()
 
+    def aggregate_tokens(self, values: Tensor, mask: Tensor) -> Tensor:
+        """Per-token ``values`` ``[B, T]`` reduced to a scalar as this objective reduces its loss (here each sequence's
+        token mean, then the mean over the non-empty sequences): ``sum / normaliser(mask)``, so pieces of a mini-batch
+        weighted by their share of the normaliser add up to the whole's. The entropy bonus uses it under
+        ``update.entropy_aggregation="objective"`` (verl's ``loss_agg_mode`` for its entropy term). An objective that
+        overrides :meth:`normaliser` overrides this too."""
+        return mean_over_sequences(sequence_mean(values, mask), mask.bool().any(-1))
+
     def compute(
         self, logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor, ref_logprobs: Tensor | None
     ) -> ObjectiveOutput:  # pragma: no cover - interface
@@ -231,3 +239,7 @@ def build_objective(name: str, **kwargs) -> Objective:
     if name not in _REGISTRY:
         raise KeyError(f"unknown objective {name!r}; known objectives: {', '.join(available_objectives())}")
     return _REGISTRY[name](**kwargs)
+
+
+# where build_objective's keywords go, for the CLI's check of their types (polopt_lightning.cli.check_config)
+build_objective.target_for = lambda values: _REGISTRY.get(values.get("name"))  # type: ignore[attr-defined]

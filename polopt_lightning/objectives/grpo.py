@@ -102,6 +102,9 @@ class GRPO(Objective):
             return mask.float().sum()
         return super().normaliser(mask)
 
+    def aggregate_tokens(self, values: Tensor, mask: Tensor) -> Tensor:
+        return aggregate(values, mask.bool(), self.aggregation, self.max_completion_length)
+
     def surrogate(self, ratio: Tensor, advantages: Tensor, logprobs: Tensor, mask: Tensor
                   ) -> tuple[Tensor, dict[str, Tensor]]:
         """The per-token policy-gradient loss ``[B, T]`` for ratios ``r`` and advantages ``A`` (``[B, 1]`` or

@@ -14,8 +14,11 @@ class SAPO(GRPO):
     """Per token ``-f(r) * A`` (+ ``beta*KL``) with the soft gate ``f(r) = sigmoid(tau * (r - 1)) * 4 / tau``:
     ``tau = tau_pos`` where ``A > 0``, ``tau_neg`` where ``A < 0``. The gate's slope is 1 at ``r = 1`` (GRPO's gradient
     on-policy) and fades smoothly as the ratio leaves 1, instead of dropping to 0 at a clip bound; a larger
-    ``tau_neg`` fades negative advantages faster (they raise many unsampled tokens). Reduced by ``aggregation``
-    (token-mean, as in the paper and TRL's ``loss_type="sapo"``).
+    ``tau_neg`` fades negative advantages faster (they raise many unsampled tokens). Reduced by ``aggregation``:
+    by default each sequence's token mean, then the mean over sequences (``seq-mean-token-mean``), the paper's
+    ``1/G sum_i 1/|y_i| sum_t``, as TRL's ``loss_type="sapo"`` (reduced with ``"grpo"``) and verl's
+    ``loss_mode="sapo"`` (which forces ``seq-mean-token-mean``) do; ``aggregation="token-mean"`` is DAPO's one mean
+    over the batch's tokens (this class's default before issue 55).
 
     Args:
         tau_pos: the gate's temperature for positive advantages (1.0 in the paper).
@@ -24,7 +27,7 @@ class SAPO(GRPO):
     """
 
     def __init__(self, tau_pos: float = 1.0, tau_neg: float = 1.05, beta: float = 0.0,
-                 aggregation: str = "token-mean", max_completion_length: int | None = None,
+                 aggregation: str = "seq-mean-token-mean", max_completion_length: int | None = None,
                  advantage_scale: str = "group", kl_estimator: str = "k3") -> None:
         if not 0 < tau_pos <= tau_neg:
             raise ValueError(f"SAPO needs 0 < tau_pos <= tau_neg, got tau_pos={tau_pos}, tau_neg={tau_neg}")
