@@ -16,6 +16,12 @@ A policy with a LoRA adapter is written either merged (the default: the adapter 
 base dequantized first, so the folder is an ordinary full-precision model as above) or as the adapter alone
 (``merge=False``, ``polopt-export --adapter-only``): ``adapter_model.safetensors`` and ``adapter_config.json``,
 which ``peft.PeftModel.from_pretrained(base, OUT)`` loads over the base named in ``base_model_name_or_path``.
+
+Every export also writes ``polopt_export.json`` (:data:`EXPORT_MARKER`): the files it wrote. An export never deletes
+what it did not write: a target that holds the checkpoint being exported (its folder, or any folder above it) is
+refused, and ``overwrite`` replaces only an empty folder or a previous export, one that holds nothing but the files its
+marker lists and Hugging Face model, adapter and tokenizer files (:func:`foreign_entries`); a subfolder or any other
+file (``checkpoints/``, ``results.json``, your notes) makes it refuse, naming them.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ import argparse
 import json
 import logging
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Callable, Mapping
@@ -40,6 +47,15 @@ log = logging.getLogger(__name__)
 # where PolicyOptimizationModule.on_save_checkpoint puts what an export needs
 CHECKPOINT_KEY = "polopt"
 POLICY_PREFIX = "policy."
+# written into every folder an export makes: which files it wrote, so that `overwrite` knows a previous export
+EXPORT_MARKER = "polopt_export.json"
+# the files of a Hugging Face model, adapter (peft's README.md model card too) or tokenizer folder: with the marker's
+# files, all that a folder replaced by `overwrite` may hold (a previous export, one made before the marker too)
+HF_FILES = re.compile(
+    r"(config|generation_config|adapter_config|tokenizer_config|tokenizer|special_tokens_map|added_tokens|vocab"
+    r"|chat_template)\.json|(model|adapter_model|pytorch_model)(-\d+-of-\d+)?\.(safetensors|bin)"
+    r"|(model\.safetensors|pytorch_model\.bin)\.index\.json|vocab\.txt|merges\.txt|tokenizer\.model|spiece\.model"
+    r"|sentencepiece\.bpe\.model|chat_template\.jinja|README\.md")
 
 
 def hf_metadata(model: nn.Module, tokenizer: Any) -> dict[str, Any]:
@@ -81,7 +97,8 @@ def save_policy(model: nn.Module, tokenizer: Any, out_dir: str | Path, merge: bo
 
     A peft policy is saved merged into a full-precision copy of its base (``merge``) or as the adapter alone.
     Raises a TypeError naming the model's class when it has no ``save_pretrained`` (not a ``transformers`` model),
-    and a FileExistsError when ``out_dir`` holds files and ``overwrite`` is False (see :func:`write_folder`).
+    and a FileExistsError when ``out_dir`` holds files and ``overwrite`` is False, or holds anything but a previous
+    export (see :func:`check_target`).
     """
     if not hasattr(model, "save_pretrained"):
         raise TypeError(f"cannot save {type(model).__name__} in Hugging Face format: it has no save_pretrained "
@@ -100,31 +117,88 @@ def save_policy(model: nn.Module, tokenizer: Any, out_dir: str | Path, merge: bo
     return out
 
 
-def check_target(out_dir: str | Path, overwrite: bool) -> None:
-    """Raise a FileExistsError when ``out_dir`` is a non-empty folder (or a file) and ``overwrite`` is False."""
+def _shown(names: list[str]) -> str:
+    return ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
+
+
+def foreign_entries(folder: str | Path) -> list[str]:
+    """What in ``folder`` no export wrote (sorted; a subfolder with a trailing ``/``): every entry but the files its
+    :data:`EXPORT_MARKER` lists, the marker itself and Hugging Face model, adapter and tokenizer files
+    (:data:`HF_FILES`). ``[]``: ``folder`` is empty or a previous export, which ``overwrite`` may replace."""
+    folder = Path(folder)
+    try:
+        listed = json.loads((folder / EXPORT_MARKER).read_text()).get("files", [])
+    except (OSError, ValueError, AttributeError):  # no marker, or not one this project wrote
+        listed = []
+    ours = {name for name in listed if isinstance(name, str)} | {EXPORT_MARKER}
+    out = []
+    for entry in sorted(folder.iterdir()):
+        if not entry.is_file():  # a folder (checkpoints/, a run's csv/), a broken link, ...
+            out.append(entry.name + "/" if entry.is_dir() else entry.name)
+        elif entry.name not in ours and not HF_FILES.fullmatch(entry.name):
+            out.append(entry.name)
+    return out
+
+
+def check_outside(out_dir: str | Path, source: str | Path) -> None:
+    """Raise a ValueError naming both paths when ``out_dir`` is the checkpoint ``source`` or a folder that holds it
+    (its own folder or any folder above it): an export there would put the checkpoint it reads at risk."""
+    out, src = Path(out_dir).resolve(), Path(source).resolve()
+    if out == src:
+        raise ValueError(f"polopt-export: the output folder {out_dir} is the checkpoint being exported: give another "
+                         "folder (nothing was written)")
+    if out in src.parents:
+        raise ValueError(f"polopt-export: the output folder {out_dir} holds the checkpoint being exported ({source}): "
+                         "give a folder outside it, e.g. a new one beside the run (nothing was written)")
+
+
+def check_target(out_dir: str | Path, overwrite: bool, source: str | Path | None = None) -> None:
+    """Refuse ``out_dir`` unless an export may write there: a FileExistsError when it is a file, when it holds files
+    and ``overwrite`` is False, or when it holds anything that no export wrote (:func:`foreign_entries`: ``overwrite``
+    replaces only an empty folder or a previous export); a ValueError when it holds the checkpoint ``source``
+    (:func:`check_outside`). Every message names the folder and what is in the way."""
     out = Path(out_dir)
+    if source is not None:
+        check_outside(out, source)
     if out.exists() and not out.is_dir():
         raise FileExistsError(f"{out} is a file, not a folder: give another output folder")
-    if not overwrite and out.is_dir() and any(out.iterdir()):
+    if not out.is_dir() or not any(out.iterdir()):
+        return
+    if not overwrite:
         names = sorted(p.name for p in out.iterdir())
-        shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
-        raise FileExistsError(f"{out} is not empty ({shown}): give an empty or new folder, or overwrite=True "
-                              "(polopt-export --overwrite) to replace it whole")
+        raise FileExistsError(f"{out} is not empty ({_shown(names)}): give an empty or new folder, or overwrite=True "
+                              "(polopt-export --overwrite) to replace a previous export")
+    foreign = foreign_entries(out)
+    if foreign:
+        raise FileExistsError(
+            f"{out} is not a previous export: it holds {_shown(foreign)}, which no export wrote. overwrite "
+            f"(polopt-export --overwrite) replaces only an empty folder or one holding an export (Hugging Face "
+            f"model, adapter and tokenizer files, {EXPORT_MARKER}); give another folder (nothing was deleted)")
 
 
-def write_folder(out_dir: str | Path, write: Callable[[Path], None], overwrite: bool = False) -> Path:
-    """Run ``write(folder)`` into a new folder beside ``out_dir``, then put that folder in ``out_dir``'s place.
+def write_folder(out_dir: str | Path, write: Callable[[Path], None], overwrite: bool = False,
+                 source: str | Path | None = None) -> Path:
+    """Run ``write(folder)`` into a new folder beside ``out_dir``, add :data:`EXPORT_MARKER` (the files written),
+    then put that folder in ``out_dir``'s place.
 
-    A folder that holds files is refused unless ``overwrite`` (:func:`check_target`), and then replaced whole: no
-    file of the old folder (an old shard, a stale ``model.safetensors.index.json``) stays beside the new ones. A
-    failure while writing leaves ``out_dir`` as it was.
+    ``out_dir`` must pass :func:`check_target`: a folder that holds files is refused unless ``overwrite``, and then
+    only a previous export is replaced, whole: no file of it (an old shard, a stale ``model.safetensors.index.json``)
+    stays beside the new ones. A folder holding anything else, or the checkpoint ``source`` the export reads, is
+    refused. A failure while writing leaves ``out_dir`` as it was.
     """
+    from . import __version__
+
     out = Path(out_dir)
-    check_target(out, overwrite)
+    check_target(out, overwrite, source)
     out.parent.mkdir(parents=True, exist_ok=True)
     new = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.", suffix=".new"))
     try:
         write(new)
+        files = sorted(p.name for p in new.iterdir() if p.name != EXPORT_MARKER)
+        marker = {"written_by": f"polopt-lightning {__version__}", "source": str(source) if source else None,
+                  "files": files}
+        (new / EXPORT_MARKER).write_text(json.dumps(marker, indent=2) + "\n")
+        check_target(out, overwrite, source)  # again: something may have been put there while this one wrote
     except BaseException:
         shutil.rmtree(new, ignore_errors=True)
         raise
@@ -219,9 +293,10 @@ def export_checkpoint(ckpt_path: str | Path, out_dir: str | Path, merge: bool = 
     The policy's weights come from the checkpoint's ``state_dict`` (the reference, optimizer and the rest are left
     out); its architecture, adapter and tokenizer from what the module stored beside them. A policy with an
     adapter is written merged (``merge``) or as the adapter alone. A non-empty ``out_dir`` is refused unless
-    ``overwrite``, and then replaced whole (:func:`write_folder`).
+    ``overwrite``, and then only a previous export is replaced, whole; a folder that holds ``ckpt_path`` never
+    (:func:`check_target`, :func:`write_folder`).
     """
-    check_target(out_dir, overwrite)  # before the checkpoint is read
+    check_target(out_dir, overwrite, source=ckpt_path)  # before the checkpoint is read
     path = Path(ckpt_path)
     if path.is_dir():  # a DeepSpeed checkpoint: one shard per process
         path = consolidated_checkpoint(path)
@@ -247,7 +322,7 @@ def export_checkpoint(ckpt_path: str | Path, out_dir: str | Path, merge: bool = 
         for name, data in (meta.get("tokenizer_files") or {}).items():
             (folder / name).write_bytes(data)
 
-    return write_folder(out_dir, write, overwrite)
+    return write_folder(out_dir, write, overwrite, source=ckpt_path)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -256,9 +331,11 @@ def main(argv: list[str] | None = None) -> None:
         description="Turn a polopt-lightning checkpoint into a Hugging Face folder "
                     "(AutoModelForCausalLM/AutoTokenizer.from_pretrained load it).")
     parser.add_argument("checkpoint", help="a Lightning checkpoint written by polopt-train or PolicyOptimizationModule")
-    parser.add_argument("out", help="output folder: new or empty (created), or any with --overwrite")
+    parser.add_argument("out", help="output folder: new or empty (created), or a previous export with --overwrite; "
+                                    "never the checkpoint's own folder or one above it")
     parser.add_argument("--overwrite", action="store_true",
-                        help="replace a folder that holds files: the old folder goes whole, none of its files stay")
+                        help="replace a previous export (Hugging Face model, adapter and tokenizer files only): it "
+                             "goes whole, none of its files stay; a folder holding anything else is refused")
     parser.add_argument("--adapter-only", action="store_true",
                         help="a LoRA policy: write the adapter alone (adapter_model.safetensors, loadable with peft "
                              "over its base) instead of merging it into a full-precision copy of the base")

@@ -381,7 +381,8 @@ class PolicyOptimizationModule(L.LightningModule):
         The one-liner after ``trainer.fit(module, ...)``: ``module.save_pretrained("my_model")``. A policy with an
         adapter is merged into a full-precision copy of its base (a quantized base dequantized); ``merge=False``
         writes the adapter alone (``adapter_model.safetensors``, for ``peft.PeftModel.from_pretrained``). A folder
-        that holds files is refused unless ``overwrite``, and then replaced whole.
+        that holds files is refused; with ``overwrite`` a previous export is replaced whole, anything else still
+        refused (:func:`~polopt_lightning.export.check_target`).
         """
         from .export import save_policy
 

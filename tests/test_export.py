@@ -171,3 +171,88 @@ def test_a_loaded_policy_trains_in_training_mode(tiny, tmp_path):
         [{"prompt": "1+1=", "answer": "2"}])
     module.rollout(batch, module.sampling, 2)
     assert all(m.training for m in module.policy.modules())
+
+
+def _tree(folder):
+    """Every file under ``folder`` with its bytes, by relative path."""
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_export_into_the_run_it_reads_is_refused_and_every_file_survives(tiny, tmp_path, monkeypatch, capsys):
+    """Issue 49: `polopt-export run/checkpoints/best.ckpt run --overwrite` deleted the run folder, the checkpoint it
+    was exporting with it. The checkpoint's folder and every folder above it are refused, naming both paths."""
+    from polopt_lightning.export import main
+
+    module, trainer = trained_module(tiny, tmp_path / "train")
+    run = tmp_path / "run"
+    trainer.save_checkpoint(run / "checkpoints" / "best.ckpt", weights_only=False)
+    trainer.save_checkpoint(run / "checkpoints" / "last.ckpt", weights_only=False)
+    (run / "results.json").write_text('{"steps": 3}')
+    (run / "notes.txt").write_text("mine")
+    module.save_pretrained(run / "model")
+    before = _tree(run)
+    monkeypatch.chdir(tmp_path)  # the command line of the issue, relative paths and all
+    for out in ("run", "run/checkpoints", "."):
+        for extra in (["--overwrite"], []):
+            with pytest.raises(SystemExit) as exit_info:
+                main(["run/checkpoints/best.ckpt", out, *extra])
+            assert exit_info.value.code == 2
+            err = capsys.readouterr().err
+            assert f"the output folder {out} holds the checkpoint being exported (run/checkpoints/best.ckpt)" in err
+            assert _tree(run) == before, (out, extra)
+    with pytest.raises(SystemExit):  # the checkpoint itself as the output
+        main(["run/checkpoints/best.ckpt", "run/checkpoints/best.ckpt", "--overwrite"])
+    assert "is the checkpoint being exported" in capsys.readouterr().err
+    # drop-in: the run folder is not an export either, so save_pretrained(overwrite=True) leaves it too
+    with pytest.raises(FileExistsError, match=r"(?s)is not a previous export: it holds checkpoints/, model/, "
+                                              r"notes.txt, results.json.*nothing was deleted"):
+        module.save_pretrained(run, overwrite=True)
+    trainer.save_checkpoint(tmp_path / "other.ckpt", weights_only=False)  # a checkpoint from elsewhere, into the run
+    with pytest.raises(FileExistsError, match=f"{run} is not a previous export"):
+        export_checkpoint(tmp_path / "other.ckpt", run, overwrite=True)
+    assert _tree(run) == before
+    # beside the run it works, and a rerun replaces its own export
+    for _ in range(2):
+        main(["run/checkpoints/best.ckpt", "run/model", "--overwrite"])
+    assert "saved run/model" in capsys.readouterr().out
+    assert {k: v for k, v in _tree(run).items() if not k.startswith("model/")} == {
+        k: v for k, v in before.items() if not k.startswith("model/")}
+
+
+def test_overwrite_replaces_a_previous_export_whole_and_refuses_a_folder_with_anything_else(tiny, tmp_path):
+    module, trainer = trained_module(tiny, tmp_path)
+    ckpt = tmp_path / "last.ckpt"
+    trainer.save_checkpoint(ckpt, weights_only=False)
+    out = export_checkpoint(ckpt, tmp_path / "exported")
+    marker = json.loads((out / "polopt_export.json").read_text())
+    written = sorted(p.name for p in out.iterdir())
+    assert marker["files"] == [n for n in written if n != "polopt_export.json"] and "model.safetensors" in written
+    assert marker["source"] == str(ckpt)
+    # a stale shard and index of an older, sharded export: replaced whole, none left
+    (out / "model-00001-of-00002.safetensors").write_bytes(b"old")
+    (out / "model.safetensors.index.json").write_text("{}")
+    export_checkpoint(ckpt, out, overwrite=True)
+    assert sorted(p.name for p in out.iterdir()) == written
+    module.save_pretrained(out, overwrite=True)  # the module's own export is one too
+    assert sorted(p.name for p in out.iterdir()) == written
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".exported.")]  # no temporary folder left
+    # anything an export did not write: refused, listed, kept
+    for foreign in ("notes.txt", "results.json", "eval/scores.csv"):
+        (out / foreign).parent.mkdir(exist_ok=True)
+        (out / foreign).write_text("mine")
+        before = _tree(out)
+        shown = foreign.split("/")[0] + ("/" if "/" in foreign else "")
+        for call in (lambda: export_checkpoint(ckpt, out, overwrite=True),
+                     lambda: module.save_pretrained(out, overwrite=True)):
+            with pytest.raises(FileExistsError, match=f"{out} is not a previous export: it holds {shown}"):
+                call()
+            assert _tree(out) == before
+        proc = subprocess.run([sys.executable, "-m", "polopt_lightning.export", str(ckpt), str(out), "--overwrite"],
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 2 and f"it holds {shown}, which no export wrote" in proc.stderr, proc.stderr[-2000:]
+        assert _tree(out) == before
+        (out / foreign).unlink()
+        if "/" in foreign:
+            (out / foreign).parent.rmdir()
+    export_checkpoint(ckpt, out, overwrite=True)  # an export again once they are gone
+    assert sorted(p.name for p in out.iterdir()) == written

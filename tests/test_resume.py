@@ -19,7 +19,7 @@ import torch
 
 from polopt_lightning.callbacks import AtomicCheckpointIO
 
-from .helpers import FAST
+from .helpers import FAST, run_cli
 
 # a reward that takes a little time, so the run is still going when the test kills it after the first checkpoint
 SLOW_REWARD = (
@@ -196,3 +196,86 @@ def test_no_exception_checkpoint_under_several_processes(tmp_path, caplog):
         ExceptionCheckpoint(tmp_path).on_exception(SimpleNamespace(world_size=1, global_step=0,
                                                                    save_checkpoint=saved.append), None, ValueError())
     assert saved == [str(tmp_path / "on_exception.ckpt")] and "before its first optimizer step" in caplog.text
+
+
+# Ctrl-C at the start of the rollout after optimizer step INTERRUPT_AT (set in the environment of the first run only:
+# a resume replays the run's overrides, this callback's among them)
+INTERRUPT = (
+    "import os\n"
+    "import lightning as L\n"
+    "class InterruptAt(L.Callback):\n"
+    "    def on_train_batch_start(self, trainer, *args, **kwargs):\n"
+    "        at = os.environ.get('INTERRUPT_AT')\n"
+    "        if at and trainer.global_step >= int(at):\n"
+    "            raise KeyboardInterrupt\n"
+)
+
+
+def _listing(folder: Path) -> dict[str, int]:
+    return {str(p.relative_to(folder)): p.stat().st_mtime_ns for p in sorted(folder.rglob("*"))}
+
+
+def test_an_interrupted_run_resumes_by_its_folder_from_its_newest_checkpoint(tmp_path):
+    """Issue 49: Ctrl-C before the first last.ckpt leaves on_exception.ckpt and best.ckpt; the interrupt names the
+    command that resumes, `ckpt_path=<run>` resumes from on_exception.ckpt at its step, and the README's former
+    `ckpt_path=<run>/checkpoints/last.ckpt` is refused listing what is there, writing nothing."""
+    (tmp_path / "interrupt_cb.py").write_text(INTERRUPT)
+    run = tmp_path / "run"
+    env = {"PYTHONPATH": str(tmp_path)}
+    proc = run_cli(FAST + ["trainer.max_steps=8", "logger.csv.flush_logs_every_n_steps=1",
+                           "+callbacks.interrupt._target_=interrupt_cb.InterruptAt", f"hydra.run.dir={run}"],
+                   tmp_path, {**env, "INTERRUPT_AT": "4"})
+    console = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "Detected KeyboardInterrupt" in console, console[-3000:]
+    folder = run / "checkpoints"
+    steps = {p.name: torch.load(p, weights_only=True)["global_step"] for p in folder.glob("*.ckpt")}
+    assert steps == {"on_exception.ckpt": 4, "best.ckpt": 0}, steps  # no last.ckpt: it comes every 50 steps
+    assert f"the newest checkpoint is {folder / 'on_exception.ckpt'} (step 4). Resume with: polopt-train " \
+           f"ckpt_path={run}" in console, console[-3000:]
+
+    before = _listing(run)
+    proc = run_cli([f"ckpt_path={folder / 'last.ckpt'}"], tmp_path, env)
+    assert proc.returncode != 0, proc.stderr[-3000:]
+    assert (f"ckpt_path={folder / 'last.ckpt'}: no such checkpoint; {folder} holds on_exception.ckpt (step 4), "
+            f"best.ckpt (step 0); resume from the newest (on_exception.ckpt) with ckpt_path={run}") in proc.stderr
+    assert _listing(run) == before
+
+    proc = run_cli([f"ckpt_path={run}"], tmp_path, env)
+    console = proc.stdout + proc.stderr
+    assert proc.returncode == 0, console[-3000:]
+    assert f"ckpt_path={run}: resuming from {folder / 'on_exception.ckpt'} (step 4)" in console, console[-3000:]
+    assert json.loads((run / "results.json").read_text())["steps"] == 8
+    # the CSV's step counts rollouts of 2 optimizer steps: the first run logged rollouts 0, 1; the resumed one 2, 3
+    first = _rows(run / "csv" / "version_0" / "metrics.csv")
+    resumed = _rows(run / "csv" / "version_1" / "metrics.csv")
+    assert sorted(step for step, kind in first if kind == "train") == [0, 1]
+    assert sorted(step for step, kind in resumed if kind == "train") == [2, 3]
+
+
+def _fake_checkpoint(path: Path, step: int) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save({"global_step": step, "state_dict": {"w": torch.zeros(2)}}, path)
+
+
+def test_a_run_folder_means_its_newest_checkpoint_by_step(tmp_path):
+    """The rule: the highest stored global_step; on a tie any file before best.ckpt, then the newest file; step 0
+    (the starting policy) never; temporary files never. Its checkpoints/ folder means the same."""
+    from polopt_lightning.cli import checkpoints_in, resume_overrides, resume_point
+
+    folder = tmp_path / "run" / "checkpoints"
+    _fake_checkpoint(folder / "best.ckpt", 0)
+    assert resume_point(folder) is None
+    with pytest.raises(SystemExit, match=r"no checkpoint to resume from: .* holds best.ckpt \(step 0\); none is past "
+                                         r"step 0"):
+        resume_overrides([f"ckpt_path={tmp_path / 'run'}"])
+    _fake_checkpoint(folder / "on_exception.ckpt", 6)
+    _fake_checkpoint(folder / "last.ckpt", 4)  # written after on_exception.ckpt, but at an earlier step
+    _fake_checkpoint(folder / ".last.ckpt.x1y2.tmp", 99)  # a save cut short
+    assert resume_point(folder) == (folder / "on_exception.ckpt", 6)
+    _fake_checkpoint(folder / "best.ckpt", 6)  # as new as on_exception.ckpt, and written later: still not chosen
+    _fake_checkpoint(folder / "step=8.ckpt", 8)
+    assert [(p.name, s) for p, s in checkpoints_in(folder)] == [("step=8.ckpt", 8), ("on_exception.ckpt", 6),
+                                                                 ("best.ckpt", 6), ("last.ckpt", 4)]
+    for given in (tmp_path / "run", folder):  # not inside a run (no .hydra): the command line's own configuration
+        argv = resume_overrides([f"ckpt_path={given}", "trainer.max_steps=9"])
+        assert argv == [f"ckpt_path={folder / 'step=8.ckpt'}", "trainer.max_steps=9"], argv

@@ -179,8 +179,27 @@ class ExceptionCheckpoint(L.Callback):
             log.info("training raised %s in a run of %d processes: no exception checkpoint (last.ckpt is the resume "
                      "point)", type(exception).__name__, trainer.world_size)
             return
-        trainer.save_checkpoint(self.ckpt_path)
+        loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
+        # a batch begun and not stepped (Ctrl-C in its rollout): a resume from a checkpoint saved mid-batch counts one
+        # more batch as stepped (Lightning assumes a save at a batch's end), so its logged steps would skip one
+        mid_batch = int(loop is not None and trainer.state.fn == TrainerFn.FITTING
+                        and _mid_batch(loop.batch_progress.total))
+        if mid_batch:
+            loop._batches_that_stepped -= 1
+        try:
+            trainer.save_checkpoint(self.ckpt_path)
+        finally:
+            if mid_batch:
+                loop._batches_that_stepped += 1
         log.info("training raised %s: state saved to %s", type(exception).__name__, self.ckpt_path)
+
+
+def _mid_batch(total: Any) -> bool:
+    """Whether Lightning's batch progress ``total`` stands inside a batch whose optimizer steps are not all done: one
+    fetched (``ready``) and not completed, and not merely short of its end (processed, only ``completed`` to come: a
+    resume counts that batch as done, rightly)."""
+    at_batch_end = total.ready == total.started == total.processed == total.completed + 1
+    return total.ready > total.completed and not at_batch_end
 
 
 def write_temporary(obj: Any, target: Path) -> Path:

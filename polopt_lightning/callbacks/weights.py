@@ -270,12 +270,22 @@ class RewardWeights:
         self.base = {k: float(v) for k, v in state["base"].items()}
 
 
+def _logged_name(rewards: Any, name: str) -> str:
+    """The name the module's rewards log the function ``name`` under (a key of ``reward.functions`` -> its function's
+    name); ``name`` itself when they do not know it (:class:`RewardWeights` then refuses it, listing the names)."""
+    try:
+        return rewards.resolve(name) if name not in rewards.names else name
+    except (AttributeError, ValueError):
+        return name
+
+
 class RewardWeightScheduler(L.Callback):
     """Fades reward weights (:class:`RewardWeights`) through ``pl_module.rewards.set_weights`` after every step; logs
     ``reward_weights/<name>``. The names are those of the module's rewards (``<task>/<function>`` in a mixture).
 
     Args:
-        fade: function name -> ``{start, end, floor}`` (see :class:`RewardWeights`).
+        fade: function key or name (``reward.functions.<key>``; ``<task>/<function>`` in a mixture) -> ``{start, end,
+            floor}`` (see :class:`RewardWeights`); logged under the function's name.
         smoothing: EMA weight of a new observation.
     """
 
@@ -288,7 +298,8 @@ class RewardWeightScheduler(L.Callback):
     def _rule(self, pl_module: L.LightningModule) -> RewardWeights:
         if self.rule is None:
             rewards = pl_module.rewards
-            self.rule = RewardWeights(dict(zip(rewards.names, rewards.weights.tolist())), self.fade, self.smoothing)
+            fade = {_logged_name(rewards, k): v for k, v in self.fade.items()}
+            self.rule = RewardWeights(dict(zip(rewards.names, rewards.weights.tolist())), fade, self.smoothing)
             if self._restored is not None:
                 self.rule.load_state_dict(self._restored)
                 self._restored = None

@@ -41,9 +41,10 @@ __all__ = [
 def build_rewards(reward_fns, weights=None, on_error: str = "raise", accuracy: str | None = None):
     """The module's rewards and the name of the function whose mean is ``val/accuracy``: ``(rewards, accuracy)``.
 
-    ``reward_fns``: TRL-style functions (combined by a :class:`RewardComposer` with ``weights`` and ``on_error``), a
-    ready composer, or a task mixture's :class:`MixtureRewards` (whose accuracy is each task's own: ``None``).
-    Settings that do not apply raise a ValueError naming them.
+    ``reward_fns``: TRL-style functions, a list or a mapping from key to function (combined by a
+    :class:`RewardComposer` with ``weights`` and ``on_error``), a ready composer, or a task mixture's
+    :class:`MixtureRewards` (whose accuracy is each task's own: ``None``). ``accuracy`` names a function by its key
+    or name; the name is returned. Settings that do not apply raise a ValueError naming them.
     """
     if reward_fns is None:
         raise ValueError("reward_fns is required: give at least one reward function")
@@ -57,6 +58,11 @@ def build_rewards(reward_fns, weights=None, on_error: str = "raise", accuracy: s
         return reward_fns, None
     rewards = reward_fns if isinstance(reward_fns, RewardComposer) else RewardComposer(reward_fns, weights=weights,
                                                                                        on_error=on_error)
-    if accuracy is not None and accuracy not in rewards.names:
-        raise ValueError(f"accuracy_reward={accuracy!r} is not a reward function; known: {rewards.names}")
+    if accuracy is not None:
+        try:
+            accuracy = rewards.resolve(accuracy)  # its key or its name -> its name
+        except ValueError:
+            raise ValueError(f"accuracy_reward={accuracy!r} is not a reward function; the keys: {rewards.keys}"
+                             + (f" (or the functions' names {rewards.names})" if rewards.keys != rewards.names
+                                else "")) from None
     return rewards, accuracy or rewards.names[0]

@@ -126,41 +126,66 @@ class RewardComposer:
     """Runs reward functions on a batch and combines them with weights.
 
     Args:
-        reward_fns: callables following :class:`RewardFunction` (sync or async).
-        weights: one weight per function (list, or mapping from function name); default all 1.
+        reward_fns: callables following :class:`RewardFunction` (sync or async): a list, or a mapping from a key of
+            your choosing to each (the CLI's ``reward.functions.<key>``).
+        weights: one weight per function (list, or mapping from function key or name); default all 1.
         on_error: ``"raise"`` (default) raises :class:`RewardError` naming the function and sample index;
             ``"none"`` turns the bad sample's reward into ``None`` with a warning and counts it in
             ``reward_errors/<name>``. Nothing is silently zeroed.
+
+    Each function is logged under its name (:attr:`names`: its ``__name__``, the class name, ``_2`` added to a repeat)
+    and known by its key too (:attr:`keys`: the mapping's key; for a list, its name): weights, ``set_weights`` and the
+    accuracy function may name it either way (:meth:`resolve`; a key wins over another function's name).
     """
 
     def __init__(
         self,
-        reward_fns: Sequence[Callable] | Callable,
+        reward_fns: Sequence[Callable] | Mapping[str, Callable] | Callable,
         weights: Sequence[float] | Mapping[str, float] | None = None,
         on_error: str = "raise",
     ) -> None:
         if callable(reward_fns):
             reward_fns = [reward_fns]
-        self.reward_fns = list(reward_fns)
+        keys = [str(k) for k in reward_fns] if isinstance(reward_fns, Mapping) else None
+        self.reward_fns = list(reward_fns.values() if isinstance(reward_fns, Mapping) else reward_fns)
         if not self.reward_fns:
             raise ValueError("RewardComposer needs at least one reward function")
         for i, fn in enumerate(self.reward_fns):
             if not callable(fn):
-                raise TypeError(f"reward_fns[{i}] is not callable: {fn!r}")
+                raise TypeError(f"reward_fns[{keys[i] if keys else i}] is not callable: {fn!r}")
         if on_error not in ON_ERROR:
             raise ValueError(f"on_error must be one of {ON_ERROR}, got {on_error!r}")
         self.on_error = on_error
         self.names = _unique_names(self.reward_fns)
+        self.keys = keys or list(self.names)
         self.weights = self._check_weights(weights)
+
+    def resolve(self, name: str, what: str = "reward weights") -> str:
+        """The logged name (:attr:`names`) of the function ``name`` names: its key (:attr:`keys`) or its name. A
+        ValueError that begins with ``what`` (the setting that names it) lists the keys (and the names) otherwise."""
+        if name in self.keys:
+            return self.names[self.keys.index(name)]
+        if name in self.names:
+            return name
+        also = f" (or the functions' names {self.names})" if self.names != self.keys else ""
+        raise ValueError(f"{what}: no reward function {name!r}; the keys: {self.keys}{also}")
 
     def _check_weights(self, weights: Sequence[float] | Mapping[str, float] | None) -> Tensor:
         if weights is None:
             return torch.ones(len(self.reward_fns))
         if isinstance(weights, Mapping):
-            unknown = sorted(set(weights) - set(self.names))
+            unknown = [k for k in weights if k not in self.keys and k not in self.names]
             if unknown:
-                raise ValueError(f"reward weights name unknown functions {unknown}; known: {self.names}")
-            weights = [float(weights.get(name, 1.0)) for name in self.names]
+                also = f" (or the functions' names {self.names})" if self.names != self.keys else ""
+                raise ValueError(f"reward weights name unknown functions {sorted(unknown)}; the keys: "
+                                 f"{self.keys}{also}")
+            by_name: dict[str, float] = {}
+            for key, w in weights.items():
+                name = self.resolve(key)
+                if name in by_name:
+                    raise ValueError(f"reward weights give the function {name!r} twice (by its key and its name)")
+                by_name[name] = w
+            weights = [float(by_name.get(name, 1.0)) for name in self.names]
         weights = [float(w) for w in weights]
         if len(weights) != len(self.reward_fns):
             raise ValueError(f"got {len(weights)} reward weights for {len(self.reward_fns)} reward functions {self.names}")
@@ -181,8 +206,9 @@ class RewardComposer:
                 fn.place(device)
 
     def accuracy(self, per_function: Tensor, columns: Mapping[str, Any] | None = None, name: str | None = None) -> Tensor:
-        """``[N]`` the values of the function ``name`` (default: the first), whose mean is the accuracy."""
-        return per_function[:, self.names.index(name or self.names[0])]
+        """``[N]`` the values of the function ``name`` (its key or name; default: the first), whose mean is the
+        accuracy."""
+        return per_function[:, self.names.index(self.resolve(name, "accuracy_reward") if name else self.names[0])]
 
     # ------------------------------------------------------------------------------------------------------------
     def __call__(self, prompts: list[str], completions: list[str], **columns: Any) -> RewardOutput:

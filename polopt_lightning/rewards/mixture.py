@@ -39,10 +39,11 @@ class MixtureRewards:
         self.accuracy_names: dict[str, str] = {}
         for task, composer in self.composers.items():
             name = accuracy.get(task) or composer.names[0]
-            if name not in composer.names:
-                raise ValueError(f"the accuracy function of task {task!r} is {name!r}, which it does not have; "
-                                 f"its functions: {composer.names}")
-            self.accuracy_names[task] = name
+            try:
+                self.accuracy_names[task] = composer.resolve(name)  # its key or its name -> its name
+            except ValueError:
+                raise ValueError(f"the accuracy function of task {task!r} is {name!r}, which it does not have; its "
+                                 f"functions' keys: {composer.keys}") from None
         self.names = [f"{task}/{fn}" for task, c in self.composers.items() for fn in c.names]
         self._columns: dict[str, slice] = {}
         start = 0
@@ -61,12 +62,27 @@ class MixtureRewards:
         for composer in self.composers.values():
             composer.place(device)
 
+    def resolve(self, name: str, what: str = "reward weights") -> str:
+        """The logged name ``<task>/<function name>`` for ``<task>/<function key or name>``
+        (:meth:`RewardComposer.resolve`); a ValueError that begins with ``what`` lists the known ones otherwise."""
+        task, _, fn = name.partition("/")
+        if task not in self.composers:
+            raise ValueError(f"{what}: no reward function {name!r} (<task>/<function>); known: {self.names}")
+        return f"{task}/{self.composers[task].resolve(fn, what)}"
+
     def set_weights(self, weights: Sequence[float] | Mapping[str, float]) -> None:
-        """Replace weights: a list over :attr:`names`, or a mapping from ``<task>/<function>`` (others unchanged)."""
+        """Replace weights: a list over :attr:`names`, or a mapping from ``<task>/<function>`` (the function by its key
+        or name; others unchanged)."""
         if isinstance(weights, Mapping):
-            unknown = sorted(set(weights) - set(self.names))
+            resolved, unknown = {}, []
+            for key, w in weights.items():
+                try:
+                    resolved[self.resolve(key)] = w
+                except ValueError:
+                    unknown.append(key)
             if unknown:
-                raise ValueError(f"reward weights name unknown functions {unknown}; known: {self.names}")
+                raise ValueError(f"reward weights name unknown functions {sorted(unknown)}; known: {self.names}")
+            weights = resolved
             for task, composer in self.composers.items():
                 mine = {fn: float(weights[f"{task}/{fn}"]) for fn in composer.names if f"{task}/{fn}" in weights}
                 if mine:
