@@ -107,6 +107,15 @@ def configure_console(verbose: bool = False) -> None:
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # "Writing model shards" bars when the model is saved
+    # datasets' bars ("Generating train split", "Map") when task=dataset reads files: its own switch where it is
+    # imported, else the variable it reads at import (one a user set wins)
+    import os
+    import sys
+
+    if "datasets" in sys.modules:
+        sys.modules["datasets"].disable_progress_bars()
+    else:
+        os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
 
 
 def _container(cfg: DictConfig, key: str) -> dict[str, Any]:
@@ -117,17 +126,27 @@ def _container(cfg: DictConfig, key: str) -> dict[str, Any]:
 
 def _rewards(cfg: DictConfig, task: Any, task_rewards: dict[str, Any]) -> dict[str, Any]:
     """The module's reward arguments: the ``reward`` group's functions; the task's own rewards with ``reward=task``;
-    for a task mixture each task's own (its built-in pair, or ``task.rewards.<name>``), whatever the reward group."""
+    for a task mixture each task's own (its built-in pair, or ``task.rewards.<name>``), whatever the reward group.
+
+    The functions go by the keys written under ``functions`` (a mapping), so ``weights``, ``accuracy`` and
+    ``weights.rewards.fade`` may name a function by its key (or by its name, as it is logged)."""
     from hydra.utils import instantiate
 
     from .data import TaskMixture
     from .rewards import RewardComposer
 
     def composer(spec: Any, key: str) -> RewardComposer:
-        functions = [instantiate(v) for v in (spec.get("functions") or {}).values() if v is not None]
+        functions = {str(k): instantiate(v) for k, v in (spec.get("functions") or {}).items() if v is not None}
         if not functions:
             raise ValueError(f"{key}.functions is empty: give at least one reward function")
-        return RewardComposer(functions, weights=spec.get("weights"), on_error=spec.get("on_error", "raise"))
+        weights = spec.get("weights")
+        weights = OmegaConf.to_container(weights, resolve=True) if OmegaConf.is_config(weights) else weights
+        try:
+            return RewardComposer(functions, weights=weights, on_error=spec.get("on_error", "raise"))
+        except ValueError as err:
+            if str(err).startswith("reward weights"):  # named by its key: reward.weights, task.rewards.<t>.weights
+                raise ValueError(f"{key}.weights: {err}") from None
+            raise
 
     if isinstance(task, TaskMixture):
         unknown = sorted(set(task_rewards) - set(task.names))
@@ -146,9 +165,10 @@ def _rewards(cfg: DictConfig, task: Any, task_rewards: dict[str, Any]) -> dict[s
             raise ValueError(f"reward=task: the task ({type(task).__name__}) has no built-in rewards; choose a "
                              "reward group (e.g. reward=exact_match)")
         return {"reward_fns": task.rewards()}
-    return {"reward_fns": _instantiate_all(cfg.reward.functions),
-            "reward_weights": OmegaConf.to_container(cfg.reward.weights) if cfg.reward.get("weights") else None,
-            "reward_on_error": cfg.reward.get("on_error", "raise"), "accuracy_reward": cfg.reward.get("accuracy")}
+    rewards = composer(cfg.reward, "reward")
+    accuracy = cfg.reward.get("accuracy")
+    accuracy = rewards.resolve(accuracy, "reward.accuracy") if accuracy else None  # its key or name -> its name
+    return {"reward_fns": rewards, "accuracy_reward": accuracy}
 
 
 def _weight_schedulers(cfg: DictConfig, task: Any) -> list[Any]:
@@ -191,6 +211,62 @@ def _warm_start(cfg: DictConfig, model: Any, tokenizer: Any, datamodule: Any, qu
     return {"ran": True, **supervised_warm_start(model, tokenizer, rows, WarmStartConfig(**settings))}
 
 
+# blocks without a _target_, and the settings class each becomes (its annotations type their keys)
+_PLAIN_BLOCKS = {"generation": "polopt_lightning.rollout.base.SamplingConfig",
+                 "data": "polopt_lightning.data.PromptDataModule", "warm_start": "polopt_lightning.warmstart.WarmStartConfig",
+                 "quantization": "polopt_lightning.models.Quantization", "adapter": "polopt_lightning.models.Adapter"}
+# train.yaml's own keys
+_TOP_LEVEL_TYPES = {"seed": int, "num_threads": int | None, "validate_before": bool, "verbose": bool}
+
+
+def check_config(cfg: DictConfig) -> None:
+    """Every value before anything is built, each error naming the key as it is typed on the command line: a required
+    value not given (``???``), and a value of the wrong type, by the type hints of what takes it (the callable a
+    ``_target_`` names, or a plain block's settings class): ``objective.beta: expected a number, got 'abc'``.
+
+    A factory that passes its keywords on by name (``build_objective``) names the real callable with a
+    ``target_for(values)`` attribute."""
+    from hydra.utils import get_object
+
+    from .settings import annotations_of, check_types
+
+    missing = sorted(OmegaConf.missing_keys(OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"])))
+    if missing:
+        raise ValueError(f"{missing[0]}: no value given, and it has no default: give it on the command line "
+                         f"({missing[0]}=...)" + (f"; also missing: {', '.join(missing[1:])}" if missing[1:] else ""))
+    check_types({k: cfg.get(k) for k in _TOP_LEVEL_TYPES if k in cfg}, _TOP_LEVEL_TYPES, "")
+
+    def walk(node: Any, key: str, plain: str | None = None) -> None:
+        if isinstance(node, list):
+            for i, item in enumerate(node):
+                walk(item, f"{key}.{i}")
+            return
+        if not isinstance(node, dict):
+            return
+        target: Any = None
+        try:
+            target = get_object(node["_target_"]) if isinstance(node.get("_target_"), str) else (
+                get_object(plain) if plain else None)
+            if target is not None and hasattr(target, "target_for"):
+                target = target.target_for(node) or target
+        except Exception:  # an unknown target: instantiating it says so
+            target = None
+        if target is not None:
+            values = {k: v for k, v in node.items() if not str(k).startswith("_")}
+            check_types(values, annotations_of(target), key)
+        for k, v in node.items():
+            walk(v, f"{key}.{k}")
+
+    for group in cfg:
+        if group == "hydra" or not OmegaConf.is_config(cfg.get(group)):
+            continue
+        try:
+            values = OmegaConf.to_container(cfg[group], resolve=True)
+        except Exception:  # an interpolation that cannot resolve here: building it says what is wrong
+            continue
+        walk(values, str(group), _PLAIN_BLOCKS.get(str(group)))
+
+
 def _built_early(cfg: DictConfig, group: str) -> Any:
     """The group's object (``_target_``), or ``None`` where the group is empty; its error (Hydra wraps it) raised
     again as a ValueError that names the group."""
@@ -219,6 +295,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     from .callbacks import AtomicCheckpointIO, ValidationHistory, progress_bar
     from .data import PromptDataModule
     from .export import export_checkpoint
+    from .loggers import close_loggers
     from .models import as_adapter, as_quantization, check_combination, prepare_policy
     from .module import PolicyOptimizationModule
     from .optim import optimizer_factory
@@ -230,6 +307,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         log.info(_RESUME["note"])
     # every concern's settings before anything loads or trains: a bad value fails in a second, naming its key
     # (the rollout backend and the CPU fast path also check what they need installed)
+    check_config(cfg)
     objective, experience, update, reference, engine, accel = (
         _built_early(cfg, g) for g in ("objective", "experience", "update", "reference", "rollout", "accel"))
     anchor = _built_early(cfg, "anchor") if (cfg.get("anchor") or {}).get("_target_") else None
@@ -287,11 +365,17 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     # a resumed run's policy is the checkpoint's, not the starting one: its "before" is the one the run recorded
     before = _validate(trainer, module, datamodule) if cfg.get("validate_before", True) and not resuming else {}
     rl_start = time.perf_counter()
-    trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
+    try:
+        trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
+    except BaseException as err:  # Ctrl-C reaches here as Lightning's SystemExit, after on_exception.ckpt is saved
+        if trainer.is_global_zero:
+            _say_how_to_resume(run_dir, err)
+        raise
     rl_wall = time.perf_counter() - rl_start
     if resuming:
         before = next((r for r in history.records if not r["fitting"] and r["step"] == 0), {})
     after = _validate(trainer, module, datamodule)
+    close_loggers(loggers)  # the last Trainer call: TensorBoard's one event file of the run is complete
     if kind in SHARDED:  # each process holds a shard: gather the whole policy into a checkpoint, export that
         final = run_dir / "checkpoints" / "final.ckpt"
         trainer.save_checkpoint(final)
@@ -304,6 +388,9 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         model_dir = module.save_pretrained(run_dir / "model", overwrite=True)  # merged into its base with an adapter
         adapter_dir = (module.save_pretrained(run_dir / "adapter", merge=False, overwrite=True) if adapter.enabled
                        else None)
+    # the rollout backend's engine (vLLM's, with its process groups) shut down by every process while the group is
+    # still there: left to interpreter exit, vLLM's teardown runs after close_process_group and fails
+    module.engine.close()
     if not trainer.is_global_zero:  # one summary and one results.json per run: the first process's
         return {"global_rank": trainer.global_rank, "steps": int(trainer.global_step)}
     best = history.best()
@@ -439,10 +526,78 @@ _CKPT_KEYWORDS = ("last", "best", "hpc", "registry")
 _RESUME: dict[str, str] = {}
 
 
+def checkpoint_step(path: Path) -> int | None:
+    """The optimizer step a checkpoint stores (its ``global_step``); ``None`` where that cannot be read (a DeepSpeed
+    checkpoint folder, a file that is no checkpoint). Only the file's small pickle is read (tensors are mapped)."""
+    import torch
+
+    if not path.is_file():
+        return None
+    try:
+        step = torch.load(path, map_location="cpu", weights_only=True, mmap=True).get("global_step")
+    except Exception:
+        return None
+    return int(step) if isinstance(step, int) else None
+
+
+def checkpoints_in(folder: Path) -> list[tuple[Path, int | None]]:
+    """Every checkpoint in ``folder`` (``*.ckpt``: files, or DeepSpeed's folders; no temporary files) with the step
+    stored in it, newest first: the highest step; on a tie, any file before ``best.ckpt`` (a copy of a state another
+    file holds too), then the one modified last. A checkpoint whose step cannot be read counts by modification time."""
+    if not folder.is_dir():
+        return []
+    found = [(p, checkpoint_step(p)) for p in folder.iterdir()
+             if p.name.endswith(".ckpt") and not p.name.startswith(".")]
+    return sorted(found, key=lambda e: (-1 if e[1] is None else e[1], e[0].name != "best.ckpt", e[0].stat().st_mtime),
+                  reverse=True)
+
+
+def resume_point(folder: Path) -> tuple[Path, int | None] | None:
+    """The checkpoint a run resumes from when ``ckpt_path`` names its folder: the newest in ``folder``
+    (:func:`checkpoints_in`: last.ckpt, on_exception.ckpt, periodic ones, best.ckpt), one at step 0 (the starting
+    policy, nothing trained) never; ``None`` when there is none."""
+    return next(((p, s) for p, s in checkpoints_in(folder) if s != 0), None)
+
+
+def _checkpoint_folder(path: Path) -> Path | None:
+    """What a ``ckpt_path`` that is a folder means: ``<run>/checkpoints`` for a run directory, else the folder itself;
+    ``None`` for a DeepSpeed checkpoint (a folder that is one checkpoint, ``last.ckpt/``) or a file."""
+    if not path.is_dir() or path.name.endswith(".ckpt"):
+        return None
+    return path / "checkpoints" if (path / "checkpoints").is_dir() or (path / ".hydra").is_dir() else path
+
+
+def _held(folder: Path) -> str:
+    """What ``folder`` holds, for a message: its checkpoints with their steps, and how to resume from the newest."""
+    if not folder.is_dir():
+        return f"{folder} does not exist"
+    found = checkpoints_in(folder)
+    if not found:
+        return f"{folder} holds no checkpoint"
+    shown = ", ".join(f"{p.name} (step {'?' if s is None else s})" for p, s in found)
+    point = resume_point(folder)
+    run = folder.parent if folder.name == "checkpoints" else folder
+    hint = (f"; resume from the newest ({point[0].name}) with ckpt_path={run}" if point else
+            "; none is past step 0 (the starting policy): nothing was trained to resume from")
+    return f"{folder} holds {shown}{hint}"
+
+
+def _say_how_to_resume(run_dir: Path, err: BaseException) -> None:
+    """After training stopped on ``err``: the newest checkpoint of the run and the command that resumes from it."""
+    how = "interrupted" if isinstance(err, (KeyboardInterrupt, SystemExit)) else f"stopped by {type(err).__name__}"
+    point = resume_point(run_dir / "checkpoints")
+    if point is None:
+        log.error("training %s before any checkpoint past step 0 was written: nothing to resume from", how)
+        return
+    log.error("training %s; the newest checkpoint is %s (step %s). Resume with: polopt-train ckpt_path=%s", how,
+              point[0], "?" if point[1] is None else point[1], run_dir)
+
+
 def resume_overrides(argv: list[str]) -> list[str]:
     """The command line of a run, checked before Hydra writes anything into a run directory.
 
-    - ``ckpt_path`` must exist.
+    - ``ckpt_path`` must exist; a refusal lists the checkpoints its folder holds. A folder (a run directory, its
+      ``checkpoints/``) means its newest checkpoint (:func:`resume_point`), named in the run's log.
     - A checkpoint inside a ``polopt-train`` run (``<run>/checkpoints/<file>``) resumes with that run's configuration:
       the overrides it was started with (its ``.hydra/overrides.yaml``) are given again, those given now on top, and
       the result must equal the run's ``.hydra/config.yaml`` but for the keys given now (else it is refused, by key:
@@ -464,17 +619,30 @@ def resume_overrides(argv: list[str]) -> list[str]:
     if ckpt in (None, "null"):
         if first and run_dir and (Path(run_dir) / ".hydra" / "config.yaml").is_file():
             raise SystemExit(f"polopt-train: hydra.run.dir={run_dir} holds a run already: resume it with "
-                             f"ckpt_path={Path(run_dir) / 'checkpoints' / 'last.ckpt'}, or give another folder")
+                             f"ckpt_path={run_dir}, or give another folder")
         return argv
     if ckpt in _CKPT_KEYWORDS:
         return argv
-    if not Path(ckpt).exists():
-        raise SystemExit(f"polopt-train: ckpt_path={ckpt}: no such checkpoint (nothing was written)")
+    picked = ""  # which checkpoint a folder meant
+    folder = _checkpoint_folder(Path(ckpt))
+    if folder is not None:
+        point = resume_point(folder)
+        if point is None:
+            raise SystemExit(f"polopt-train: ckpt_path={ckpt}: no checkpoint to resume from: {_held(folder)} "
+                             "(nothing was written)")
+        picked = (f"ckpt_path={ckpt}: resuming from {point[0]} (step {'?' if point[1] is None else point[1]}), the "
+                  f"newest of {', '.join(p.name for p, _ in checkpoints_in(folder))}; ")
+        ckpt = str(point[0])
+        argv = [a[: len(a) - len(a.lstrip("+"))] + f"ckpt_path={ckpt}" if _override_key(a) == "ckpt_path" else a
+                for a in argv]
+    elif not Path(ckpt).exists():
+        raise SystemExit(f"polopt-train: ckpt_path={ckpt}: no such checkpoint; {_held(Path(ckpt).parent)} "
+                         "(nothing was written)")
     source = Path(ckpt).resolve().parent.parent  # <run>/checkpoints/last.ckpt -> <run>
     saved = source / ".hydra"
     if not (saved / "overrides.yaml").is_file() or not (saved / "config.yaml").is_file():
-        _RESUME.update(note=f"ckpt_path={ckpt} is not inside a polopt-train run directory (no {saved}/config.yaml): "
-                            "the configuration is the one composed from this command line")
+        _RESUME.update(note=f"{picked}ckpt_path={ckpt} is not inside a polopt-train run directory (no "
+                            f"{saved}/config.yaml): the configuration is the one composed from this command line")
         return argv
     now = [a for a in argv if "=" in a and not _override_key(a).startswith("hydra.")]
     replayed = [o for o in renamed(list(OmegaConf.load(saved / "overrides.yaml"))) if _override_key(o) not in given]
@@ -484,8 +652,8 @@ def resume_overrides(argv: list[str]) -> list[str]:
         raise SystemExit(f"polopt-train: resuming {source}: the configuration composed now differs from the run's "
                          f".hydra/config.yaml at {len(differ)} key(s): {'; '.join(differ[:10])}. Give them on the "
                          "command line to resume with other values (nothing was written)")
-    _RESUME.update(note=f"resuming the run in {source} with its saved configuration ({len(replayed)} overrides it "
-                        f"was started with, replayed); given now: {', '.join(now) or 'nothing'}")
+    _RESUME.update(note=f"{picked}resuming the run in {source} with its saved configuration ({len(replayed)} overrides "
+                        f"it was started with, replayed); given now: {', '.join(now) or 'nothing'}")
     extra = [] if run_dir else [f"hydra.run.dir={source}"]
     return [*replayed, *argv, *extra]
 

@@ -340,6 +340,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="a LoRA policy: write the adapter alone (adapter_model.safetensors, loadable with peft "
                              "over its base) instead of merging it into a full-precision copy of the base")
     args = parser.parse_args(argv)
+    from .cli import configure_console
+
+    configure_console()  # polopt-train's quiet console: no "Writing model shards" bar, no dependency warnings
     try:
         out = export_checkpoint(args.checkpoint, args.out, merge=not args.adapter_only, overwrite=args.overwrite)
     except (FileNotFoundError, FileExistsError, ValueError) as exc:

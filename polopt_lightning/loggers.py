@@ -10,6 +10,9 @@ import os
 from pathlib import Path
 from typing import Any
 
+from lightning.pytorch.loggers import TensorBoardLogger as _LightningTensorBoardLogger
+from lightning.pytorch.utilities import rank_zero_only
+
 INSTALL = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}
 
 
@@ -30,12 +33,40 @@ def wandb_has_key() -> bool:
         return False
 
 
+class TensorBoardLogger(_LightningTensorBoardLogger):
+    """Lightning's ``TensorBoardLogger`` that writes one event file per run. Lightning finalizes its loggers at the end
+    of every ``Trainer`` call, and Lightning's TensorBoard logger closes its writer there, so the next call opened
+    another file: ``polopt-train`` validates before RL, trains and validates after, three files a run. Here the end of
+    a call flushes; :meth:`close` (``polopt-train`` calls it when the run is done) or a failed call closes."""
+
+    @rank_zero_only
+    def finalize(self, status: str) -> None:
+        if status != "success":
+            super().finalize(status)
+            return
+        if self._experiment is not None:
+            self.experiment.flush()
+        self.save()
+
+    @rank_zero_only
+    def close(self) -> None:
+        """Flush and close the event file (a later call would open another)."""
+        if self._experiment is not None:
+            self.experiment.flush()
+            self.experiment.close()
+
+
+def close_loggers(loggers: list[Any]) -> None:
+    """Close the loggers that keep a file open across ``Trainer`` calls (:class:`TensorBoardLogger`)."""
+    for logger in loggers:
+        if isinstance(logger, TensorBoardLogger):
+            logger.close()
+
+
 def tensorboard_logger(save_dir: str, name: str = "tensorboard", version: Any = None, **kwargs: Any) -> Any:
-    """Lightning's ``TensorBoardLogger`` (event files in ``<save_dir>/<name>/version_N``)."""
+    """A :class:`TensorBoardLogger` (event files in ``<save_dir>/<name>/version_N``, one per run)."""
     if importlib.util.find_spec("tensorboard") is None and importlib.util.find_spec("tensorboardX") is None:
         require("tensorboard", "tensorboard")
-    from lightning.pytorch.loggers import TensorBoardLogger
-
     return TensorBoardLogger(save_dir=save_dir, name=name, version=version, default_hp_metric=False, **kwargs)
 
 

@@ -3,10 +3,14 @@ and the range checks each one runs once, where it is made."""
 
 from __future__ import annotations
 
+import collections.abc
+import numbers
+import types
+import typing
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, fields, is_dataclass
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar, Literal, TypeVar, Union
 
 T = TypeVar("T")
 
@@ -35,6 +39,97 @@ def check_ranges(values: Mapping[str, Any], rules: Mapping[str, Rule], key: str)
     for name, value in values.items():
         if name in rules and not rules[name][0](value):
             raise ValueError(f"{key}.{name} must be {rules[name][1]}, got {value!r}")
+
+
+# what a value of each simple type is called in an error, alone and in a list
+_CALLED = {bool: ("true or false", "true/false values"), int: ("an integer", "integers"),
+           float: ("a number", "numbers"), str: ("a string", "strings"), type(None): ("null", "nulls")}
+_SEQUENCES = (list, tuple, collections.abc.Sequence, collections.abc.MutableSequence)
+_MAPPINGS = (dict, collections.abc.Mapping, collections.abc.MutableMapping)
+
+
+def _accepts(value: Any, annotation: Any) -> tuple[bool | None, str]:
+    """Whether ``annotation`` takes ``value`` (``None``: it says nothing checkable, a class or ``Any``), and what it
+    asks for in words."""
+    try:
+        simple = annotation in _CALLED
+    except TypeError:  # an unhashable annotation: nothing simple
+        simple = False
+    if simple:
+        if annotation is bool:
+            ok = isinstance(value, bool)
+        elif annotation is int:
+            ok = isinstance(value, numbers.Integral) and not isinstance(value, bool)
+        elif annotation is float:
+            ok = isinstance(value, numbers.Real) and not isinstance(value, bool)
+        else:
+            ok = value is None if annotation is type(None) else isinstance(value, annotation)
+        return ok, _CALLED[annotation][0]
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin is Literal:
+        if any(value == a and type(value) is type(a) for a in args):
+            return True, ""
+        # a value of the right kind outside the choices: the owner's own check names the choices
+        return (None if type(value) in {type(a) for a in args} else False), "one of " + ", ".join(map(repr, args))
+    if origin is Union or origin is types.UnionType:
+        verdicts = [_accepts(value, a) for a in args]
+        if any(v is True for v, _ in verdicts):
+            return True, ""
+        if any(v is None for v, _ in verdicts):
+            return None, ""
+        return False, " or ".join(dict.fromkeys(d for _, d in verdicts))
+    if origin in _SEQUENCES or annotation in (list, tuple):
+        if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):
+            return False, "a list"
+        items = list(args) if origin is tuple and args and args[-1] is not Ellipsis else None
+        if items is not None and len(items) != len(value):
+            return False, f"a list of {len(items)} items"
+        inner = args[0] if args else Any
+        for i, item in enumerate(value):
+            ok, _ = _accepts(item, items[i] if items is not None else inner)
+            if ok is False:
+                return False, f"a list of {_CALLED[inner][1]}" if inner in _CALLED else "a list"
+        return True, ""
+    if origin in _MAPPINGS or annotation is dict:
+        return isinstance(value, Mapping), "a mapping ({key: value, ...})"
+    try:
+        if annotation is not Any and isinstance(annotation, type) and isinstance(value, annotation):
+            return True, ""
+    except TypeError:  # a class isinstance cannot take
+        pass
+    return None, ""  # Any, a callable, a class a value may become: not checked here
+
+
+def type_mismatch(value: Any, annotation: Any) -> str | None:
+    """What ``annotation`` (a type hint) asks for, where ``value`` is not that (``"a number"``); ``None`` where it
+    is, or where the hint says nothing a value can be checked against (``Any``, a class)."""
+    ok, wanted = _accepts(value, annotation)
+    return wanted if ok is False else None
+
+
+def annotations_of(target: Any) -> dict[str, Any]:
+    """The type hints of ``target``'s parameters (a class: its ``__init__``'s, a dataclass's fields as the fallback),
+    ``{}`` where they cannot be read."""
+    sources = ((target.__init__, target) if is_dataclass(target) else (target.__init__,)) if isinstance(target, type) \
+        else (target,)
+    for source in sources:
+        try:
+            hints = typing.get_type_hints(source)
+        except Exception:  # a hint naming what only type checkers import
+            continue
+        hints.pop("return", None)
+        if hints:
+            return hints
+    return {}
+
+
+def check_types(values: Mapping[str, Any], hints: Mapping[str, Any], key: str) -> None:
+    """Raise a ValueError naming ``key.<name>`` and the type wanted for the first of ``values`` its hint refuses
+    (``objective.beta: expected a number, got 'abc'``)."""
+    for name, value in values.items():
+        wanted = type_mismatch(value, hints[name]) if name in hints else None
+        if wanted is not None:
+            raise ValueError(f"{f'{key}.' if key else ''}{name}: expected {wanted}, got {value!r}")
 
 
 class Settings:

@@ -3,6 +3,7 @@
 import csv
 import json
 import math
+import re
 from pathlib import Path
 
 import lightning as L
@@ -12,7 +13,7 @@ from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-from polopt_lightning.cli import MOVED_KEYS, train
+from polopt_lightning.cli import MOVED_KEYS, check_config, train
 
 from .helpers import CONF, FAST, compose_with, run_cli, set_hydra
 
@@ -37,6 +38,7 @@ def test_every_group_value_composes_and_builds(group, value, tmp_path):
         overrides.append(f"reward.functions.reward_model.model={tmp_path}/m")
     cfg = compose_with(overrides, tmp_path)
     set_hydra(cfg)
+    check_config(cfg)  # every shipped value has the type what takes it asks for
     node = cfg.get(group)
     if group == "experiment":
         assert cfg.objective.name  # an experiment sets a whole recipe
@@ -441,3 +443,72 @@ def test_every_process_torchrun_started_resumes_with_the_runs_overrides(tmp_path
     monkeypatch.setenv("RANK", "0")
     with pytest.raises(SystemExit, match="holds a run already"):
         resume_overrides(["trainer.max_steps=9", f"hydra.run.dir={run}"])
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["objective.beta=abc"], "objective.beta: expected a number, got 'abc'"),
+    (["objective=gspo", "objective.clip_high=wide"], "objective.clip_high: expected a number or null, got 'wide'"),
+    (["generation.max_new_tokens=many"], "generation.max_new_tokens: expected an integer, got 'many'"),
+    (["optimizer.lr=fast"], "optimizer.lr: expected a number, got 'fast'"),
+    (["optimizer.betas=[0.9,high]"], "optimizer.betas: expected a list of numbers, got [0.9, 'high']"),
+    (["experience.num_generations=two"], "experience.num_generations: expected an integer, got 'two'"),
+    (["update.mini_batches=1.5"], "update.mini_batches: expected an integer, got 1.5"),
+    (["update.gradient_checkpointing=maybe"], "update.gradient_checkpointing: expected true or false, got 'maybe'"),
+    (["trainer.max_steps=ten"], "trainer.max_steps: expected an integer, got 'ten'"),
+    (["data.batch_size=abc"], "data.batch_size: expected an integer, got 'abc'"),
+    (["seed=abc"], "seed: expected an integer, got 'abc'"),
+])
+def test_a_wrongly_typed_value_names_its_key_and_the_type_wanted(overrides, message, tmp_path):
+    """Checked against the type hints of what takes each value, before anything is built or written."""
+    cfg = compose_with(FAST + overrides, tmp_path)
+    set_hydra(cfg)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        train(cfg)
+    assert not (tmp_path / "checkpoints").exists()
+
+
+def test_a_wrongly_typed_value_on_the_command_line_says_its_key(tmp_path):
+    proc = run_cli(FAST + ["objective.beta=abc", f"hydra.run.dir={tmp_path}/run"], tmp_path)
+    assert proc.returncode != 0 and "objective.beta: expected a number, got 'abc'" in proc.stderr, proc.stderr[-2000:]
+    assert "TypeError" not in proc.stderr and not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_reward_settings_name_a_function_by_its_key_under_reward_functions(tmp_path):
+    """Issue 49: reward.weights, reward.accuracy and weights.rewards.fade take the key written under reward.functions
+    (`fmt` here, whose function's __name__ is `distinct_chars`); the function's name works too, and is what the
+    metrics are logged under; an unknown one is refused, listing the keys."""
+    from polopt_lightning import PolicyOptimizationModule
+    from polopt_lightning.cli import _rewards, _weight_schedulers
+    from polopt_lightning.models import build_tiny_model
+
+    fmt = ["+reward.functions.fmt._target_=hydra.utils.get_method",
+           "+reward.functions.fmt.path=tests.helpers.distinct_chars"]
+    model, tok = build_tiny_model(hidden_size=16, num_layers=1, num_heads=2, intermediate_size=32)
+
+    def built(overrides):
+        cfg = compose_with(FAST + fmt + overrides, tmp_path)
+        return cfg, PolicyOptimizationModule(model, tok, **_rewards(cfg, None, {}))
+
+    by_key = ["+reward.weights.fmt=0.25", "reward.accuracy=fmt",
+              "+weights.rewards.fade={fmt: {start: 0.5, end: 0.9, floor: 0.2}}"]
+    cfg, module = built(by_key)
+    assert module.rewards.keys == ["exact_match", "digit_match", "fmt"]
+    assert module.rewards.names == ["exact_match", "digit_match", "distinct_chars"]
+    assert module.rewards.weights.tolist() == [1.0, 0.5, 0.25] and module.accuracy_reward == "distinct_chars"
+    [fade] = _weight_schedulers(cfg, None)
+    assert list(fade._rule(module).fade) == ["distinct_chars"]
+    _, module = built(["+reward.weights.distinct_chars=0.75", "reward.accuracy=distinct_chars"])  # by its name
+    assert module.rewards.weights.tolist() == [1.0, 0.5, 0.75] and module.accuracy_reward == "distinct_chars"
+    keys = r"the keys: \['exact_match', 'digit_match', 'fmt'\]"
+    with pytest.raises(ValueError, match=r"reward\.weights: reward weights name unknown functions \['fmtt'\]; " + keys):
+        built(["+reward.weights.fmtt=1.0"])
+    with pytest.raises(ValueError, match=r"reward\.accuracy: no reward function 'fmtt'; " + keys):
+        built(["reward.accuracy=fmtt"])
+    # the whole run: the weight by key reaches training, the metrics go by the function's name
+    cfg = compose_with(FAST + fmt + by_key + ["warm_start.enabled=false"], tmp_path / "run")
+    set_hydra(cfg)
+    train(cfg)
+    columns = next(csv.reader(open(tmp_path / "run" / "csv" / "version_0" / "metrics.csv")))
+    assert "train/rewards/distinct_chars/mean" in columns and "reward_weights/distinct_chars" in columns
+    state = torch.load(tmp_path / "run" / "checkpoints" / "best.ckpt", weights_only=True)["polopt"]
+    assert state["reward_weights"][:2] == [1.0, 0.5] and 0 < state["reward_weights"][2] <= 0.25

@@ -123,3 +123,165 @@ def test_polopt_train_on_a_local_parquet_dataset(parquet_files, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads((run / "results.json").read_text())
     assert results["steps"] == 2 and results["val_accuracy_after"] is not None and results["val_reward_after"] is not None
+
+
+@pytest.fixture
+def no_network(monkeypatch):
+    """Every connection attempt is recorded and refused, with the hub out of offline mode (as where HF_HUB_OFFLINE
+    is unset, and datasets counting downloads): only the code's own choice keeps a run off the network."""
+    import socket
+
+    import datasets
+    import huggingface_hub
+
+    attempts = []
+
+    def refuse(*args, **kwargs):
+        attempts.append(args)
+        raise OSError("the test refuses network connections")
+
+    monkeypatch.setattr(socket.socket, "connect", refuse)
+    monkeypatch.setattr(socket.socket, "connect_ex", refuse)
+    monkeypatch.setattr(socket, "getaddrinfo", refuse)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(datasets.config, "HF_UPDATE_DOWNLOAD_COUNTS", True)
+    return attempts
+
+
+def _arithmetic_rows(n):
+    return [{"prompt": f"{i % 10}+{i // 10}=", "answer": str(i % 10 + i // 10)} for i in range(n)]
+
+
+def _write_local(form, folder):
+    """Rows in one of the local forms task.path takes; the path and the overrides that read it."""
+    import datasets
+
+    rows, data = _arithmetic_rows(30), datasets.Dataset.from_list(_arithmetic_rows(30))
+    if form in ("jsonl", "json"):
+        path = folder / f"train.{form}"
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    elif form == "parquet":
+        data.to_parquet(str(path := folder / "train.parquet"))
+    elif form == "csv":
+        data.to_csv(str(path := folder / "train.csv"), index=False)
+    elif form == "saved":
+        datasets.DatasetDict({"train": data, "test": data.select(range(5))}).save_to_disk(str(path := folder / "saved"))
+        return path, ["task.val_split=test"]
+    else:  # a folder of data files, its splits by file name
+        (path := folder / "files").mkdir()
+        (path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        (path / "test.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[:5]))
+        return path, ["task.val_split=test"]
+    return path, ["task.val_size=5"]
+
+
+@pytest.mark.parametrize("form", ["jsonl", "json", "parquet", "csv", "saved", "folder"])
+def test_task_path_takes_a_local_file_or_folder_without_the_network(form, tmp_path, no_network):
+    """task=dataset task.path=<a file or folder>, composed and built as polopt-train builds it: no hub call."""
+    from hydra.utils import instantiate
+    from omegaconf import OmegaConf
+
+    from polopt_lightning.models import char_tokenizer
+
+    path, overrides = _write_local(form, tmp_path)
+    cfg = compose_with(["task=dataset", f"task.path={path}", f"task.cache_dir={tmp_path / 'cache'}", *overrides],
+                       tmp_path)
+    task = instantiate(OmegaConf.to_container(cfg.task, resolve=True), _convert_="all")
+    dm = PromptDataModule(task=task, tokenizer=char_tokenizer(), batch_size=4)
+    assert len(dm.train_rows) == 25 if form not in ("saved", "folder") else len(dm.train_rows) == 30
+    assert len(dm.val_rows) == 5 and {"prompt", "answer"} <= set(dm.train_rows[0])
+    assert no_network == [], f"network attempts: {no_network}"
+
+
+def test_polopt_train_on_a_local_json_lines_file_asks_no_network(tmp_path, no_network):
+    from polopt_lightning.cli import train
+
+    from .helpers import set_hydra
+
+    path = tmp_path / "add.json"
+    path.write_text("".join(json.dumps(r) + "\n" for r in _arithmetic_rows(40)))
+    args = [a for a in FAST if not a.startswith("task.")] + [
+        "task=dataset", f"task.path={path}", "task.val_size=8", f"task.cache_dir={tmp_path / 'cache'}",
+        "reward=exact_match", "warm_start.enabled=false"]
+    cfg = compose_with(args, tmp_path)
+    set_hydra(cfg)
+    results = train(cfg)
+    assert results["steps"] == 2 and results["val_accuracy_after"] is not None
+    assert no_network == [], f"network attempts: {no_network}"
+
+
+def test_local_data_errors_name_the_key_as_typed(tmp_path, no_network):
+    from polopt_lightning.cli import train
+
+    from .helpers import set_hydra
+
+    def fails(overrides, error, message):
+        cfg = compose_with([a for a in FAST if not a.startswith("task.")] + ["task=dataset", *overrides], tmp_path)
+        set_hydra(cfg)
+        with pytest.raises(error, match=message):
+            train(cfg)
+
+    (tmp_path / "train.jsonl").write_text(json.dumps({"prompt": "1+1=", "answer": "2"}) + "\n")
+    missing = tmp_path / "test.jsonl"
+    # the builder form: a data file that is not there is named under task.data_files, with its path
+    fails(["task.path=json", f"task.data_files={{train: {tmp_path / 'train.jsonl'}, test: {missing}}}",
+           "task.val_split=test"], FileNotFoundError, rf"task.data_files: no such file '{missing}' \(split test\)")
+    fails([f"task.path={missing}"], FileNotFoundError, rf"task.path='{missing}': no such file or folder")
+    fails(["task.path=parquet"], ValueError, "task.path='parquet' names a file format: give the files with "
+                                             "task.data_files")
+    fails([f"task.path={tmp_path / 'train.jsonl'}", "task.val_split=test"], ValueError,
+          r"task.val_split='test': .* has the splits \['train'\]; hold rows out with task.val_size instead")
+    fails([], ValueError, r"task.path: no value given, and it has no default: give it on the command line "
+                          r"\(task.path=...\)")
+    assert no_network == []
+
+
+def test_a_hub_id_the_hub_cannot_be_asked_about_fails_at_once(tmp_path, monkeypatch, no_network):
+    """Not a local path, the hub unreachable: one request, then an error naming task.path (no minute of retries);
+    with HF_HUB_OFFLINE set, the datasets cache only, and the same key named."""
+    import datasets
+
+    def no_retries(*args, **kwargs):
+        raise AssertionError("load_dataset was called after the hub could not be reached")
+
+    monkeypatch.setattr(datasets, "load_dataset", no_retries)
+    with pytest.raises(ConnectionError, match=r"task.path='someone/data': neither a local file or folder nor "
+                                              r"reachable on the Hugging Face Hub \(.*\); a dataset already in the "
+                                              r"datasets cache loads with HF_HUB_OFFLINE=1"):
+        DatasetTask(path="someone/data").splits()
+    assert 0 < len(no_network) <= 2  # one request (its address looked up), not retried five times with waits
+    monkeypatch.undo()  # back to the suite's offline mode (conftest: HF_HUB_OFFLINE=1)
+    with pytest.raises(FileNotFoundError, match=r"task.path='someone/data': neither a local file or folder nor in "
+                                                r"the datasets cache \(HF_HUB_OFFLINE is set"):
+        DatasetTask(path="someone/data", cache_dir=str(tmp_path / "cache")).splits()
+
+
+@run_if("tensorboard")
+def test_a_quiet_run_on_a_local_file_prints_no_progress_bars_and_writes_one_event_file(tmp_path, monkeypatch):
+    """polopt-train task=dataset task.path=<file> logger=tensorboard, as documented: no third-party progress bar on
+    the console, and one TensorBoard event file for the run (validation before, RL, validation after) holding the
+    training and validation scalars. verbose=true brings datasets' bars back: the check can see them."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    monkeypatch.delenv("HF_DATASETS_DISABLE_PROGRESS_BARS", raising=False)
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in _arithmetic_rows(40)))
+    args = [a for a in FAST if not a.startswith("task.")] + [
+        "task=dataset", "task.path=train.jsonl", "task.val_size=8", "reward=exact_match", "warm_start.enabled=false",
+        "logger=tensorboard"]
+    proc = run_cli([*args, "task.cache_dir=cache_quiet", f"hydra.run.dir={tmp_path}/run"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    console = proc.stdout + proc.stderr
+    bars = [line for line in console.splitlines()
+            if any(s in line for s in ("Generating", "Map", "%|", "Writing model shards", "examples/s"))]
+    assert not bars, "\n".join(bars)
+    files = list((tmp_path / "run").rglob("events.out.tfevents.*"))
+    assert len(files) == 1, files
+    events = EventAccumulator(str(files[0]))
+    events.Reload()
+    assert len(events.Scalars("train/reward")) == 1  # one rollout (2 optimizer steps)
+    assert [e.step for e in events.Scalars("val/accuracy")] == [0, 1]  # before and after RL
+    proc = run_cli([*args, "task.cache_dir=cache_verbose", "verbose=true", f"hydra.run.dir={tmp_path}/verbose"],
+                   tmp_path)
+    assert proc.returncode == 0 and "Generating train split" in proc.stdout + proc.stderr, proc.stderr[-3000:]

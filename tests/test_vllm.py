@@ -21,7 +21,58 @@ def test_without_vllm_the_backend_says_what_to_install():
 
 @pytest.fixture(scope="module")
 def engine():
-    return build_engine({"name": "vllm", "kv_cache_gib": 1})
+    """The engine as `polopt-train rollout=vllm` builds it: conf/rollout/vllm.yaml's shipped settings, none changed."""
+    from hydra.utils import instantiate
+    from omegaconf import OmegaConf
+
+    from .helpers import CONF
+
+    return instantiate(OmegaConf.load(CONF / "rollout" / "vllm.yaml"))
+
+
+def test_the_kv_cache_size_is_a_whole_number_of_gib_named_by_its_key():
+    """vLLM's CPU build reads VLLM_CPU_KVCACHE_SPACE with int(): the shipped 2 and a YAML 2.0 both pass as "2", a
+    fraction is refused naming rollout.kv_cache_gib before vLLM is needed or anything loads."""
+    from polopt_lightning.rollout.vllm import VLLMRolloutEngine, whole_gib
+
+    assert whole_gib(2) == 2 and whole_gib(2.0) == 2 and isinstance(whole_gib(2.0), int) and whole_gib(None) is None
+    for bad in (1.5, 0, "2", True):
+        with pytest.raises(ValueError, match=r"rollout\.kv_cache_gib: expected a whole number of GiB"):
+            VLLMRolloutEngine(kv_cache_gib=bad)
+
+
+def test_vllm_samples_in_the_policys_dtype_unless_told():
+    from polopt_lightning.rollout.vllm import policy_dtype
+
+    model, _ = build_tiny_model(hidden_size=32, num_layers=1, num_heads=2)
+    assert policy_dtype(dict(model.state_dict())) == torch.float32
+    assert policy_dtype({k: v.to(torch.bfloat16) for k, v in model.state_dict().items()}) == torch.bfloat16
+
+
+def test_kept_log_mass_is_the_log_of_what_top_k_and_top_p_keep():
+    """By hand on a tiny model: the tempered distribution's mass on the tokens top-k / top-p keep, at each completion
+    position; 0 without filtering and at padding."""
+    from polopt_lightning.rollout.base import kept_log_mass
+
+    model, tok = build_tiny_model(hidden_size=32, num_layers=1, num_heads=2, seed=2)
+    ids, mask = _prompts(tok)
+    completion = torch.randint(3, 20, (3, 4))
+    cmask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0], [1, 1, 1, 0]])
+    with torch.no_grad():
+        full = model(input_ids=torch.cat([ids, completion], 1), attention_mask=torch.cat([mask, cmask], 1),
+                     position_ids=(torch.cat([mask, cmask], 1).cumsum(1) - 1).clamp(min=0)).logits
+    logits = full[:, ids.shape[1] - 1:-1] / 0.7  # [3, 4, V]: position t predicts completion token t
+    probs = logits.softmax(-1)
+    top = probs.topk(5, -1).values.sum(-1)  # top-k mass
+    sorted_p = probs.sort(-1, descending=True).values
+    keep = (sorted_p.cumsum(-1) - sorted_p) < 0.6  # nucleus: every token until the mass reaches top_p, that one too
+    nucleus = (sorted_p * keep).sum(-1)
+    for sampling, mass in ((SamplingConfig(temperature=0.7, top_k=5), top),
+                           (SamplingConfig(temperature=0.7, top_p=0.6), nucleus)):
+        got = kept_log_mass(model, ids, mask, completion, cmask, sampling)
+        torch.testing.assert_close(got, mass.log() * cmask, atol=1e-5, rtol=1e-5)
+        assert bool((got[cmask.bool()] < -0.05).all())  # the filter cut a real share at every position
+    assert not kept_log_mass(model, ids, mask, completion, cmask, SamplingConfig(temperature=0.7)).any()
 
 
 def _prompts(tok):
@@ -75,18 +126,50 @@ def test_sampled_completions_carry_their_log_probs(engine):
                                        batch.completion_mask, 1.0)
     m = batch.completion_mask.bool()
     torch.testing.assert_close(batch.sampling_logprobs[m], fresh[m], atol=1e-3, rtol=1e-3)
-
+    # the shipped dtype (auto) samples in the policy's float32, whatever vLLM's CPU build would pick on this CPU
+    assert engine.dtype == torch.float32 and engine.llm.llm_engine.model_config.dtype == torch.float32
 
 
 @pytest.mark.vllm
 @run_if("vllm")
-def test_a_model_vllm_cannot_run_fails_with_its_reason_and_the_key(tiny):
-    """A head size vLLM's CPU attention lacks (16): vLLM's reason, named as rollout=vllm's."""
+@pytest.mark.parametrize("filtering", [{"top_k": 5}, {"top_p": 0.6}, {"top_k": 8, "top_p": 0.8}])
+def test_filtered_sampling_returns_the_unfiltered_distributions_log_probs(engine, filtering):
+    """With top-k / top-p, vLLM's processed log-probs are renormalised over the kept tokens; the backend puts the kept
+    mass back, so they are the tempered, unfiltered log-probs a training pass computes (RolloutBatch's contract, what
+    the transformers backend returns) and the sampler correction's weight stays near 1 instead of carrying the kept
+    mass (huggingface/trl#6789)."""
+    from polopt_lightning.logprobs import completion_logprobs
+    from polopt_lightning.rollout.base import kept_log_mass
+
+    model, tok = build_tiny_model(hidden_size=128, num_layers=2, num_heads=2, intermediate_size=256, seed=8)
+    engine.policy_updated(model)
+    ids, mask = _prompts(tok)
+    sampling = SamplingConfig(max_new_tokens=5, temperature=1.0, **filtering)
+    batch = engine.generate(model, ids, mask, 4, sampling, tok.eos_token_id, tok.pad_token_id,
+                            generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        fresh, _ = completion_logprobs(model, batch.prompt_ids, batch.prompt_mask, batch.completion_ids,
+                                       batch.completion_mask, 1.0)
+    m = batch.completion_mask.bool()
+    torch.testing.assert_close(batch.sampling_logprobs[m], fresh[m], atol=1e-3, rtol=1e-3)
+    kept = kept_log_mass(model, batch.prompt_ids, batch.prompt_mask, batch.completion_ids, batch.completion_mask,
+                         sampling)
+    assert float(kept[m].mean()) < -0.1  # what vLLM's own log-probs were off by: the filter cut a real share
+    assert float((fresh - batch.sampling_logprobs)[m].exp().mean()) == pytest.approx(1.0, abs=1e-2)
+
+
+@pytest.mark.vllm
+@run_if("vllm")
+def test_a_head_size_vllms_cpu_attention_lacks_is_refused_before_loading(tiny):
+    """The docs' tiniest models (head size 16, 8): refused naming the model's keys, before vLLM loads anything."""
     model, tok = tiny
     ids, mask = _prompts(tok)
-    with pytest.raises(RuntimeError, match=r"rollout=vllm: vLLM could not .*(head_dim=16|Qwen2)"):
-        build_engine({"name": "vllm", "kv_cache_gib": 1}).generate(
-            model, ids, mask, 2, SamplingConfig(max_new_tokens=3), tok.eos_token_id, tok.pad_token_id)
+    engine = build_engine({"name": "vllm"})
+    with pytest.raises(ValueError, match=r"vLLM's CPU attention supports head sizes \[.*\]; this policy's is 16 "
+                                         r"\(hidden_size 32 / num_attention_heads 2, e\.g\. model\.hidden_size"):
+        engine.generate(model, ids, mask, 2, SamplingConfig(max_new_tokens=3), tok.eos_token_id, tok.pad_token_id)
+    assert engine.llm is None
+
 
 
 @pytest.mark.vllm

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import glob
+import os
 import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -9,6 +11,11 @@ from pathlib import Path
 from typing import Any
 
 DATASETS_INSTALL = "task=dataset needs the datasets package: pip install 'polopt-lightning[datasets]'"
+# a local file's format by its suffix (the builder that reads it), and the builders read here from local files
+FILE_FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv", ".txt": "text"}
+READERS = ("json", "parquet", "csv", "text")
+# builder names task.path takes with task.data_files
+BUILDERS = (*READERS, "arrow")
 
 
 @dataclass
@@ -77,24 +84,97 @@ class DatasetTask:
             import datasets
         except ImportError as exc:
             raise ImportError(DATASETS_INSTALL) from exc
-        folder = Path(self.path)
-        if (folder / "dataset_dict.json").is_file() or (folder / "state.json").is_file():  # save_to_disk's folder
-            data = datasets.load_from_disk(str(folder))
-            if isinstance(data, datasets.DatasetDict):
-                if split not in data:
-                    raise ValueError(f"{key}={split!r}: the dataset at {folder} has the splits {sorted(data)}")
-                data = data[split]
-            return [self._row(row, i, key) for i, row in enumerate(data)]
+        return [self._row(row, i, key) for i, row in enumerate(self._dataset(datasets, split, key))]
+
+    def _dataset(self, datasets: Any, split: str, key: str) -> Any:
+        """The split's rows: local files and folders are read here, without asking the hub; anything else goes to
+        ``datasets.load_dataset`` after one quick look at the hub."""
+        local = Path(self.path).expanduser()
+        if self.data_files is not None and self.path in BUILDERS:  # a builder name with files: task.data_files
+            files = self._local_data_files()
+            if files is not None and self.path in READERS:
+                return _read(datasets, self.path, files, split, key, "task.data_files", self.cache_dir)
+            return self._load_dataset(datasets, self.path, split, key)  # URLs: datasets fetches them
+        if local.is_file():
+            if self.data_files is not None:
+                raise ValueError(f"task.path={self.path!r} is a file, and task.data_files is set too: give the file "
+                                 "as task.path, or a format (json, parquet, csv) as task.path with task.data_files")
+            builder = FILE_FORMATS.get(local.suffix.lower())
+            if builder is None:
+                raise ValueError(f"task.path={self.path!r}: {local.suffix or 'a file without a suffix'} is not a "
+                                 f"data file this task reads; it reads {', '.join(sorted(FILE_FORMATS))} files")
+            return _read(datasets, builder, {"train": [str(local)]}, split, key, f"task.path={self.path!r}",
+                         self.cache_dir)
+        if local.is_dir():
+            if (local / "dataset_dict.json").is_file() or (local / "state.json").is_file():  # save_to_disk's
+                data = datasets.load_from_disk(str(local))
+                if isinstance(data, datasets.DatasetDict):
+                    if split not in data:
+                        raise ValueError(f"{key}={split!r}: the dataset at {local} has the splits {sorted(data)}")
+                    data = data[split]
+                return data
+            return self._load_dataset(datasets, str(local), split, key)  # a folder of data files
+        if self.path in BUILDERS:
+            raise ValueError(f"task.path={self.path!r} names a file format: give the files with task.data_files "
+                             "(a path, a list, or {train: ..., test: ...}), or the file itself as task.path")
+        if _looks_local(self.path):
+            raise FileNotFoundError(f"task.path={self.path!r}: no such file or folder ({local.resolve()})")
+        offline = bool(datasets.config.HF_HUB_OFFLINE)
+        if not offline:  # one request without retries: an unreachable hub fails now, not after a minute of them
+            unreachable = _hub_unreachable(self.path, self.revision, datasets.config.HF_ENDPOINT)
+            if unreachable:
+                raise ConnectionError(f"task.path={self.path!r}: neither a local file or folder nor reachable on the "
+                                      f"Hugging Face Hub ({unreachable}); a dataset already in the datasets cache "
+                                      "loads with HF_HUB_OFFLINE=1")
+        return self._load_dataset(datasets, self.path, split, key, offline=offline)
+
+    def _load_dataset(self, datasets: Any, path: str, split: str, key: str, offline: bool = False) -> Any:
         try:
-            data = datasets.load_dataset(self.path, self.name, data_files=self.data_files, split=split,
+            return datasets.load_dataset(path, self.name, data_files=self.data_files, split=split,
                                          revision=self.revision, cache_dir=self.cache_dir)
         except ValueError as exc:  # an unknown split: datasets names the ones there are
             raise ValueError(f"{key}={split!r}: {exc}") from exc
         except (FileNotFoundError, ConnectionError, OSError) as exc:
-            raise FileNotFoundError(f"task.path={self.path!r}{f' (task.name={self.name!r})' if self.name else ''}: "
-                                    f"could not be loaded (no such local dataset or files, and not reachable on the "
-                                    f"hub): {exc}") from exc
-        return [self._row(row, i, key) for i, row in enumerate(data)]
+            name = f" (task.name={self.name!r})" if self.name else ""
+            if Path(path).is_dir():
+                where = "a folder without data files datasets reads (json, jsonl, parquet, csv, ...)"
+            elif offline:
+                where = "neither a local file or folder nor in the datasets cache (HF_HUB_OFFLINE is set: the hub " \
+                        "was not asked)"
+            else:
+                where = "neither a local file or folder nor a dataset that could be loaded from the hub"
+            raise FileNotFoundError(f"task.path={self.path!r}{name}: {where}: {exc}") from exc
+
+    def _local_data_files(self) -> dict[str, list[str]] | None:
+        """``task.data_files`` as split -> files, each checked to exist (glob patterns expanded); ``None`` when one is
+        a URL (``https://``, ``hf://``: ``datasets`` fetches those)."""
+        spec = self.data_files
+        if isinstance(spec, (str, os.PathLike)):
+            spec = {"train": [spec]}
+        elif isinstance(spec, Mapping):
+            spec = {str(k): [v] if isinstance(v, (str, os.PathLike)) else list(v) for k, v in spec.items()}
+        elif isinstance(spec, Sequence):
+            spec = {"train": list(spec)}
+        else:
+            raise TypeError(f"task.data_files: expected a path, a list of paths or {{split: paths}}, got {spec!r}")
+        out: dict[str, list[str]] = {}
+        for split, items in spec.items():
+            out[split] = []
+            for item in map(str, items):
+                if "://" in item:
+                    return None
+                where = f" (split {split})" if len(spec) > 1 else ""
+                if glob.has_magic(item):
+                    found = sorted(glob.glob(os.path.expanduser(item), recursive=True))
+                    if not found:
+                        raise FileNotFoundError(f"task.data_files: {item!r}{where} matches no file (in {Path.cwd()})")
+                    out[split] += found
+                elif not Path(item).expanduser().is_file():
+                    raise FileNotFoundError(f"task.data_files: no such file {item!r}{where} "
+                                            f"({Path(item).expanduser().resolve()})")
+                else:
+                    out[split].append(str(Path(item).expanduser()))
+        return out
 
     def _row(self, row: Mapping[str, Any], index: int, key: str) -> dict[str, Any]:
         renames = dict(self.columns or {})
@@ -126,6 +206,37 @@ class DatasetTask:
                                  "nothing would be left to train on")
             val, train = train[:n], train[n:]
         return _limited(train, self.train_limit), _limited(val, self.val_limit)
+
+
+def _read(datasets: Any, builder: str, files: Mapping[str, list[str]], split: str, key: str, source: str,
+          cache_dir: str | None) -> Any:
+    """The ``split`` of local ``files`` (split -> paths) read by ``builder`` (``Dataset.from_json``, ...): no hub."""
+    if split not in files:
+        hint = "; hold rows out with task.val_size instead" if key == "task.val_split" and list(files) == ["train"] else ""
+        raise ValueError(f"{key}={split!r}: {source} has the splits {sorted(files)}{hint}")
+    return getattr(datasets.Dataset, f"from_{builder}")(files[split], split=split, cache_dir=cache_dir)
+
+
+def _looks_local(path: str) -> bool:
+    """Whether ``path`` is written as a local path (not a hub id ``name`` or ``org/name``)."""
+    p = Path(path)
+    return (p.is_absolute() or path.startswith((".", "~")) or "\\" in path or path.count("/") > 1
+            or p.suffix.lower() in (*FILE_FORMATS, ".arrow"))
+
+
+def _hub_unreachable(path: str, revision: str | None, endpoint: str) -> str | None:
+    """Why the hub cannot be asked about the dataset ``path`` (one request, no retries), or ``None`` when it answered
+    (whatever it said: ``load_dataset`` then says what it means)."""
+    from huggingface_hub import HfApi
+    from huggingface_hub.errors import HfHubHTTPError
+
+    try:
+        HfApi(endpoint=endpoint).dataset_info(path, revision=revision, timeout=10)
+    except HfHubHTTPError:
+        return None
+    except Exception as exc:  # no network, no DNS, a timeout, an id the hub cannot hold
+        return f"{type(exc).__name__}: {exc}"
+    return None
 
 
 def _limited(rows: Sequence[dict[str, Any]], limit: int | None) -> list[dict[str, Any]]:

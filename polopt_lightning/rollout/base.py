@@ -136,6 +136,12 @@ class RolloutEngine(ABC):
         backend samples ``model`` itself)."""
         return None
 
+    def close(self) -> None:
+        """Release what the backend holds beyond ``model`` (an inference engine, its process groups, files) before the
+        process ends; the next :meth:`generate` starts it again. ``polopt-train`` calls it once training and the final
+        validation are done. Default: nothing."""
+        return None
+
 
 def filter_logits(logits: Tensor, top_k: int, top_p: float) -> Tensor:
     """Top-k then nucleus filtering (sets removed logits to -inf)."""
@@ -149,6 +155,38 @@ def filter_logits(logits: Tensor, top_k: int, top_p: float) -> Tensor:
         remove = torch.zeros_like(remove_sorted).scatter(-1, order, remove_sorted)
         logits = logits.masked_fill(remove, float("-inf"))
     return logits
+
+
+def kept_log_mass(model: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor,
+                  completion_mask: Tensor, sampling: SamplingConfig, max_elements: int = 1 << 25) -> Tensor:
+    """``log S`` ``[N, T]``: the log of the probability mass that ``sampling``'s top-k/top-p filter keeps at each
+    completion position, under ``model``'s tempered distribution (0 where nothing is filtered, and at padding).
+
+    An engine whose log-probs are renormalised over the kept tokens (vLLM's processed log-probs) returns
+    ``log p - log S``; adding this back gives the log-probs of the tempered, unfiltered distribution that
+    :class:`RolloutBatch` promises, so the sampler correction's weight measures the engine's disagreement with the
+    trainer and not the kept mass (huggingface/trl#6789). One forward pass, ``max_elements`` logits at a time.
+    """
+    from .._hf import last_positions, positions_from_mask
+    from ..models import evaluating
+
+    N, T = completion_ids.shape
+    out = torch.zeros(N, T, device=completion_ids.device)
+    if sampling.temperature <= 0 or (sampling.top_p >= 1.0 and not sampling.top_k) or T == 0:
+        return out
+    vocab = model.get_output_embeddings().weight.shape[0]
+    step = max(1, max_elements // max(1, T * vocab))
+    with torch.no_grad(), evaluating(model, keep_quantized=True):  # as the trainer's own log-prob passes run
+        for start in range(0, N, step):
+            rows = slice(start, start + step)
+            ids = torch.cat([prompt_ids[rows], completion_ids[rows]], dim=1)
+            mask = torch.cat([prompt_mask[rows], completion_mask[rows].to(prompt_mask.dtype)], dim=1)
+            logits = model(input_ids=ids, attention_mask=mask, position_ids=positions_from_mask(mask),
+                           use_cache=False, logits_to_keep=last_positions(ids.shape[1], T + 1, ids.device),
+                           ).logits[:, :-1].float() / sampling.temperature  # [n, T, V]
+            kept = filter_logits(logits, sampling.top_k, sampling.top_p)
+            out[rows] = torch.logsumexp(kept, -1) - torch.logsumexp(logits, -1)
+    return out * completion_mask
 
 
 INVERSE_CDF_VOCAB = 32768  # from this vocabulary size on, tokens are drawn by inverse CDF (see sample_tokens)

