@@ -3,7 +3,9 @@ that passes an environment's own rewards on.
 
 - :func:`add` and :func:`calculator`: tools that add two integers, or evaluate an arithmetic expression, exactly
   (integers of any length), for tasks whose numbers are too long to add in one's head
-  (:class:`~polopt_lightning.data.ToolArithmeticTask`).
+  (:class:`~polopt_lightning.data.ToolArithmeticTask`). Both are bounded pure Python, marked
+  :func:`~polopt_lightning.rollout.tool_runner.trusted`: their calls run in the trainer's threads, not in a forked
+  process each.
 - :class:`GuessingGame`: an environment that is not a tool: the model guesses a number and is told "higher", "lower"
   or "correct", rewarded for finding it in few turns.
 - :func:`environment_reward`: the episode's summed environment rewards (the ``env_reward`` column), as a reward
@@ -19,12 +21,14 @@ from collections.abc import Mapping
 from typing import Any
 
 from .rollout.multi_turn import Environment, EnvStep
+from .rollout.tool_runner import trusted
 
 _OPERATORS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.FloorDiv: operator.floordiv,
               ast.Mod: operator.mod}
 _MAX_DIGITS = 200  # a result longer than this is refused (a tool must not be made to build huge numbers)
 
 
+@trusted
 def add(a: int, b: int) -> int:
     """Add two integers exactly.
 
@@ -35,6 +39,7 @@ def add(a: int, b: int) -> int:
     return int(a) + int(b)
 
 
+@trusted
 def calculator(expression: str) -> str:
     """Evaluate an integer arithmetic expression exactly.
 

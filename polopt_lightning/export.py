@@ -340,7 +340,7 @@ def main(argv: list[str] | None = None) -> None:
                         help="a LoRA policy: write the adapter alone (adapter_model.safetensors, loadable with peft "
                              "over its base) instead of merging it into a full-precision copy of the base")
     args = parser.parse_args(argv)
-    from .cli import configure_console
+    from .console import configure_console
 
     configure_console()  # polopt-train's quiet console: no "Writing model shards" bar, no dependency warnings
     try:

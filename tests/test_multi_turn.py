@@ -77,6 +77,19 @@ def test_tool_errors_and_hangs_become_tool_messages():
     assert env.step("the answer is 46").done and env.calls == 5
 
 
+def test_a_result_that_cannot_come_back_or_is_not_json_is_an_error_naming_the_tool():
+    def numbers():
+        return {1, 2}
+
+    def lines():
+        return (line for line in ["a"])
+
+    env = ToolEnvironment([numbers, lines], format="pythonic")
+    first, second = env.step("[numbers(), lines()]").observation.split("\n")
+    assert first.startswith("error: tool 'numbers' returned a set, which is not JSON")
+    assert second.startswith("error: tool 'lines' returned a generator, which cannot be sent back from its process")
+
+
 def test_guessing_game_answers_each_guess_and_rewards_finding_it():
     game = GuessingGame(penalty=0.25)
     game.reset({"answer": 7})
@@ -170,6 +183,45 @@ def test_a_tool_call_turn_then_the_answer_laid_out_with_masks_and_the_conversati
                             max_tokens=len(call) + len(result) + 3).generate(
         None, enc.input_ids, enc.attention_mask, 2, SamplingConfig(max_new_tokens=100), 1, 0)
     assert short.context_mask.sum(-1).tolist() == [len(call) + len(result) + 3] * 4 and not short.finished.any()
+
+
+def nap(seconds: float, label: str) -> str:
+    """Sleep, then say when.
+
+    Args:
+        seconds: how long.
+        label: said first.
+    """
+    start = time.time()
+    time.sleep(seconds)
+    return f"{label} {start:.3f} {time.time():.3f}"
+
+
+def test_a_turns_tool_calls_run_at_once_across_the_batch_and_a_hung_one_is_killed():
+    tok = tokenizer()
+
+    def reply(context, g):  # two calls a message, the long one first; one completion's call hangs
+        if "<eos>" in context:
+            return "done"
+        if context == "1+1=" and g == 1:
+            return '[nap(seconds=60, label="hang")]'
+        return '[nap(seconds=1, label="long"), nap(seconds=0.1, label="short")]'
+
+    engine = MultiTurnEngine("tools", tools=[nap], format="pythonic", timeout=1.5, tool_workers=8, tokenizer=tok,
+                             base=Scripted(tok, reply))
+    enc = tok(["12+34=", "1+1="], padding=True, return_tensors="pt")
+    start = time.perf_counter()
+    out = engine.generate(None, enc.input_ids, enc.attention_mask, 2, SamplingConfig(max_new_tokens=100),
+                          tok.eos_token_id, tok.pad_token_id)
+    wall = time.perf_counter() - start
+    results = [c[1]["content"] for c in out.conversations]
+    assert results[3] == "error: the tool timed out after 1.5 s" and out.extras["tool_calls"] == [2, 2, 2, 1]
+    calls = [[line.split() for line in r.split("\n")] for r in results[:3]]
+    assert all([label for label, _, _ in c] == ["long", "short"] for c in calls)  # the calls' order, not the ends'
+    longs = [c[0] for c in calls]
+    assert max(float(s) for _, s, _ in longs) < min(float(e) for _, _, e in longs)  # the completions' calls overlap
+    assert wall < 4.0, wall  # each completion's calls after the last's: 3 x 1 s + 1.5 s
+    assert all(c[-1] == {"role": "assistant", "content": "done"} for c in out.conversations)
 
 
 def chat_rows(n):

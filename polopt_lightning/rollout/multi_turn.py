@@ -4,7 +4,9 @@ turn or token budget ends.
 
 - **Tools** are typed Python functions: their signature and docstring are the schema the chat template shows the
   model (``transformers.utils.get_json_schema``, as ``apply_chat_template(tools=...)`` takes them). A tool that raises
-  gives a tool message with the error; one that runs past ``timeout`` seconds is cut off with a tool message saying so.
+  gives a tool message with the error; one that runs past ``timeout`` seconds is killed, with a tool message saying
+  so. The calls of a turn, every completion's, run at once, each in a process of its own by default
+  (:mod:`~polopt_lightning.rollout.tool_runner`); other environments step in this process (their state persists).
 - **Environments** implement :class:`Environment`: ``reset(row)`` with the dataset row (its columns) and ``step(text)``
   with the model's message, returning an :class:`EnvStep` (observation, reward, done). :class:`ToolEnvironment` is
   the environment of tool calls.
@@ -19,7 +21,6 @@ from __future__ import annotations
 
 import json
 import re
-import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -29,6 +30,7 @@ import torch
 from torch import Tensor, nn
 
 from .base import RolloutBatch, RolloutEngine, SamplingConfig
+from .tool_runner import ToolCall, ToolResult, ToolRunner
 
 TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 
@@ -121,62 +123,100 @@ TOOL_CALL_FORMATS: dict[str, Callable[[str], list[dict[str, Any]]]] = {
     "hermes": parse_tool_calls, "pythonic": parse_pythonic_tool_calls}
 
 
-def call_with_timeout(fn: Callable, arguments: Mapping[str, Any], timeout: float | None) -> str:
-    """``fn(**arguments)`` as a string; an exception or a run past ``timeout`` seconds becomes an error message. A
-    tool cut off keeps running in its (daemon) thread, which Python cannot stop: tools that may hang should bound
-    their own work too."""
-    result: dict[str, Any] = {}
+def tool_message(result: ToolResult) -> str:
+    """A call's result as the tool message the model sees: a string as it is, another value as JSON, an error (a
+    raise, a timeout, a result that could not come back) as ``error: ...``."""
+    if result.error is not None:
+        return f"error: {result.error}"
+    if isinstance(result.value, str):
+        return result.value
+    try:
+        return json.dumps(result.value)
+    except (TypeError, ValueError) as err:
+        return f"error: tool {result.name!r} returned a {type(result.value).__name__}, which is not JSON: {err}"
 
-    def target() -> None:
-        try:
-            result["value"] = fn(**arguments)
-        except Exception as err:  # the model sees what went wrong
-            result["error"] = f"{type(err).__name__}: {err}"
 
-    thread = threading.Thread(target=target, daemon=True, name=f"tool-{getattr(fn, '__name__', 'call')}")
-    thread.start()
-    thread.join(timeout)
-    if thread.is_alive():
-        return f"error: the tool timed out after {timeout:g} s"
-    if "error" in result:
-        return f"error: {result['error']}"
-    value = result.get("value")
-    return value if isinstance(value, str) else json.dumps(value)
+def call_with_timeout(fn: Callable, arguments: Mapping[str, Any], timeout: float | None,
+                      runner: ToolRunner | None = None) -> str:
+    """``fn(**arguments)`` as a tool message (:func:`tool_message`), run by ``runner`` (default: a process of its
+    own, killed past ``timeout`` seconds); an exception or a run past the limit becomes an error message."""
+    return tool_message((runner or ToolRunner()).run([ToolCall(fn, arguments, timeout)])[0])
 
 
 class ToolEnvironment(Environment):
     """Tool calls: each message's calls (:func:`parse_tool_calls`) run, their results are the next observation (one
-    line per call, in order); a message without a call ends the episode.
+    line per call, in order); a message without a call ends the episode. :meth:`step` runs one message's calls at
+    once; :class:`MultiTurnEngine` runs a turn's calls of every completion at once (:func:`step_environments`).
 
     Args:
         tools: the Python functions the model may call, by their ``__name__``.
         timeout: seconds a call may run (``None``: no limit).
         format: how the model writes its calls: a name in :data:`TOOL_CALL_FORMATS` or a parser (text -> calls).
+        runner: what runs the calls (default: a :class:`~polopt_lightning.rollout.tool_runner.ToolRunner`, a
+            process per call, as many at once as there are CPUs).
     """
 
     def __init__(self, tools: Sequence[Callable], timeout: float | None = 5.0,
-                 format: str | Callable[[str], list[dict[str, Any]]] = "hermes") -> None:
+                 format: str | Callable[[str], list[dict[str, Any]]] = "hermes", runner: ToolRunner | None = None,
+                 ) -> None:
         self.tools = {fn.__name__: fn for fn in tools}
         self.timeout = timeout
         if isinstance(format, str) and format not in TOOL_CALL_FORMATS:
             raise ValueError(f"rollout.format must be one of {sorted(TOOL_CALL_FORMATS)} or a parser, got {format!r}")
         self.parse = TOOL_CALL_FORMATS[format] if isinstance(format, str) else format
+        self.runner = runner if runner is not None else ToolRunner()
         self.calls = 0
 
-    def step(self, message: str) -> EnvStep:
+    def plan(self, message: str) -> list[str | ToolCall] | None:
+        """The message's calls, each a :class:`ToolCall` to run or, when it cannot run (malformed, an unknown tool),
+        its tool message already; ``None`` when it has none (the episode ends)."""
         calls = self.parse(message)
         if not calls:
-            return EnvStep(done=True)
-        results = []
+            return None
+        planned: list[str | ToolCall] = []
         for call in calls:
             self.calls += 1
             if "error" in call:
-                results.append(f"error: {call['error']}")
+                planned.append(f"error: {call['error']}")
             elif call["name"] not in self.tools:
-                results.append(f"error: unknown tool {call['name']!r}; tools: {', '.join(sorted(self.tools))}")
+                planned.append(f"error: unknown tool {call['name']!r}; tools: {', '.join(sorted(self.tools))}")
             else:
-                results.append(call_with_timeout(self.tools[call["name"]], call["arguments"], self.timeout))
-        return EnvStep(observation="\n".join(results))
+                planned.append(ToolCall(self.tools[call["name"]], call["arguments"], self.timeout, call["name"]))
+        return planned
+
+    def answer(self, planned: list[str | ToolCall], results: Sequence[ToolResult]) -> EnvStep:
+        """The observation of a :meth:`plan`: its calls' results (``results``, one per :class:`ToolCall` in it, in
+        order) and its ready messages, one line per call in the message's order."""
+        ran = iter(results)
+        return EnvStep(observation="\n".join(p if isinstance(p, str) else tool_message(next(ran)) for p in planned))
+
+    def step(self, message: str) -> EnvStep:
+        planned = self.plan(message)
+        if planned is None:
+            return EnvStep(done=True)
+        return self.answer(planned, self.runner.run([p for p in planned if isinstance(p, ToolCall)]))
+
+
+def step_environments(envs: Sequence[Environment], messages: Sequence[str]) -> list[EnvStep]:
+    """Each environment's step on its message, in order. The tool calls of every :class:`ToolEnvironment` (whose
+    ``step`` is not overridden) run in one batch per runner, all at once up to its ``max_workers``; any other
+    environment steps in this process, one after another (its state persists from step to step)."""
+    steps: list[EnvStep | None] = [None] * len(envs)
+    batches: dict[int, tuple[ToolRunner, list[tuple[int, ToolEnvironment, list[str | ToolCall]]]]] = {}
+    for j, (env, message) in enumerate(zip(envs, messages, strict=True)):
+        if isinstance(env, ToolEnvironment) and type(env).step is ToolEnvironment.step:
+            planned = env.plan(message)
+            if planned is None:
+                steps[j] = EnvStep(done=True)
+            else:
+                batches.setdefault(id(env.runner), (env.runner, []))[1].append((j, env, planned))
+        else:
+            steps[j] = env.step(message)
+    for runner, batch in batches.values():
+        results = iter(runner.run([p for _, _, planned in batch for p in planned if isinstance(p, ToolCall)]))
+        for j, env, planned in batch:
+            steps[j] = env.answer(planned, [next(results) for p in planned if isinstance(p, ToolCall)])
+    return steps  # type: ignore[return-value]
 
 
 @dataclass
@@ -263,6 +303,12 @@ class MultiTurnEngine(RolloutEngine):
         tokenizer: the policy's tokenizer, whose chat template renders the environment's messages (the module gives
             its own when this is ``None``).
         role: the role of the environment's messages in the chat template.
+        tool_runner: how tool calls run: ``"process"`` (each in a forked process of its own, killed past
+            ``timeout``; the tools must not use torch), ``"thread"`` (in this process; a call past ``timeout`` is
+            abandoned and runs on), or a :class:`~polopt_lightning.rollout.tool_runner.ToolRunner`. A turn's calls,
+            every completion's, run at once.
+        tool_workers: tool calls running at once at most (``None``: the CPUs this process may use); ignored when
+            ``tool_runner`` is a runner.
     """
 
     takes_rows = True  # the module passes the batch's rows (their columns) to generate
@@ -270,7 +316,8 @@ class MultiTurnEngine(RolloutEngine):
     def __init__(self, environment: Any = "tools", tools: Sequence[Callable | str] = (), format: str = "hermes",
                  timeout: float | None = 5.0, max_turns: int = 4, max_tokens: int = 256,
                  base: RolloutEngine | str | Mapping[str, Any] | None = None, tokenizer: Any = None,
-                 role: str = "tool") -> None:
+                 role: str = "tool", tool_runner: str | ToolRunner = "process", tool_workers: int | None = None,
+                 ) -> None:
         from . import build_engine
 
         if max_turns < 1 or max_tokens < 1:
@@ -278,11 +325,12 @@ class MultiTurnEngine(RolloutEngine):
         self.tools = [resolve(fn, "rollout.tools") for fn in tools]
         for fn in self.tools:
             tool_schema(fn)  # a tool without types or docstring fails now, naming it
+        self.runner = tool_runner if isinstance(tool_runner, ToolRunner) else ToolRunner(tool_runner, tool_workers)
         if environment == "tools":
             if not self.tools:
                 raise ValueError("rollout.environment=tools needs rollout.tools (the functions the model may call)")
-            ToolEnvironment(self.tools, timeout, format)  # checks the format now
-            self.environment = lambda row: ToolEnvironment(self.tools, timeout, format)
+            ToolEnvironment(self.tools, timeout, format, self.runner)  # checks the format now
+            self.environment = lambda row: ToolEnvironment(self.tools, timeout, format, self.runner)
         else:
             made = resolve(environment, "rollout.environment")
             if isinstance(made, type) and issubclass(made, Environment):
@@ -309,9 +357,12 @@ class MultiTurnEngine(RolloutEngine):
     def policy_updated(self, model: nn.Module) -> None:
         self.base.policy_updated(model)
 
-    def take_turn(self, episode: Episode, out: RolloutBatch, k: int, left: int, turn: int) -> bool:
-        """Row ``k`` of a turn's rollout added to ``episode`` (at most ``left`` tokens), the environment's answer to
-        it too; whether the episode goes on."""
+    def close(self) -> None:
+        self.base.close()
+
+    def take_turn(self, episode: Episode, out: RolloutBatch, k: int, left: int) -> str | None:
+        """Row ``k`` of a turn's rollout added to ``episode`` (at most ``left`` tokens); its text for the environment
+        to answer, or ``None`` when a token budget cut it (the episode ends with it)."""
         sampled = int(out.completion_mask[k].sum())
         n = min(sampled, left)
         tokens = out.completion_ids[k, :n].tolist()
@@ -319,9 +370,10 @@ class MultiTurnEngine(RolloutEngine):
         episode.finished = bool(out.finished[k]) and n == sampled
         text = self.tokenizer.decode(tokens, skip_special_tokens=True)
         episode.messages.append({"role": "assistant", "content": text})
-        if not episode.finished:  # cut by a token budget: the episode ends with it
-            return False
-        step = episode.env.step(text)
+        return text if episode.finished else None
+
+    def answer_turn(self, episode: Episode, step: EnvStep, turn: int) -> bool:
+        """The environment's answer (``step``) to the episode's last turn, added to it; whether it goes on."""
         episode.turn_rewards.append(step.reward)
         if step.reward is not None:
             episode.reward += float(step.reward)
@@ -363,7 +415,11 @@ class MultiTurnEngine(RolloutEngine):
                                      prompt_ids.device)
                 out = self.base.generate(model, ids, mask, 1, settings, eos_token_id, pad_token_id,
                                          generator=generator)
-            active = [i for k, i in enumerate(active) if self.take_turn(episodes[i], out, k, left[i], turn)]
+            texts = {i: self.take_turn(episodes[i], out, k, left[i]) for k, i in enumerate(active)}
+            answered = [i for i in active if texts[i] is not None]
+            # the environments answer the turn together: every completion's tool calls at once
+            steps = step_environments([episodes[i].env for i in answered], [texts[i] for i in answered])
+            active = [i for i, step in zip(answered, steps) if self.answer_turn(episodes[i], step, turn)]
         for episode in episodes:
             episode.tool_calls = getattr(episode.env, "calls", 0)
         return assemble(episodes, prompt_ids, prompt_mask, G, pad_token_id)
