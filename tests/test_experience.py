@@ -38,6 +38,22 @@ def test_dynamic_sampling_keeps_the_groups_with_a_signal_and_draws_until_the_bat
     assert float(metrics["train/frac_zero_std"]) == 0.5  # of the first draw, as the step's reward metrics
 
 
+def test_the_experience_takes_its_advantages_from_the_configured_estimator(tiny):
+    """Rewards 1, 3 (a group with a signal) and 4, 4 (none) through each estimator with its default scale, by hand:
+    GRPO's group mean over the group's std, RLOO's mean of the others, REINFORCE++'s whitening over the batch (where
+    the constant group keeps nonzero advantages)."""
+    _, tok = tiny
+    s = 2 ** 0.5  # the group (1, 3)'s std; and the batch's: rewards 1, 3, 4, 4 are 3 - 2, 3 + 0, 3 + 1, 3 + 1
+    want = {"grpo": [-1 / s, 1 / s, 0.0, 0.0], "rloo": [-2.0, 2.0, 0.0, 0.0],
+            "reinforce_pp": [-2 / s, 0.0, 1 / s, 1 / s]}
+    for estimator, advantages in want.items():
+        maker = ExperienceMaker(tok, RewardComposer([length]), {"num_generations": 2,
+                                                                "advantage_estimator": estimator})
+        exp, _ = maker.make({"prompt_ids": torch.ones(2, 1), "prompts": ["a", "b"]},
+                            lambda prompts: draw([1, 3, 4, 4]), lambda: None, torch.device("cpu"))
+        torch.testing.assert_close(exp.advantages, torch.tensor(advantages), msg=estimator)
+
+
 def test_overlong_filtering_masks_the_truncated_completions(tiny):
     _, tok = tiny
     maker = ExperienceMaker(tok, RewardComposer([length]), {"num_generations": 2, "advantage_scale": "none",

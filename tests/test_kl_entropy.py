@@ -322,8 +322,20 @@ def test_kl_in_reward_lowers_each_reward_by_its_summed_kl_before_the_advantages(
     module, exp, metrics = experience({}, reference={"kl_in_reward": 0.5}, ref_model=ref_model)
     assert exp.ref_logprobs is not None
     mask = exp.completion_mask.bool()
-    ref = module.scorer.logprobs(module.ref_model, exp, slice(None))[0]
-    torch.testing.assert_close(exp.ref_logprobs, ref)
+    # the reference's log-probs by hand (not through the scorer that made them): each row alone, its unpadded prompt
+    # and completion in one plain forward, at the sampling temperature (1)
+    ref, training = torch.zeros_like(exp.sampling_logprobs), ref_model.training
+    with torch.no_grad():
+        ref_model.eval()
+        for i in range(exp.num_rows):
+            prompt = exp.prompt_ids[i][exp.prompt_mask[i].bool()]
+            completion = exp.completion_ids[i][mask[i]]
+            logits = ref_model(input_ids=torch.cat([prompt, completion])[None]).logits[0].float()
+            picked = logits[len(prompt) - 1:-1].log_softmax(-1).gather(-1, completion[:, None])[:, 0]
+            ref[i, :len(completion)] = picked
+        ref_model.train(training)
+    assert module.scorer.temperature == 1.0
+    torch.testing.assert_close(exp.ref_logprobs[mask], ref[mask], atol=1e-5, rtol=1e-5)
     scores = module.experience.last_scored["rewards"][:, 0]
     # verl: token-level rewards = the score on the last token - beta x KL_t on every token; GRPO's outcome advantage
     # sums them per sequence

@@ -175,16 +175,24 @@ def test_eos_mask_finish_reason_and_min_tokens(tiny):
     out = HFRolloutEngine().generate(model, ids, mask, 2, SamplingConfig(max_new_tokens=5, min_new_tokens=5), eos,
                                      tok.pad_token_id)
     assert out.completion_ids.shape[1] == 5 and not out.finished.any() and (out.completion_mask == 1).all()
-    # EOS after 3 tokens: mask covers the EOS, pad after
+    # EOS likelier (not certain) from the 4th token: rows end at different lengths or not at all (the decoding steps
+    # on the model's forward, which runs the hook; drawn from a fixed seed); the mask covers the EOS, pad after
     bias_hook.remove()
-    out = HFRolloutEngine().generate(model, ids, mask, 2, SamplingConfig(max_new_tokens=6, min_new_tokens=3), eos,
-                                     tok.pad_token_id)
+    bias_hook = model.lm_head.register_forward_hook(
+        lambda m, i, o: o.index_add(-1, torch.tensor([eos]), torch.full((*o.shape[:-1], 1), 5.0)))
+    out = HFRolloutEngine(fast_decode=False).generate(model, ids, mask, 4, SamplingConfig(
+        max_new_tokens=6, min_new_tokens=3), eos, tok.pad_token_id, torch.Generator().manual_seed(0))
+    bias_hook.remove()
+    lengths = out.completion_mask.sum(-1)
+    # both branches below run, and some finished row is followed by padding
+    assert out.finished.any() and not out.finished.all() and (lengths[out.finished] < 6).any(), lengths
     for row, m, fin in zip(out.completion_ids, out.completion_mask, out.finished):
         n = int(m.sum())
+        assert (m[:n] == 1).all() and (row[:n - 1] != eos).all()  # the mask is the tokens up to the first EOS
         if fin:
-            assert row[n - 1] == eos and (row[n:] == tok.pad_token_id).all()
+            assert 4 <= n <= 6 and row[n - 1] == eos and (row[n:] == tok.pad_token_id).all()
         else:
-            assert n == 6
+            assert n == 6 and row[-1] != eos
 
 
 def test_left_padding_does_not_change_greedy_output(tiny):

@@ -270,7 +270,9 @@ def test_quantized_reference_for_full_fine_tuning(tmp_path, tiny):
     ref_before = {k: v.clone() for k, v in module.ref_model.state_dict().items()}
     trainer = fit(module, tok, tmp_path, steps=2)
     assert all(torch.equal(v, module.ref_model.state_dict()[k]) for k, v in ref_before.items())
-    assert float(trainer.logged_metrics["train/kl"]) >= 0
+    # the 4-bit reference differs from the full-precision policy from the first step (k3 is never negative: ">= 0"
+    # would hold for a KL taken against the policy itself)
+    assert 0 < float(trainer.logged_metrics["train/kl"]) < 1
 
 
 LOAD_MERGED = """

@@ -52,16 +52,23 @@ def test_none_is_left_out_of_the_total():
 
 
 def test_async_functions_run_concurrently():
+    events = []  # each function's start and end, in the order they happen: overlapping, not one after the other
+
     async def slow_a(prompts, completions, **kw):
+        events.append("a starts")
         await asyncio.sleep(0.05)
+        events.append("a ends")
         return [1.0] * len(completions)
 
     async def slow_b(prompts, completions, **kw):
+        events.append("b starts")
         await asyncio.sleep(0.05)
+        events.append("b ends")
         return [2.0] * len(completions)
 
     out = RewardComposer([slow_a, slow_b, length_reward])(PROMPTS, COMPLETIONS)
     torch.testing.assert_close(out.total, torch.tensor([4.0, 4.0, 4.0]))
+    assert events[:2] == ["a starts", "b starts"] and sorted(events[2:]) == ["a ends", "b ends"], events
 
 
 def test_async_inside_running_event_loop():

@@ -14,11 +14,7 @@ from polopt_lightning.models import build_tiny_model
 from polopt_lightning.rollout import HFRolloutEngine, SamplingConfig
 
 from .helpers import close, greedy_on_the_modules, one_decoding_step, onednn_model
-
-
-def _needs_kernel():
-    if rowdot.load() is None:
-        pytest.skip(f"the few-row kernel cannot run here: {rowdot.why_not()}")
+from .helpers.kernel import needs_kernel as _needs_kernel  # skips where the machine cannot, fails where it should
 
 
 @pytest.mark.parametrize("rows", [1, 3, 8, 11, 16])
@@ -105,6 +101,33 @@ def test_without_a_compiler_decoding_keeps_the_blocked_layout_and_true_says_why(
     assert not proj.kernel and proj.packed_head is None  # the blocked layout, as before the kernel
 
 
+def test_the_kernels_tests_skip_where_the_machine_cannot_and_fail_where_it_should_load_and_did_not(monkeypatch):
+    """The gate of this file's tests: a CPU without AVX-512 or no compiler skips, naming which; a machine that can
+    run the kernel where load() still gave None (a compile error, a Step layout mismatch) fails with load()'s reason."""
+    from .helpers import kernel
+
+    cannot_run_here = kernel.cannot_run_here
+    monkeypatch.setattr(rowdot, "_state", {})
+    monkeypatch.setattr(rowdot, "load", lambda: None)
+    monkeypatch.setattr(rowdot, "why_not", lambda: "building rowdot.c failed: cc failed: rowdot.c:1: error: expected")
+    monkeypatch.setattr(kernel, "cannot_run_here", lambda: None)  # an AVX-512 CPU with a working compiler
+    with pytest.raises(pytest.fail.Exception, match="should run here .* did not load: building rowdot.c failed: cc"):
+        kernel.needs_kernel()
+    monkeypatch.setattr(kernel, "cannot_run_here", lambda: "the CPU: it has no AVX-512 (PyTorch reports AVX2)")
+    with pytest.raises(pytest.skip.Exception, match="cannot run here: the CPU: it has no AVX-512"):
+        kernel.needs_kernel()
+    # the machine's own checks, found without load(): the CPU, then the compiler (one that cannot build AVX-512 code)
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    assert cannot_run_here() == "the CPU: it has no AVX-512 (PyTorch reports AVX2)"
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
+    monkeypatch.setenv("CC", "no-such-compiler-here")
+    assert cannot_run_here() == "the compiler: no C compiler ('no-such-compiler-here' is not on the PATH)"
+    monkeypatch.setenv("CC", "false")  # a compiler that builds nothing
+    assert cannot_run_here().startswith("the compiler: the C compiler /")
+    monkeypatch.setenv("POLOPT_ROWDOT", "0")
+    assert cannot_run_here() == "turned off (POLOPT_ROWDOT=0)"
+
+
 def test_the_kernel_is_built_once_into_the_cache_and_a_failed_build_says_so(monkeypatch, tmp_path):
     if "AVX512" not in torch.backends.cpu.get_cpu_capability():
         pytest.skip(f"the CPU has no AVX-512 ({torch.backends.cpu.get_cpu_capability()})")
@@ -115,8 +138,7 @@ def test_the_kernel_is_built_once_into_the_cache_and_a_failed_build_says_so(monk
     assert not list((tmp_path / "kernels").glob("*"))  # no half-written file left
     monkeypatch.setattr(rowdot, "_state", {})
     monkeypatch.delenv("CC")
-    if rowdot.load() is None:
-        pytest.skip(f"no working C compiler here: {rowdot.why_not()}")
+    _needs_kernel()  # no compiler that builds AVX-512 code: skipped; one that does and rowdot.c failed: failed
     built = list((tmp_path / "kernels").glob("rowdot-*.so"))
     assert len(built) == 1
     stamp = built[0].stat().st_mtime_ns

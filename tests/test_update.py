@@ -39,6 +39,77 @@ def test_sequence_weights_are_the_product_of_the_tokens():
     assert torch.allclose(masked.squeeze(-1), torch.tensor([0.0, math.exp(0.2)]))
 
 
+@pytest.mark.parametrize("mode", ["token_truncate", "sequence_truncate"])
+def test_the_update_multiplies_each_advantage_by_its_sampler_weight(mode):
+    """What the update trains on (Updater.advantages) with the correction on: each advantage times its token's (or
+    sequence's) weight, by hand, for a sampler far from the trainer (weights of 2, 1/e, 3, e^0.2); off, unchanged."""
+    from types import SimpleNamespace
+
+    from polopt_lightning.objectives import GRPO
+    from polopt_lightning.update import UpdateConfig, Updater
+
+    e = math.e
+    if mode == "token_truncate":
+        old = torch.tensor([[0.0, -1.0, -2.0], [-0.5, 0.0, 0.0]])
+        sampler = torch.tensor([[0.0, -2.0, -1.0], [-0.5, 0.0, 0.0]])
+        mask = torch.tensor([[1, 1, 1], [1, 0, 0]])
+        want = torch.tensor([[2.0, 2.0 * 2.0, 2.0 / e], [-1.0, -1.0, -1.0]])  # weights 1, e capped at 2, 1/e; 1
+    else:
+        old = torch.tensor([[0.0, -1.0, -2.0], [-0.5, -0.1, 0.0]])
+        sampler = torch.tensor([[0.0, -2.0, -2.5], [-0.7, -0.1, 0.0]])
+        mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+        want = torch.tensor([2.0 * 3.0, -1.0 * math.exp(0.2)])  # e^1.5 capped at 3; e^0.2
+    exp = SimpleNamespace(advantages=torch.tensor([2.0, -1.0]), sampling_logprobs=sampler)
+    rows = torch.arange(2)
+    for on in (True, False):
+        host = SimpleNamespace(update_config=UpdateConfig(is_correction=on, is_mode=mode, is_cap=3.0 if mode.startswith(
+            "sequence") else 2.0), objective=GRPO(), engine=None)
+        advantages, metrics = Updater(host).advantages(exp, rows, old, mask)
+        if on:
+            torch.testing.assert_close(advantages, want)
+            assert "is_weight_mean" in metrics
+        else:
+            assert torch.equal(advantages, exp.advantages) and metrics == {}
+
+
+def test_the_shipped_learning_rate_schedule_warms_up_for_20_steps_then_decays_by_a_cosine(tiny, tmp_path):
+    """The shipped settings (update=default, optimizer=adamw, trainer=cpu: cosine to 0 over trainer.max_steps, 20
+    warm-up steps, peak optimizer.lr) through the module's own optimizer and scheduler, stepped as a fit steps them:
+    the learning rate of each step, by hand."""
+    import lightning as L
+    from hydra.utils import instantiate
+
+    from polopt_lightning import PolicyOptimizationModule
+
+    from .helpers import compose_with
+
+    cfg = compose_with([], tmp_path)
+    shipped = instantiate(cfg["update"])  # cfg.update is the DictConfig method
+    assert (shipped.lr_schedule, shipped.warmup_steps, shipped.min_lr_ratio) == ("cosine", 20, 0.0)
+    peak, total = float(cfg.optimizer.lr), int(cfg.trainer.max_steps)
+    assert (peak, total) == (4e-5, 3000)
+    module = PolicyOptimizationModule(*tiny, reward_fns=[lambda prompts, completions, **kw: [0.0] * len(completions)],
+                                      update=shipped, optimizer=instantiate(cfg.optimizer))
+    module.trainer = L.Trainer(max_steps=total, accelerator="cpu", logger=False, enable_checkpointing=False,
+                               enable_progress_bar=False, enable_model_summary=False)
+    configured = module.configure_optimizers()
+    optimizer, scheduler = configured["optimizer"], configured["lr_scheduler"]["scheduler"]
+    assert configured["lr_scheduler"]["interval"] == "step"
+    lrs = []
+    for _ in range(total + 1):
+        lrs.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()  # no gradients: moves nothing
+        scheduler.step()
+    decay = total - 20  # cosine over the steps after the warm-up
+    by_hand = {0: peak / 20, 1: peak * 2 / 20, 9: peak / 2, 19: peak, 20: peak,
+               20 + decay // 4: peak * (1 + math.cos(math.pi / 4)) / 2, 20 + decay // 2: peak / 2,
+               20 + 3 * decay // 4: peak * (1 - math.cos(math.pi / 4)) / 2, total - 1: peak * (1 - math.cos(
+                   math.pi / decay)) / 2, total: 0.0}
+    assert {step: lrs[step] for step in by_hand} == pytest.approx(by_hand, rel=1e-9, abs=1e-15)
+    assert all(a < b for a, b in zip(lrs[:19], lrs[1:20]))  # rising through the warm-up, to the peak at step 19
+    assert all(a > b for a, b in zip(lrs[20:total], lrs[21:total + 1]))  # then falling every step
+
+
 def test_with_the_trainers_own_sampler_the_correction_changes_nothing(tmp_path, tiny, arithmetic_rows):
     """The transformers backend samples with the trainer's numerics: weights of 1 within float32 rounding (its decoding
     steps and the training forward round differently), the same update as without the correction, and the metrics

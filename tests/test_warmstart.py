@@ -35,7 +35,21 @@ def test_target_accuracy_stops_early():
     train, _ = ArithmeticTask(digits=1, train_size=30, val_size=0).splits()
     model, tok = tiny()
     info = supervised_warm_start(model, tok, train, WarmStartConfig(steps=500, target_accuracy=0.0, eval_every=10))
-    assert info["steps"] == 10 and info["probe_accuracy"] >= 0.0
+    # the probe (all 30 training rows here) is the stopped model's greedy exact-match share, decoded here by hand
+    model.eval()
+    right = 0
+    with torch.no_grad():
+        for row in train:
+            ids = tok(row["prompt"], return_tensors="pt")["input_ids"]
+            new = []
+            for _ in range(len(tok(row["answer"], add_special_tokens=False)["input_ids"]) + 1):
+                token = int(model(input_ids=ids).logits[0, -1].argmax())
+                if token == tok.eos_token_id:
+                    break
+                new.append(token)
+                ids = torch.cat([ids, torch.tensor([[token]])], dim=1)
+            right += tok.decode(new, skip_special_tokens=True).strip() == row["answer"]
+    assert info["steps"] == 10 and info["probe_accuracy"] == pytest.approx(right / len(train))
 
 
 def test_bad_rows_are_named():
