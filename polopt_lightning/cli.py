@@ -229,7 +229,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     from .data import PromptDataModule
     from .export import export_checkpoint
     from .loggers import close_loggers
-    from .models import as_adapter, as_quantization, check_combination, prepare_policy
+    from .models import as_adapter, as_quantization, check_combination, prepare_policy, train_in_float32
     from .module import PolicyOptimizationModule
     from .optim import optimizer_factory
     from .strategies import SHARDED, check_strategy, strategy_kind
@@ -261,6 +261,11 @@ def train(cfg: DictConfig) -> dict[str, Any]:
                    optimizer=(cfg.get("optimizer") or {}).get("name"),
                    backend=strategy_cfg.get("process_group_backend"))
     model, tokenizer = instantiate(cfg.model)
+    if (cfg.model.get("dtype") == "auto" and not quantization.enabled and not adapter.enabled
+            and (half := train_in_float32(model)) is not None):
+        log.info("model.dtype=auto: the checkpoint's %s weights train in float32 (an optimizer step at RL's learning "
+                 "rates is mostly lost to %s rounding); model.dtype=%s trains them as they are",
+                 str(half).replace("torch.", ""), str(half).replace("torch.", ""), str(half).replace("torch.", ""))
     task_cfg = _container(cfg, "task")
     task_rewards = task_cfg.pop("rewards", None) or {}  # a mixture's per-task reward overrides
     task = instantiate(task_cfg, _convert_="all") if task_cfg else None  # a mixture gets its tasks built

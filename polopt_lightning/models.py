@@ -520,6 +520,19 @@ def apply_adapter(model: nn.Module, adapter: Adapter) -> nn.Module:
     return get_peft_model(model, adapter.peft_config(model))
 
 
+def train_in_float32(model: nn.Module) -> torch.dtype | None:
+    """Cast a half-precision model's weights (bfloat16, float16: what a hub checkpoint loads in with ``dtype="auto"``)
+    to float32 in place, for full fine-tuning: the optimizer's state then follows in float32 too. In bfloat16 an AdamW
+    step smaller than half a unit of a weight's last place is rounded away, which at RL's learning rates (1e-6 to
+    1e-5) is most steps of most weights; mixed precision (``bf16-mixed``) expects float32 weights. Returns the dtype
+    it cast from, ``None`` when the model was not in half precision."""
+    half = float_dtype(model)
+    if half not in (torch.bfloat16, torch.float16):
+        return None
+    cast_weights(model, torch.float32, "model.dtype")
+    return half
+
+
 def float_dtype(model: nn.Module) -> torch.dtype:
     """The dtype of ``model``'s first floating-point parameter (float32 when it has none)."""
     return next((p.dtype for p in model.parameters() if p.dtype.is_floating_point), torch.float32)

@@ -29,6 +29,18 @@ def _isolated_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("POLOPT_CACHE", str(tmp_path / "cache"))
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest's skipif (a conftest's tryfirst hook runs before the built-in one)
+def pytest_runtest_setup(item):
+    """Under ``-m vllm`` (``-m gpu``) a test selected by that marker fails where vLLM (CUDA) is missing instead of
+    skipping: the run is in the environment made for it, so a failed install must not pass as all skipped."""
+    from .helpers import failing_needs
+
+    reasons = failing_needs(item.config.getoption("markexpr"), item)
+    if reasons:
+        pytest.fail(f"-m {item.config.getoption('markexpr')!r} selects this test, but {'; '.join(reasons)} "
+                    "(this environment is the one made for it: fix its install instead of skipping)", pytrace=False)
+
+
 _PEAK_RISES: list[tuple[float, float, str]] = []  # (rise, peak after, test) where a test raised pytest's peak
 
 

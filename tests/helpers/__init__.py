@@ -85,12 +85,44 @@ def _host_memory():
 
 def run_if(*needs):
     """A mark that skips the test where the machine lacks one of ``needs`` (:data:`NEEDS`' names), printing each
-    missing one's reason; as Lightning's ``RunIf``."""
+    missing one's reason; as Lightning's ``RunIf``. The mark carries the missing ones' names (``missing``): where the
+    run's ``-m`` selects the test by a marker whose environment is made for one of them (:data:`MARKER_NEEDS`), the
+    test fails instead (tests/conftest.py)."""
     unknown = [n for n in needs if n not in NEEDS]
     if unknown:
         raise KeyError(f"run_if: unknown needs {unknown}; known: {sorted(NEEDS)}")
-    missing = [NEEDS[n][1] for n in needs if not NEEDS[n][0]()]
-    return pytest.mark.skipif(bool(missing), reason="; ".join(missing) or "all present")
+    missing = tuple(n for n in needs if not NEEDS[n][0]())
+    return pytest.mark.skipif(bool(missing), reason="; ".join(NEEDS[n][1] for n in missing) or "all present",
+                              missing=missing)
+
+
+# the need that the environment of a marker's tests is made for: where the run's -m expression selects a test by that
+# marker (`-m vllm` in .venv-vllm, `-m gpu` on a GPU machine: benchmarks/gpu_check.sh), its absence is a broken
+# environment, so the test fails instead of skipping; elsewhere (the default run deselects both) it skips as before.
+# `2 cuda` is not the gpu marker's: one GPU is a GPU machine, and the two-device tests skip there
+MARKER_NEEDS = {"vllm": "vllm", "gpu": "cuda"}
+
+
+def selected_by(markexpr, marks):
+    """The markers of :data:`MARKER_NEEDS` by which ``-m markexpr`` selects a test carrying ``marks`` (names): the
+    expression holds with the marker and not without it (``-m vllm`` selects a test by ``vllm``; ``-m commands``
+    and ``-m 'not slow'`` select test_commands.py's vLLM lines by other marks, so they skip there as before)."""
+    if not markexpr:
+        return set()
+    from _pytest.mark.expression import Expression  # what pytest's -m evaluates
+
+    expr = Expression.compile(markexpr)
+    holds = lambda names: expr.evaluate(lambda name, **kwargs: name in names and not kwargs)
+    marks = set(marks)
+    return {m for m in MARKER_NEEDS if m in marks and holds(marks) and not holds(marks - {m})}
+
+
+def failing_needs(markexpr, item):
+    """The reasons of ``item``'s missing needs (its :func:`run_if` marks) that fail it rather than skip it under
+    ``-m markexpr``: those of the markers that selected it."""
+    vouched = {MARKER_NEEDS[m] for m in selected_by(markexpr, {mark.name for mark in item.iter_markers()})}
+    return [NEEDS[n][1] for mark in item.iter_markers("skipif") for n in mark.kwargs.get("missing", ())
+            if n in vouched]
 
 
 def distinct_chars(prompts, completions, **kw):

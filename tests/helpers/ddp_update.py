@@ -3,7 +3,10 @@
 ``python tests/helpers/ddp_update.py OUT WORLD OBJECTIVE [key=value ...]`` (``strategy=fsdp``: FSDP2 instead of DDP;
 ``anchor=COEF``: with the supervised anchor; ``advantage_estimator=NAME``; ``kl_estimator=NAME``; ``kl_in_reward=C``;
 ``entropy_coef=C``; ``top_entropy_quantile=Q``; ``width=W``: a model W wide, whose weights from 512 on are large enough for
-the oneDNN linear layers): rank 0 writes ``OUT`` (torch.save) with
+the oneDNN linear layers; ``max_grad_norm=C``: clipping by global norm, none by default; ``optimizer=adamw``: the shipped
+conf/optimizer/adamw.yaml instead of plain SGD; ``mini_batches=M``: M optimizer steps on the rollout, none of its rows
+twice, split in each process's row order so that 1 and 2 processes put the same prompts in each step): rank 0 writes
+``OUT`` (torch.save) with
 the policy's weights after the step, the step's logged metrics, and every prompt's advantages. The prompts' completions
 do not depend on the number of processes (each prompt samples with a generator seeded by its own tokens), so a run
 with 1 process and ``4 * B`` prompts and one with 2 processes and ``2 * B`` prompts each train on the same rollouts.
@@ -13,12 +16,17 @@ Lightning relaunches this script for rank 1 (its ``popen`` launcher), as it does
 import sys
 import zlib
 from functools import partial
+from pathlib import Path
 
 import lightning as L
 import torch
+from hydra.utils import instantiate
+from omegaconf import OmegaConf
 
 from polopt_lightning import PolicyOptimizationModule, PromptDataModule
+from polopt_lightning import update as update_module
 from polopt_lightning.accel.cpu.linear import OneDNNLinear
+from polopt_lightning.cli import config_dir
 from polopt_lightning.data import ArithmeticTask
 from polopt_lightning.distributed import all_gather_objects, close_process_group
 from polopt_lightning.experience import pad_cat
@@ -75,6 +83,16 @@ def main() -> None:
     out, world, objective, *extra = sys.argv[1:]
     world = int(world)
     options = dict(kv.split("=", 1) for kv in extra)
+    mini_batches = int(options.get("mini_batches", 1))
+    if mini_batches > 1:
+        # each process draws its own random split of its rows, so 1 and 2 processes would step on different prompts;
+        # in row order instead, step k takes every process's k-th prompts (process r samples prompts r, r + 2, ...),
+        # which one process with all 4 prompts in order takes too
+        update_module.mini_batch_order = lambda group_index, seed, share_prompt: torch.arange(group_index.numel())
+    if options.get("optimizer") == "adamw":  # the shipped optimizer (AdamW, torch's fused kernel) and its settings
+        optimizer = instantiate(OmegaConf.load(Path(config_dir()) / "optimizer" / "adamw.yaml"))
+    else:  # plain SGD: the update is the gradient itself (Adam's first step would hide a wrong gradient scale)
+        optimizer = partial(torch.optim.SGD, lr=0.5)
     torch.manual_seed(0)
     model, tok = build_tiny_model(**model_shape(options.get("width")), seed=0)
     data = PromptDataModule(task=ArithmeticTask(digits=1, train_size=16, val_size=4, seed=0), tokenizer=tok,
@@ -86,13 +104,13 @@ def main() -> None:
         model, tok, objective=spec, reward_fns=[digit_share, ExactMatchReward()], generation={"max_new_tokens": 4},
         experience={"num_generations": 4, "advantage_scale": options.get("advantage_scale"),
                     "advantage_estimator": options.get("advantage_estimator", "grpo")},
-        update={"mini_batches": 1, "max_grad_norm": None,
+        update={"mini_batches": mini_batches,
+                "max_grad_norm": float(options["max_grad_norm"]) if "max_grad_norm" in options else None,
                 "micro_batch_tokens": int(options["micro_batch_tokens"]) if "micro_batch_tokens" in options else None,
                 "entropy_coef": float(options.get("entropy_coef", 0.0)),
                 "top_entropy_quantile": float(options.get("top_entropy_quantile", 1.0))},
         reference={"kl_in_reward": float(options.get("kl_in_reward", 0.0))},
-        # plain SGD: the update is the gradient itself (Adam's first step would hide a wrong gradient scale)
-        optimizer=partial(torch.optim.SGD, lr=0.5), rollout_engine=PerPromptEngine(),
+        optimizer=optimizer, rollout_engine=PerPromptEngine(),
         # the supervised anchor on the arithmetic answers: its NLL a token mean over every process's prompts
         anchor={"coef": float(options["anchor"])} if "anchor" in options else None)
     if options.get("strategy") == "fsdp":
@@ -101,7 +119,7 @@ def main() -> None:
         strategy = fsdp(model, process_group_backend="gloo")
     else:
         strategy = L.pytorch.strategies.DDPStrategy(process_group_backend="gloo") if world > 1 else "auto"
-    trainer = L.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_steps=1, logger=False,
+    trainer = L.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_steps=mini_batches, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         num_sanity_val_steps=0, limit_val_batches=0)
     trainer.fit(module, datamodule=data)
