@@ -308,6 +308,8 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     except BaseException as err:  # Ctrl-C reaches here as Lightning's SystemExit, after on_exception.ckpt is saved
         if trainer.is_global_zero:
             _say_how_to_resume(run_dir, err)
+        if isinstance(err, SystemExit) and not err.code:  # SIGTERM: Lightning's SIGTERMException exits with 0
+            raise SystemExit(128 + 15) from err  # a stopped run is not a finished one (schedulers, `&&` chains)
         raise
     rl_wall = time.perf_counter() - rl_start
     if resuming:

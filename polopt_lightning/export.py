@@ -123,19 +123,22 @@ def _shown(names: list[str]) -> str:
 
 def foreign_entries(folder: str | Path) -> list[str]:
     """What in ``folder`` no export wrote (sorted; a subfolder with a trailing ``/``): every entry but the files its
-    :data:`EXPORT_MARKER` lists, the marker itself and Hugging Face model, adapter and tokenizer files
-    (:data:`HF_FILES`). ``[]``: ``folder`` is empty or a previous export, which ``overwrite`` may replace."""
+    :data:`EXPORT_MARKER` lists and the marker itself; in a folder without a marker (an export made before it), every
+    entry but Hugging Face model, adapter and tokenizer files (:data:`HF_FILES`). ``[]``: ``folder`` is empty or a
+    previous export, which ``overwrite`` may replace."""
     folder = Path(folder)
     try:
-        listed = json.loads((folder / EXPORT_MARKER).read_text()).get("files", [])
+        listed = json.loads((folder / EXPORT_MARKER).read_text()).get("files")
     except (OSError, ValueError, AttributeError):  # no marker, or not one this project wrote
-        listed = []
-    ours = {name for name in listed if isinstance(name, str)} | {EXPORT_MARKER}
+        listed = None
+    # a marked export: exactly the files it wrote (a README.md or vocab.txt put there since is the user's); an export
+    # from before the marker: Hugging Face's file names
+    ours = {name for name in listed if isinstance(name, str)} | {EXPORT_MARKER} if isinstance(listed, list) else None
     out = []
     for entry in sorted(folder.iterdir()):
         if not entry.is_file():  # a folder (checkpoints/, a run's csv/), a broken link, ...
             out.append(entry.name + "/" if entry.is_dir() else entry.name)
-        elif entry.name not in ours and not HF_FILES.fullmatch(entry.name):
+        elif entry.name not in ours if ours is not None else not HF_FILES.fullmatch(entry.name):
             out.append(entry.name)
     return out
 

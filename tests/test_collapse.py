@@ -57,6 +57,15 @@ def test_a_rule_fires_again_after_its_condition_cleared():
     assert fired == [("grad_norm_spike", 40), ("grad_norm_spike", 70)]
 
 
+def test_steps_without_a_gradient_do_not_make_the_next_gradient_a_spike():
+    """Groups whose rewards are all equal give a zero gradient: a run of them must not set the spike rule's baseline
+    to 0 (a short run printed a grad_norm_spike warning at every ordinary step after one)."""
+    fired = stream(CollapseRules(), 100, **{"train/grad_norm": lambda s: 0.0 if s < 70 else 2.3})
+    assert fired == []
+    fired = stream(CollapseRules(), 100, **{"train/grad_norm": lambda s: 0.0 if s < 70 else (50.0 if s == 90 else 1.0)})
+    assert fired == [("grad_norm_spike", 90)]  # a real spike over the norms that were there still counts
+
+
 def test_validation_drop_needs_patience_and_margin():
     rules = CollapseRules(val_margin=0.05, val_patience=2)
     values = [0.5, 0.7, 0.68, 0.64, 0.71, 0.6, 0.6, 0.6]  # within the margin; one below; then two below in a row

@@ -229,16 +229,24 @@ def test_overwrite_replaces_a_previous_export_whole_and_refuses_a_folder_with_an
     written = sorted(p.name for p in out.iterdir())
     assert marker["files"] == [n for n in written if n != "polopt_export.json"] and "model.safetensors" in written
     assert marker["source"] == str(ckpt)
-    # a stale shard and index of an older, sharded export: replaced whole, none left
+    # a stale shard and index of an older, sharded export (its marker lists them): replaced whole, none left
     (out / "model-00001-of-00002.safetensors").write_bytes(b"old")
     (out / "model.safetensors.index.json").write_text("{}")
+    stale = {**marker, "files": marker["files"] + ["model-00001-of-00002.safetensors", "model.safetensors.index.json"]}
+    (out / "polopt_export.json").write_text(json.dumps(stale))
+    export_checkpoint(ckpt, out, overwrite=True)
+    assert sorted(p.name for p in out.iterdir()) == written
+    # an export from before the marker: Hugging Face's file names are all it may hold
+    (out / "polopt_export.json").unlink()
+    (out / "model-00001-of-00002.safetensors").write_bytes(b"old")
     export_checkpoint(ckpt, out, overwrite=True)
     assert sorted(p.name for p in out.iterdir()) == written
     module.save_pretrained(out, overwrite=True)  # the module's own export is one too
     assert sorted(p.name for p in out.iterdir()) == written
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".exported.")]  # no temporary folder left
     # anything an export did not write: refused, listed, kept
-    for foreign in ("notes.txt", "results.json", "eval/scores.csv"):
+    # (a README.md or vocab.txt of the user's too: a marked export may hold only the files its marker lists)
+    for foreign in ("notes.txt", "results.json", "eval/scores.csv", "README.md", "vocab.txt"):
         (out / foreign).parent.mkdir(exist_ok=True)
         (out / foreign).write_text("mine")
         before = _tree(out)

@@ -201,14 +201,45 @@ def test_no_exception_checkpoint_under_several_processes(tmp_path, caplog):
 # Ctrl-C at the start of the rollout after optimizer step INTERRUPT_AT (set in the environment of the first run only:
 # a resume replays the run's overrides, this callback's among them)
 INTERRUPT = (
-    "import os\n"
+    "import os, signal\n"
     "import lightning as L\n"
     "class InterruptAt(L.Callback):\n"
     "    def on_train_batch_start(self, trainer, *args, **kwargs):\n"
     "        at = os.environ.get('INTERRUPT_AT')\n"
     "        if at and trainer.global_step >= int(at):\n"
-    "            raise KeyboardInterrupt\n"
+    "            if os.environ.get('INTERRUPT_SIGNAL') == 'TERM':  # as a scheduler stops a job\n"
+    "                os.environ.pop('INTERRUPT_AT')\n"
+    "                os.kill(os.getpid(), signal.SIGTERM)\n"
+    "            else:\n"
+    "                raise KeyboardInterrupt\n"
 )
+
+
+def test_a_sigterm_stops_the_run_with_a_failing_exit_and_says_how_to_resume(tmp_path):
+    """A scheduler's SIGTERM: on_exception.ckpt saved, the resume command printed, and a non-zero exit (Lightning's
+    SIGTERMException is a SystemExit with code 0, which made `polopt-train ... && polopt-export ...` go on)."""
+    (tmp_path / "interrupt_cb.py").write_text(INTERRUPT)
+    run = tmp_path / "run"
+    proc = run_cli(FAST + ["trainer.max_steps=8", "+callbacks.interrupt._target_=interrupt_cb.InterruptAt",
+                           f"hydra.run.dir={run}"], tmp_path,
+                   {"PYTHONPATH": str(tmp_path), "INTERRUPT_AT": "2", "INTERRUPT_SIGNAL": "TERM"})
+    console = proc.stdout + proc.stderr
+    assert proc.returncode == 143, (proc.returncode, console[-3000:])
+    assert f"Resume with: polopt-train ckpt_path={run}" in console, console[-3000:]
+    assert (run / "checkpoints" / "on_exception.ckpt").is_file() and not (run / "results.json").exists()
+
+
+def test_periodic_checkpoints_come_whenever_the_step_crosses_their_period(tmp_path):
+    """A rollout makes several optimizer steps (2 here), so `global_step % every_n_train_steps` can skip every save
+    (every 5 steps: 2, 4, 6, 8 never land on 5; after a resume mid-rollout the steps are odd and never land on an even
+    period): a save comes at the first step past each multiple."""
+    (tmp_path / "interrupt_cb.py").write_text(INTERRUPT)
+    run = tmp_path / "run"
+    proc = run_cli(FAST + ["trainer.max_steps=12", "callbacks.checkpoint.every_n_train_steps=5",
+                           "+callbacks.interrupt._target_=interrupt_cb.InterruptAt", f"hydra.run.dir={run}"],
+                   tmp_path, {"PYTHONPATH": str(tmp_path), "INTERRUPT_AT": "8"})
+    assert proc.returncode != 0, proc.stderr[-3000:]  # stopped at step 8, before the end's own save
+    assert torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 6  # past 5
 
 
 def _listing(folder: Path) -> dict[str, int]:

@@ -55,6 +55,11 @@ class RolloutCheckpoint(ModelCheckpoint):
         self._held: AtomicCheckpointIO | None = None  # the writer holding this step's files until its metrics are logged
         self._held_removals: list[str] = []  # checkpoints the held ones replace, removed once those are in place
         self._ranked_outside_fit: int | None = None  # the step of the last validation outside fit ranked here
+        self._period: int = 0  # global_step // every_n_train_steps at the last periodic save (or the start of fit)
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        super().on_train_start(trainer, pl_module)
+        self._period = trainer.global_step // max(1, self._every_n_train_steps)
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any, **kwargs: Any) -> None:
         io = trainer.strategy.checkpoint_io
@@ -75,8 +80,12 @@ class RolloutCheckpoint(ModelCheckpoint):
         # Lightning's manual-optimisation branch differs from the automatic one only by restoring a pre-step state that
         # its own test module keeps, and by a warning when there is none: the automatic branch's saving, here. (The
         # automatic flag cannot be flipped for the call: `trainer.global_step` reads another counter then.)
-        if self._every_n_train_steps < 1 or trainer.global_step % self._every_n_train_steps:
+        # saved whenever the step crosses a multiple of every_n_train_steps: a rollout makes several optimizer steps,
+        # and a run resumed mid-rollout (an odd step) would never land on one
+        period = trainer.global_step // max(1, self._every_n_train_steps)
+        if self._every_n_train_steps < 1 or period == self._period:
             return
+        self._period = period
         if self._should_skip_saving_checkpoint(trainer):
             return
         candidates = self._monitor_candidates(trainer)

@@ -173,8 +173,9 @@ class CollapseRules:
                                           f"entropy {value:.4g} < {self.entropy_floor:g} x its start {start:.4g}"))
         for rule, key, factor, minimum in (("kl_spike", "train/kl", self.kl_factor, self.kl_min),
                                            ("grad_norm_spike", "train/grad_norm", self.grad_norm_factor, 0.0)):
-            if key not in get:
-                continue
+            if key not in get or (key == "train/grad_norm" and get[key] == 0):
+                continue  # a step without a learning signal (every group's rewards equal) has no gradient to compare,
+                # and its zeros would drag the running median to 0, making any later gradient a "spike"
             value, median = get[key], self._median(key)
             if median is not None:
                 threshold = max(factor * median, minimum)
