@@ -152,6 +152,10 @@ _PLAIN_BLOCKS = {"generation": "polopt_lightning.rollout.base.SamplingConfig",
 _TOP_LEVEL_TYPES = {"seed": int, "num_threads": int | None, "validate_before": bool, "verbose": bool}
 
 
+# keys a group holds that the CLI takes apart before it builds the group's object (a mixture's per-task rewards)
+_TAKEN_APART = {("task", "rewards"), ("warm_start", "enabled")}
+
+
 def check_config(cfg: DictConfig) -> None:
     """Every value before anything is built, each error naming the key as it is typed on the command line: a required
     value not given (``???``), and a value of the wrong type, by the type hints of what takes it (the callable a
@@ -161,7 +165,7 @@ def check_config(cfg: DictConfig) -> None:
     ``target_for(values)`` attribute."""
     from hydra.utils import get_object
 
-    from .settings import annotations_of, check_types
+    from .settings import accepted_names, annotations_of, check_names, check_types
 
     missing = sorted(OmegaConf.missing_keys(OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"])))
     if missing:
@@ -177,15 +181,19 @@ def check_config(cfg: DictConfig) -> None:
         if not isinstance(node, dict):
             return
         target: Any = None
+        registry_key: set[str] = set()  # a registry's factory takes the registered name beside the class's settings
         try:
             target = get_object(node["_target_"]) if isinstance(node.get("_target_"), str) else (
                 get_object(plain) if plain else None)
             if target is not None and hasattr(target, "target_for"):
-                target = target.target_for(node) or target
+                registered = target.target_for(node)
+                target, registry_key = (registered, {"name"}) if registered else (target, set())
         except Exception:  # an unknown target: instantiating it says so
             target = None
         if target is not None:
-            values = {k: v for k, v in node.items() if not str(k).startswith("_")}
+            values = {k: v for k, v in node.items() if not str(k).startswith("_") and (key, k) not in _TAKEN_APART}
+            accepted = accepted_names(target)
+            check_names(values, accepted | registry_key if accepted is not None else None, key)
             check_types(values, annotations_of(target), key)
         for k, v in node.items():
             walk(v, f"{key}.{k}")

@@ -123,6 +123,40 @@ def annotations_of(target: Any) -> dict[str, Any]:
     return {}
 
 
+def accepted_names(target: Any) -> set[str] | None:
+    """The keyword arguments ``target`` takes, ``None`` where it takes any (``**kwargs``) or its signature cannot be
+    read. A class whose ``__init__`` passes ``**kwargs`` on takes its own names and its bases' (up to the first base
+    that takes no ``**kwargs``)."""
+    import inspect
+
+    inits = [c.__init__ for c in target.__mro__ if "__init__" in vars(c)] if isinstance(target, type) else [target]
+    names: set[str] = set()
+    for init in inits:
+        try:
+            params = list(inspect.signature(init).parameters.values())
+        except (TypeError, ValueError):
+            return None
+        names |= {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)} - {"self"}
+        if not any(p.kind is p.VAR_KEYWORD for p in params):
+            return names
+    return None
+
+
+def check_names(values: Mapping[str, Any], accepted: set[str] | None, key: str) -> None:
+    """Raise a ValueError naming ``key.<name>`` for the first of ``values`` that ``accepted`` lacks (a typo such as
+    ``generation.max_new_token``), with the closest accepted name and the rest."""
+    import difflib
+
+    if accepted is None:
+        return
+    for name in values:
+        if name not in accepted:
+            close = difflib.get_close_matches(str(name), accepted, n=1)
+            hint = f"did you mean {key + '.' if key else ''}{close[0]}? " if close else ""
+            raise ValueError(f"{key + '.' if key else ''}{name}: no such setting; {hint}"
+                             f"the settings there: {', '.join(sorted(accepted))}")
+
+
 def check_types(values: Mapping[str, Any], hints: Mapping[str, Any], key: str) -> None:
     """Raise a ValueError naming ``key.<name>`` and the type wanted for the first of ``values`` its hint refuses
     (``objective.beta: expected a number, got 'abc'``)."""

@@ -538,6 +538,23 @@ def test_a_wrongly_typed_value_names_its_key_and_the_type_wanted(overrides, mess
     assert not (tmp_path / "checkpoints").exists()
 
 
+@pytest.mark.parametrize("override,message", [
+    ("+generation.max_new_token=3", "generation.max_new_token: no such setting; did you mean "
+                                    "generation.max_new_tokens?"),
+    ("+objective.bta=0.1", "objective.bta: no such setting; did you mean objective.beta?"),
+    ("+callbacks.checkpoint.every_n_train_step=5", "callbacks.checkpoint.every_n_train_step: no such setting; did you "
+                                                   "mean callbacks.checkpoint.every_n_train_steps?"),
+])
+def test_a_misspelt_key_is_named_with_the_closest_setting_before_anything_runs(override, message, tmp_path):
+    """A key the object of its group does not take (Hydra's own hint for a typo is the `+key=` form) fails before the
+    warm start, not minutes into the run with the constructor's "unexpected keyword argument"."""
+    cfg = compose_with(FAST + [override], tmp_path)
+    set_hydra(cfg)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        train(cfg)
+    assert not (tmp_path / "checkpoints").exists()
+
+
 def test_a_wrongly_typed_value_on_the_command_line_says_its_key(tmp_path):
     proc = run_cli(FAST + ["objective.beta=abc", f"hydra.run.dir={tmp_path}/run"], tmp_path)
     assert proc.returncode != 0 and "objective.beta: expected a number, got 'abc'" in proc.stderr, proc.stderr[-2000:]
