@@ -55,6 +55,23 @@ def test_the_kv_cache_size_is_a_whole_number_of_gib_named_by_its_key():
             VLLMRolloutEngine(kv_cache_gib=bad)
 
 
+def test_the_drop_in_engine_has_the_command_lines_settings():
+    """`rollout_engine="vllm"` (docs/recipes.md) builds the class with its own defaults, `rollout=vllm` from
+    conf/rollout/vllm.yaml: the same values, so the fixture above (the YAML's) tests both."""
+    import inspect
+
+    from omegaconf import OmegaConf
+
+    from polopt_lightning.rollout.vllm import VLLMRolloutEngine
+
+    from .helpers import CONF
+
+    shipped = OmegaConf.to_container(OmegaConf.load(CONF / "rollout" / "vllm.yaml"))
+    defaults = {k: p.default for k, p in inspect.signature(VLLMRolloutEngine).parameters.items()
+                if p.default is not inspect.Parameter.empty}
+    assert {k: v for k, v in shipped.items() if k != "_target_"} == defaults
+
+
 def test_vllm_samples_in_the_policys_dtype_unless_told():
     from polopt_lightning.rollout.vllm import policy_dtype
 
