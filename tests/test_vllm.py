@@ -53,6 +53,8 @@ def test_the_kv_cache_size_is_a_whole_number_of_gib_named_by_its_key():
     for bad in (1.5, 0, "2", True):
         with pytest.raises(ValueError, match=r"rollout\.kv_cache_gib: expected a whole number of GiB"):
             VLLMRolloutEngine(kv_cache_gib=bad)
+    with pytest.raises(ValueError, match=r"rollout\.dtype must be one of .* or auto, got 'bf17'"):
+        VLLMRolloutEngine(dtype="bf17")
 
 
 def test_the_drop_in_engine_has_the_command_lines_settings():

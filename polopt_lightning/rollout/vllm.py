@@ -165,7 +165,10 @@ class VLLMRolloutEngine(RolloutEngine):
                  tensor_parallel_size: int = 1, enable_sleep_mode: bool = False, enable_prefix_caching: bool = True,
                  dtype: str = "auto", enforce_eager: bool | None = None, kv_cache_gib: int | None = 2,
                  model_dir: str | None = None, **llm_kwargs: Any) -> None:
+        from ..models import resolve_dtype
+
         kv_cache_gib = whole_gib(kv_cache_gib)  # a bad value named before the install is checked or anything loads
+        self.wanted_dtype = resolve_dtype(dtype, "rollout.dtype")  # "auto": the policy's, found when it is loaded
         if not vllm_available():
             raise ImportError(INSTALL)
         self.settings = dict(gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len,
@@ -190,7 +193,7 @@ class VLLMRolloutEngine(RolloutEngine):
             check_head_size(config)
         settings = {k: v for k, v in self.settings.items() if v is not None}
         dtype = settings.pop("dtype")
-        self.dtype = policy_dtype(weights) if dtype == "auto" else getattr(torch, str(dtype).replace("torch.", ""))
+        self.dtype = policy_dtype(weights) if self.wanted_dtype == "auto" else self.wanted_dtype
         if self.model_dir is None:
             self._folder = tempfile.TemporaryDirectory(prefix="polopt_vllm_")
         folder = Path(self.model_dir or self._folder.name)
