@@ -3,6 +3,7 @@ completion laid out turn by turn with the environment's tokens in the context bu
 log-probs equal to the training pass's on the policy's tokens, rewards that see the conversation, and training with
 every kind of objective and off-policy passes."""
 
+import sys
 import time
 
 import pytest
@@ -75,7 +76,9 @@ def test_the_shipped_pythonic_format_parses_one_call_several_and_refuses_malform
         calls = parse(f"let me try {malformed}")
         assert len(calls) == 1 and calls[0]["error"].startswith("malformed tool call '[add(") and why in calls[0][
             "error"], (malformed, calls)
-    deep = '<tool_call>{"name": "add", "arguments": {"a": ' + "[" * 2000 + "]" * 2000 + "}}</tool_call>"
+    # past the limit in force (torch.compile's tests raise it: a fixed 2000 parsed fine after them in the whole suite)
+    depth = sys.getrecursionlimit() + 500
+    deep = '<tool_call>{"name": "add", "arguments": {"a": ' + "[" * depth + "]" * depth + "}}</tool_call>"
     assert "malformed tool call" in parse_tool_calls(deep)[0]["error"]  # hermes too: nesting past Python's limit
     env = ToolEnvironment([add], format=shipped.format)
     assert env.step("[add(a=12, b=34), add(a=1, b=2)]").observation == "46\n3"
