@@ -78,6 +78,7 @@ def test_a_small_run_records_every_phase_of_every_step(tmp_path):
     assert pooled.returncode == 0 and "2 runs pooled" in pooled.stdout, pooled.stderr[-2000:]
 
 
+@pytest.mark.slow  # the smoke run with TRL beside it (~60 s): python -m pytest -m slow
 def test_trl_phases_and_the_paired_speed_up(tmp_path):
     if importlib.util.find_spec("trl") is None:
         pytest.skip("TRL is not installed (the bench extra: pip install -e '.[bench]')")

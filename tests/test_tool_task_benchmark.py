@@ -6,9 +6,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow  # three command-line runs (~50 s): python -m pytest -m slow
 def test_quick_tool_task_runs_from_the_command_line_and_writes_its_table(tmp_path):
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "tool_task.py"), "--out", str(tmp_path / "out"),
                            "--runs", str(tmp_path / "runs"), "--quick", "--seeds", "0", "--jobs", "2"],
