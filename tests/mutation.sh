@@ -1,44 +1,105 @@
 #!/usr/bin/env bash
-# Mutation testing of the core (objectives, advantages) with mutmut 3 (the `dev` extra); docs/testing.md.
-#   tests/mutation.sh [FILE ...]     default: the six files below; one worker (MUTMUT_JOBS to change it)
-# Runs in a scratch copy (MUTATION_DIR, default a fresh temporary folder) so that mutmut's `mutants/` folder never
-# lands in the tree; prints `mutmut results` (surviving mutants) and a score per file.
+# Mutation testing of the core with mutmut 3 (the `dev` extra); docs/testing.md.
+#   tests/mutation.sh [GROUP ...]    groups: objectives advantages update experience rewards multi_turn (default: all)
+#   MUTMUT_JOBS (default 1): workers; MUTATION_DIR: the scratch folder; MUTATION_FLOOR: fail below this score (%);
+#   MUTANTS: mutant name patterns (fnmatch, e.g. "polopt_lightning.objectives.base.*") instead of the group's
+# Each group mutates its files (or the functions it names) and runs, for each mutant, only the fast tests of its
+# selection that cover the mutated function. It works in a scratch copy (mutmut's `mutants/` never lands in the tree)
+# and prints the score per file and the surviving mutants (`mutmut show NAME` in the group's folder: the diff).
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 py="${PYTHON:-$root/.venv-test/bin/python}"
 [ -x "$py" ] || py=python
-files=("$@")
-[ ${#files[@]} -gt 0 ] || files=(polopt_lightning/objectives/base.py polopt_lightning/objectives/grpo.py
-  polopt_lightning/objectives/gspo.py polopt_lightning/objectives/cispo.py polopt_lightning/objectives/sapo.py
-  polopt_lightning/advantages.py)
+groups=("$@")
+[ ${#groups[@]} -gt 0 ] || groups=(objectives advantages update experience rewards multi_turn)
 work="${MUTATION_DIR:-$(mktemp -d /tmp/polopt-mutation.XXXXXX)}"
 mkdir -p "$work"
-cp -r "$root/polopt_lightning" "$root/conf" "$root/tests" "$root/pyproject.toml" "$work/"
-find "$work" -name __pycache__ -prune -exec rm -rf {} +
-# The fast unit tests that cover these files (seconds per mutant); the fits in test_estimators.py are deselected.
-{
-  echo "[mutmut]"
-  echo "source_paths = polopt_lightning"
-  echo "also_copy = conf"
-  printf 'only_mutate =\n'; for f in "${files[@]}"; do printf '    %s\n' "$f"; done
-  printf 'pytest_add_cli_args_test_selection =\n    tests/test_objectives.py\n    tests/test_objectives_edges.py\n    tests/test_advantages.py\n    tests/test_advantages_edges.py\n    tests/test_estimators.py\n'
-  printf 'pytest_add_cli_args =\n    -p\n    no:cacheprovider\n    -k\n    not fit_with_each and not losses_by_name_train and not whitens_by_the_completions\n'
-  echo "process_isolation = forkserver"
-} > "$work/setup.cfg"
-cd "$work"
-export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
-"$py" -m mutmut run --max-children "${MUTMUT_JOBS:-1}" >"$work/run.log" 2>&1 || { tail -40 "$work/run.log"; exit 1; }
-"$py" -m mutmut results --all true > "$work/results.txt" || true
-"$py" - "$work/results.txt" <<'PY'
-import collections, sys
+status=0
+for group in "${groups[@]}"; do
+  names=()  # mutant name patterns (fnmatch); none: every mutant of the files
+  deselect="not fit_with_each and not losses_by_name_train"
+  case "$group" in
+    objectives)
+      files=(polopt_lightning/objectives/base.py polopt_lightning/objectives/grpo.py polopt_lightning/objectives/gspo.py
+             polopt_lightning/objectives/cispo.py polopt_lightning/objectives/sapo.py)
+      tests=(tests/test_objectives.py tests/test_objectives_edges.py tests/test_estimators.py tests/test_kl_entropy.py
+             tests/test_core_edges.py)
+      deselect="$deselect and not train_from_a_fit and not in_the_checkpoint and not kl_reward_penalty and not adapter_disabled"
+      ;;
+    advantages)
+      files=(polopt_lightning/advantages.py)
+      tests=(tests/test_advantages.py tests/test_advantages_edges.py tests/test_estimators.py)
+      ;;
+    update)  # the step's update: the sampler correction, mini- and micro-batches, the schedule
+      files=(polopt_lightning/update.py)
+      tests=(tests/test_update.py tests/test_performance_equivalence.py tests/test_kl_entropy.py tests/test_core_edges.py)
+      names=("polopt_lightning.update.x_sampler_weights__*" "polopt_lightning.update.x_mini_batch_order__*"
+             "polopt_lightning.update.x_micro_batches__*" "polopt_lightning.update.x_lr_factor__*"
+             "polopt_lightning.update.xǁUpdaterǁadvantages__*"
+             "polopt_lightning.update.xǁUpdaterǁweighted_advantages__*" "polopt_lightning.update.xǁUpdaterǁcorrects__*")
+      deselect="$deselect and not train_from_a_fit and not in_the_checkpoint and not adapter_disabled"
+      ;;
+    experience)
+      files=(polopt_lightning/experience.py)
+      tests=(tests/test_experience.py tests/test_estimators.py tests/test_kl_entropy.py tests/test_core_edges.py)
+      names=("polopt_lightning.experience.xǁExperienceMakerǁkl_penalty__*"
+             "polopt_lightning.experience.xǁExperienceMakerǁbatch_moments__*" "polopt_lightning.experience.x_pad_cat__*"
+             "polopt_lightning.experience.x_concat_groups__*")
+      deselect="$deselect and not train_from_a_fit and not in_the_checkpoint and not adapter_disabled"
+      ;;
+    rewards)
+      files=(polopt_lightning/rewards/composer.py)
+      tests=(tests/test_rewards.py tests/test_core_edges.py)
+      ;;
+    multi_turn)  # the masks of multi-turn rollouts: whose tokens are whose, and the budget
+      files=(polopt_lightning/rollout/multi_turn.py)
+      tests=(tests/test_multi_turn.py tests/test_core_edges.py)
+      names=("polopt_lightning.rollout.multi_turn.xǁEpisodeǁadd__*" "polopt_lightning.rollout.multi_turn.xǁMultiTurnEngineǁtake_turn__*"
+             "polopt_lightning.rollout.multi_turn.xǁMultiTurnEngineǁanswer_turn__*" "polopt_lightning.rollout.multi_turn.x_left_pad__*"
+             "polopt_lightning.rollout.multi_turn.x_assemble__*" "polopt_lightning.rollout.multi_turn.xǁChatTurnsǁobservation_ids__*")
+      deselect="$deselect and not off_policy_passes and not hung_one_is_killed and not errors_and_hangs"
+      ;;
+    *) echo "unknown group $group (objectives advantages update experience rewards multi_turn)" >&2; exit 2 ;;
+  esac
+  [ -z "${MUTANTS:-}" ] || read -r -a names <<< "$MUTANTS"
+  dir="$work/$group"
+  rm -rf "$dir" && mkdir -p "$dir"
+  cp -r "$root/polopt_lightning" "$root/conf" "$root/tests" "$root/pyproject.toml" "$dir/"
+  find "$dir" -name __pycache__ -prune -exec rm -rf {} +
+  {
+    echo "[mutmut]"
+    echo "source_paths = polopt_lightning"
+    echo "also_copy = conf"
+    printf 'only_mutate =\n'; for f in "${files[@]}"; do printf '    %s\n' "$f"; done
+    printf 'pytest_add_cli_args_test_selection =\n'; for t in "${tests[@]}"; do printf '    %s\n' "$t"; done
+    printf 'pytest_add_cli_args =\n    -p\n    no:cacheprovider\n    -n\n    0\n    -k\n    %s\n' "$deselect"  # one process (-n 0): mutmut traces it
+    echo "process_isolation = forkserver"
+  } > "$dir/setup.cfg"
+  echo "== $group: ${files[*]}"
+  (
+    cd "$dir"
+    export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
+    "$py" -m mutmut run --max-children "${MUTMUT_JOBS:-1}" "${names[@]}" >run.log 2>&1 || { tail -40 run.log; exit 1; }
+    "$py" -m mutmut results --all true > results.txt || true
+  ) || { status=1; continue; }
+  "$py" - "$dir/results.txt" "${MUTATION_FLOOR:-0}" "${names[@]}" <<'PY' || status=1
+import collections, fnmatch, sys
+path, floor, patterns = sys.argv[1], float(sys.argv[2]), sys.argv[3:]
 per = collections.defaultdict(collections.Counter)
-for line in open(sys.argv[1]):
+for line in open(path):
     if "__mutmut_" in line:
-        name, status = line.strip().rsplit(": ", 1)
-        per[name.split("__mutmut_")[0].rsplit(".", 1)[0]][status] += 1
+        name, state = line.strip().rsplit(": ", 1)
+        if patterns and not any(fnmatch.fnmatch(name, p) for p in patterns):
+            continue
+        per[name.split("__mutmut_")[0].split(".x")[0]][state] += 1
+low = False
 for module, c in sorted(per.items()):
     n, killed = sum(c.values()), c["killed"] + c["timeout"]
     print(f"{module}: {n} mutants, {killed} killed, score {100 * killed / n:.1f}%  {dict(c)}")
+    low |= 100 * killed / n < floor
+sys.exit(1 if low or not per else 0)
 PY
-grep -v -e ": killed" -e ": timeout" "$work/results.txt" || true  # `mutmut show NAME` in $work: the diff
-echo "scratch copy: $work (delete it when done)"
+  grep -v -e ": killed" -e ": timeout" "$dir/results.txt" | grep -F -f <(printf '%s\n' "${names[@]:-.}" | sed 's/\*.*//') || true
+done
+echo "scratch copies: $work (delete it when done)"
+exit $status

@@ -1,0 +1,279 @@
+"""Edges of the core that mutation testing (tests/mutation.sh, docs/testing.md) found unchecked: the step's update
+(the sampler correction, mini- and micro-batches, clipping, the schedule), the experience, the rewards' composer and
+the multi-turn masks."""
+
+import functools
+import math
+import os
+import re
+import warnings
+
+import pytest
+import torch
+
+from polopt_lightning.rewards import RewardComposer, RewardError
+from polopt_lightning.rewards.composer import reward_name
+
+PROMPTS = ["1+1=", "2+2=", "3+3="]
+COMPLETIONS = ["2", "5", "6"]
+
+
+def scored(prompts, completions, bonus=0.0, **kw):
+    return [float(len(p)) + bonus for p in prompts]
+
+
+class Judge:
+    def __call__(self, prompts, completions, **kw):
+        return [1.0] * len(completions)
+
+
+class Named:  # an object whose __name__ is not a string is named by its class
+    __name__ = 7
+
+    def __call__(self, prompts, completions, **kw):
+        return [0.0] * len(completions)
+
+
+# ---------------------------------------------------------------------------------------------- the rewards' composer
+def test_each_function_is_logged_under_its_own_its_wrapped_or_its_class_name():
+    assert reward_name(scored) == "scored"
+    assert reward_name(functools.partial(scored, bonus=1.0)) == "scored"  # the wrapped function's
+    assert reward_name(lambda prompts, completions, **kw: []) == "reward"  # a plain lambda
+    assert reward_name(functools.partial(lambda prompts, completions, **kw: [])) == "partial"
+    assert reward_name(Judge()) == "Judge" and reward_name(Named()) == "Named"
+
+
+def test_functions_given_alone_by_key_or_in_a_list_are_known_by_key_and_name():
+    alone = RewardComposer(scored)
+    assert (alone.names, alone.keys, alone.reward_fns) == (["scored"], ["scored"], [scored])
+    keyed = RewardComposer({"length": scored, 2: Judge()})
+    assert (keyed.names, keyed.keys) == (["scored", "Judge"], ["length", "2"])
+    assert keyed.resolve("length") == "scored" and keyed.resolve("Judge") == "Judge"
+    with pytest.raises(ValueError, match=re.escape("accuracy_reward: no reward function 'x'; the keys: ['length', "
+                                                   "'2'] (or the functions' names ['scored', 'Judge'])")):
+        keyed.resolve("x", "accuracy_reward")
+    with pytest.raises(ValueError, match=re.escape("reward weights: no reward function 'x'; the keys: ['scored']") + "$"):
+        alone.resolve("x")
+    with pytest.raises(ValueError, match="^RewardComposer needs at least one reward function$"):
+        RewardComposer([])
+    with pytest.raises(TypeError, match=re.escape("reward_fns[bad] is not callable: 3")):
+        RewardComposer({"ok": scored, "bad": 3})
+    with pytest.raises(TypeError, match=re.escape("reward_fns[1] is not callable: 'x'")):
+        RewardComposer([scored, "x"])
+
+
+def test_weights_by_key_or_name_default_to_one_and_refuse_repeats_unknowns_and_non_finite_values():
+    comp = RewardComposer({"length": scored, "judge": Judge()}, weights={"judge": 3.0})
+    assert comp.weights.tolist() == [1.0, 3.0]
+    comp.set_weights({"scored": 2.0})  # by name
+    assert comp.weights.tolist() == [2.0, 1.0]
+    with pytest.raises(ValueError, match=re.escape("reward weights name unknown functions ['a', 'b']; the keys: "
+                                                   "['length', 'judge'] (or the functions' names ['scored', 'Judge'])")):
+        comp.set_weights({"b": 1.0, "length": 1.0, "a": 1.0})
+    with pytest.raises(ValueError, match=re.escape("reward weights give the function 'scored' twice (by its key and "
+                                                   "its name)")):
+        comp.set_weights({"length": 1.0, "scored": 2.0})
+    with pytest.raises(ValueError, match=re.escape("reward weight of 'Judge' is not finite: nan")):
+        comp.set_weights([1.0, float("nan")])
+    with pytest.raises(ValueError, match=re.escape("got 1 reward weights for 2 reward functions ['scored', 'Judge']")):
+        comp.set_weights([1.0])
+
+
+def test_the_call_hands_each_function_the_prompts_and_reads_tensors_and_one_element_tensors():
+    def as_tensor(prompts, completions, **kw):
+        return torch.tensor([[1.0], [2.0], [3.0]])  # any shape with one value a completion
+
+    def as_scalars(prompts, completions, **kw):
+        return [torch.tensor(0.5), None, torch.tensor([2.0])]
+
+    out = RewardComposer([scored, as_tensor, as_scalars], weights=[1.0, 2.0, -1.0])(PROMPTS, COMPLETIONS)
+    assert out.per_function[:, 0].tolist() == [4.0, 4.0, 4.0]  # the prompts' lengths: the prompts reached it
+    assert out.per_function[:, 1].tolist() == [1.0, 2.0, 3.0]
+    assert out.per_function[0, 2].item() == 0.5 and math.isnan(out.per_function[1, 2]) and out.per_function[2, 2] == 2
+    assert out.total.tolist() == [4.0 + 2.0 - 0.5, 4.0 + 4.0, 4.0 + 6.0 - 2.0]
+    with pytest.raises(ValueError, match=re.escape("got 2 prompts for 3 completions; pass one prompt per completion")):
+        RewardComposer([scored])(PROMPTS[:2], COMPLETIONS)
+
+    def bad(prompts, completions, **kw):
+        return [torch.tensor([1.0, 2.0])] * len(completions)
+
+    with pytest.raises(RewardError, match=re.escape("reward function 'bad' returned Tensor tensor([1., 2.]) for "
+                                                    "sample 0, expected float or None")):
+        RewardComposer([bad])(PROMPTS, COMPLETIONS)
+
+
+def test_standard_deviations_need_two_values_and_a_single_one_gives_zero():
+    comp = RewardComposer([scored, Judge()])
+    one = comp.summarize(torch.tensor([[1.0, float("nan")], [float("nan"), 2.0]]), torch.zeros(2))
+    assert one["rewards/scored/std"].item() == 0.0 and one["rewards/Judge/std"].item() == 0.0
+    two = comp.summarize(torch.tensor([[1.0, 2.0], [3.0, 2.0]]), torch.tensor([0.0, 1.0]))
+    assert two["rewards/scored/std"].item() == pytest.approx(math.sqrt(2.0))
+    assert two["reward_std"].item() == pytest.approx(math.sqrt(2.0))  # totals 3 and 5
+    assert two["reward_errors/Judge"].item() == 1.0 and two["reward"].item() == 4.0
+
+
+def test_with_on_error_none_each_failure_warns_where_the_caller_called():
+    def flaky(prompts, completions, **kw):
+        return [1.0, float("inf"), "x"]
+
+    comp = RewardComposer([flaky], on_error="none")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = comp(PROMPTS, COMPLETIONS)
+    messages = [str(w.message) for w in caught]
+    assert messages == ["reward function 'flaky' returned non-finite inf for sample 1 -> treated as None "
+                        "(on_error='none')", "reward function 'flaky' returned str 'x' for sample 2, expected float "
+                        "or None -> treated as None (on_error='none')"]
+    if "MUTANT_UNDER_TEST" not in os.environ:  # mutmut's trampolines add frames to every call
+        assert {w.filename for w in caught} == {__file__}  # stacklevel: the line that called the composer
+    assert all(w.category is RuntimeWarning for w in caught) and out.metrics["reward_errors/flaky"].item() == 2
+
+
+def test_a_failure_is_located_sample_by_sample_and_a_batch_failure_names_its_exception():
+    def picky(prompts, completions, flag=None, **kw):
+        if len(completions) > 1:
+            raise KeyError("batch")
+        return [1.0 if flag == [True] else 2.0]
+
+    comp = RewardComposer([picky], on_error="none")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = comp(PROMPTS, COMPLETIONS, flag=[True, False, True])
+    assert [str(w.message) for w in caught] == ["reward function 'picky' raised on the batch of 3: KeyError: 'batch' "
+                                                "-> treated as None (on_error='none')"]
+    assert out.per_function.isnan().all() and out.metrics["reward_errors/picky"].item() == 3
+
+    def two_bad(prompts, completions, **kw):
+        if completions[0] != "5" and len(completions) == 1:
+            raise ValueError(f"no {completions[0]}")
+        if len(completions) > 1:
+            raise ValueError("batch")
+        return [5.0]
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = RewardComposer([two_bad], on_error="none")(PROMPTS, COMPLETIONS)
+    assert [str(w.message).split(" -> ")[0] for w in caught] == [
+        "reward function 'two_bad' raised on sample 0: ValueError: no 2",
+        "reward function 'two_bad' raised on sample 2: ValueError: no 6"]
+    assert math.isnan(out.per_function[0, 0]) and out.per_function[1, 0] == 5.0 and math.isnan(out.per_function[2, 0])
+    assert out.metrics["reward_errors/two_bad"].item() == 2
+
+
+
+def test_every_bad_value_counts_and_the_values_after_it_are_kept():
+    def spiky(prompts, completions, **kw):
+        return [float("inf"), float("nan"), 2.0]
+
+    with pytest.warns(RuntimeWarning):
+        out = RewardComposer([spiky], on_error="none")(PROMPTS, COMPLETIONS)
+    assert out.metrics["reward_errors/spiky"].item() == 2 and out.per_function[2, 0].item() == 2.0
+
+
+def test_a_located_failure_hands_each_sample_its_prompt_and_columns_and_names_its_index_and_cause():
+    def located(prompts, completions, answer, scale, **kw):
+        if len(completions) > 1:
+            raise RuntimeError("batch")
+        if answer[0] == "bad":
+            return ["x"]
+        if answer[0] == "boom":
+            raise ZeroDivisionError("boom")
+        return [float(len(prompts[0])) * scale + float(answer[0])]
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = RewardComposer([located], on_error="none")(PROMPTS, COMPLETIONS, answer=["1", "boom", "bad"], scale=2.0)
+    assert [str(w.message).split(" -> ")[0] for w in caught] == [
+        "reward function 'located' raised on sample 1: ZeroDivisionError: boom",
+        "reward function 'located' returned str 'x' for sample 2, expected float or None"]
+    assert out.per_function[0, 0].item() == 9.0 and out.per_function[1:].isnan().all()
+    assert out.metrics["reward_errors/located"].item() == 2
+    with pytest.raises(RewardError, match="raised on sample 1") as raised:
+        RewardComposer([located])(PROMPTS, COMPLETIONS, answer=["1", "boom", "2"], scale=1.0)
+    assert isinstance(raised.value.__cause__, ZeroDivisionError)
+
+    def batch_only(prompts, completions, **kw):
+        if len(completions) > 1:
+            raise KeyError("batch")
+        return [1.0]
+
+    with pytest.raises(RewardError, match="raised on the batch of 3: KeyError") as raised:
+        RewardComposer([batch_only])(PROMPTS, COMPLETIONS)
+    assert isinstance(raised.value.__cause__, KeyError)
+
+# -------------------------------------------------------------------------------- the sampler correction, the schedule
+def updater(objective=None, engine=None, **config):
+    from types import SimpleNamespace
+
+    from polopt_lightning.objectives import GRPO
+    from polopt_lightning.update import UpdateConfig, Updater
+
+    return Updater(SimpleNamespace(update_config=UpdateConfig(**config), objective=objective or GRPO(), engine=engine))
+
+
+def test_a_weight_is_capped_at_e_to_the_20_before_its_metrics_and_a_weight_at_the_cap_is_not_beyond_it():
+    from polopt_lightning.update import sampler_weights
+
+    old, sampler, mask = torch.tensor([[0.0, 25.0]]), torch.tensor([[0.0, 0.0]]), torch.ones(1, 2)
+    weights, metrics = sampler_weights(old, sampler, mask, "token_truncate", cap=1e12)
+    assert weights[0, 1].item() == pytest.approx(math.exp(20.0), rel=1e-6)
+    assert metrics["is_weight_max"].item() == pytest.approx(math.exp(20.0), rel=1e-6)
+    assert metrics["sampler_kl"].item() == pytest.approx((math.exp(20.0) - 1 - 25.0) / 2, rel=1e-6)
+    same = torch.tensor([[-1.0, -2.0]])  # weights of exactly 1 at a cap of 1
+    for mode in ("token_mask", "sequence_mask"):
+        weights, metrics = sampler_weights(same, same, mask, mode, cap=1.0)
+        assert weights.eq(1.0).all() and metrics["is_capped_frac"].item() == 0.0
+
+
+def test_the_correction_follows_the_backend_unless_set():
+    from types import SimpleNamespace
+
+    asks, silent = SimpleNamespace(corrects_sampler=True), SimpleNamespace()
+    assert updater(engine=asks).corrects() is True and updater(engine=silent).corrects() is False
+    assert updater(engine=asks, is_correction=False).corrects() is False
+    assert updater(engine=silent, is_correction=True).corrects() is True
+
+
+def test_token_level_advantages_take_sequence_weights_and_the_top_entropy_mask_per_row():
+    from types import SimpleNamespace
+
+    advantages = torch.tensor([[1.0, 2.0, 3.0], [-1.0, -2.0, -3.0]])  # per token (verl's shape for such estimators)
+    old = torch.tensor([[0.0, -1.0, -2.0], [-0.5, -0.1, 0.0]])
+    sampler = torch.tensor([[0.0, -1.5, -2.0], [-0.5, -0.1, 0.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    exp = SimpleNamespace(advantages=advantages, sampling_logprobs=sampler)
+    keep = torch.tensor([[True, False, True], [False, True, True]])
+    out, _ = updater(is_correction=True, is_mode="sequence_truncate", is_cap=10.0).advantages(
+        exp, torch.arange(2), old, mask, keep)
+    w = math.exp(0.5)  # the first row's sequence weight; the second's is 1
+    torch.testing.assert_close(out, torch.tensor([[w, 0.0, 3 * w], [0.0, -2.0, -3.0]]))
+
+
+def test_a_duck_typed_objective_without_token_advantages_refuses_token_weights():
+    from types import SimpleNamespace
+
+    exp = SimpleNamespace(advantages=torch.tensor([1.0]), sampling_logprobs=torch.zeros(1, 2))
+    with pytest.raises(ValueError, match="update.is_mode=token_truncate: SimpleNamespace takes one advantage a sequence"):
+        updater(objective=SimpleNamespace(), is_correction=True).advantages(exp, torch.arange(1), torch.zeros(1, 2),
+                                                                             torch.ones(1, 2))
+
+
+@pytest.mark.parametrize("schedule", ["constant", "linear", "cosine"])
+def test_each_learning_rate_schedule_by_hand(schedule):
+    from polopt_lightning.update import lr_factor
+
+    floor = 0.1
+    by_hand = {  # step: factor, with 4 warm-up steps of 14
+        "constant": {0: 0.25, 3: 1.0, 4: 1.0, 9: 1.0, 14: 1.0, 20: 1.0},
+        "linear": {0: 0.25, 3: 1.0, 4: 1.0, 9: floor + (1 - floor) * 0.5, 14: floor, 20: floor},
+        "cosine": {0: 0.25, 3: 1.0, 4: 1.0, 9: floor + (1 - floor) * 0.5, 14: floor, 20: floor},
+    }[schedule]
+    assert {s: lr_factor(s, schedule, 4, 14, floor) for s in by_hand} == pytest.approx(by_hand)
+    assert lr_factor(6, schedule, 4, 14, floor) == pytest.approx(
+        {"constant": 1.0, "linear": floor + (1 - floor) * 0.8,
+         "cosine": floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * 0.2))}[schedule])
+    # no decay left after the warm-up (total <= warmup) and a decay of one step
+    assert lr_factor(5, schedule, 4, 4, floor) == 1.0 and lr_factor(5, schedule, 4, 3, floor) == 1.0
+    assert lr_factor(4, schedule, 4, 5, floor) == 1.0
+    assert lr_factor(5, schedule, 4, 5, floor) == pytest.approx(1.0 if schedule == "constant" else floor)
+    assert lr_factor(0, schedule, 0, 10, floor) == 1.0  # no warm-up
