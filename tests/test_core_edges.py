@@ -277,3 +277,41 @@ def test_each_learning_rate_schedule_by_hand(schedule):
     assert lr_factor(4, schedule, 4, 5, floor) == 1.0
     assert lr_factor(5, schedule, 4, 5, floor) == pytest.approx(1.0 if schedule == "constant" else floor)
     assert lr_factor(0, schedule, 0, 10, floor) == 1.0  # no warm-up
+
+
+# --------------------------------------------------------------------------------------------- the multi-turn masks
+def test_assembled_episodes_keep_each_tokens_owner_in_the_masks_types_and_extras():
+    from types import SimpleNamespace
+
+    from polopt_lightning.rollout.multi_turn import Episode, assemble
+
+    a, b = Episode(env=None), Episode(env=None)
+    a.add([5, 6], [-0.5, -0.25])  # the policy's turn
+    a.add([7], None)  # the environment's answer
+    a.add([8], [-1.0])
+    a.done, a.finished, a.reward, a.turn_rewards, a.tool_calls = True, True, 1.5, [None, 1.0], 1
+    b.add([9], [-2.0])
+    b.done, b.finished = False, True  # its last turn ended with EOS but the episode was cut (token budget)
+    out = assemble([a, b], torch.tensor([[1, 2]]), torch.tensor([[1, 1]]), 2, pad=0)
+    assert out.completion_ids.tolist() == [[5, 6, 7, 8], [9, 0, 0, 0]]
+    assert out.completion_mask.tolist() == [[1, 1, 0, 1], [1, 0, 0, 0]]
+    assert out.context_mask.tolist() == [[1, 1, 1, 1], [1, 0, 0, 0]]
+    assert out.sampling_logprobs.tolist() == [[-0.5, -0.25, 0.0, -1.0], [-2.0, 0.0, 0.0, 0.0]]
+    assert (out.completion_ids.dtype, out.completion_mask.dtype, out.context_mask.dtype, out.sampling_logprobs.dtype) \
+        == (torch.long, torch.long, torch.long, torch.float32)
+    assert out.finished.tolist() == [True, False]  # finished only when the episode is done and ended with EOS
+    assert out.prompt_ids.tolist() == [[1, 2], [1, 2]] and out.group_size == 2
+    assert out.extras == {"env_reward": [1.5, 0.0], "turn_rewards": [[None, 1.0], []], "tool_calls": [1, 0]}
+    empty = assemble([Episode(env=None)], torch.tensor([[1]]), torch.tensor([[1]]), 1, pad=3)
+    assert empty.completion_ids.tolist() == [[3]] and empty.completion_mask.tolist() == [[0]]  # one column of padding
+    # a turn the token budget cuts ends the episode: no text for the environment
+    from polopt_lightning.rollout.multi_turn import MultiTurnEngine
+
+    turn = SimpleNamespace(completion_mask=torch.tensor([[1, 1, 1]]), completion_ids=torch.tensor([[4, 5, 6]]),
+                           sampling_logprobs=torch.tensor([[-0.1, -0.2, -0.3]]), finished=torch.tensor([True]))
+    host = SimpleNamespace(tokenizer=SimpleNamespace(decode=lambda ids, skip_special_tokens: " ".join(map(str, ids))))
+    cut = Episode(env=None)
+    assert MultiTurnEngine.take_turn(host, cut, turn, 0, left=2) is None
+    assert (cut.ids, cut.policy, cut.finished) == ([4, 5], [1, 1], False)
+    whole = Episode(env=None)
+    assert MultiTurnEngine.take_turn(host, whole, turn, 0, left=3) == "4 5 6" and whole.finished
