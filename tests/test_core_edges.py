@@ -1,6 +1,5 @@
-"""Edges of the core that mutation testing (tests/mutation.sh, docs/testing.md) found unchecked: the step's update
-(the sampler correction, mini- and micro-batches, clipping, the schedule), the experience, the rewards' composer and
-the multi-turn masks."""
+"""Edges of the step that mutation testing (tests/mutation.sh, docs/testing.md) found unchecked: the rewards' composer,
+the sampler correction and the learning-rate schedule of the update, and the multi-turn masks."""
 
 import functools
 import math
@@ -70,6 +69,9 @@ def test_weights_by_key_or_name_default_to_one_and_refuse_repeats_unknowns_and_n
     with pytest.raises(ValueError, match=re.escape("reward weights name unknown functions ['a', 'b']; the keys: "
                                                    "['length', 'judge'] (or the functions' names ['scored', 'Judge'])")):
         comp.set_weights({"b": 1.0, "length": 1.0, "a": 1.0})
+    with pytest.raises(ValueError, match=re.escape("reward weights name unknown functions ['x']; the keys: "
+                                                   "['scored']") + "$"):  # a list: its keys are its names
+        RewardComposer([scored], weights={"x": 1.0})
     with pytest.raises(ValueError, match=re.escape("reward weights give the function 'scored' twice (by its key and "
                                                    "its name)")):
         comp.set_weights({"length": 1.0, "scored": 2.0})
