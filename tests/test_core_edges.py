@@ -317,3 +317,83 @@ def test_assembled_episodes_keep_each_tokens_owner_in_the_masks_types_and_extras
     assert (cut.ids, cut.policy, cut.finished) == ([4, 5], [1, 1], False)
     whole = Episode(env=None)
     assert MultiTurnEngine.take_turn(host, whole, turn, 0, left=3) == "4 5 6" and whole.finished
+
+
+# --------------------------------------------------------------------------- the experience: joining draws, moments
+def _draw(widths, G, prompt_width, first_token, context=False):
+    """A rollout of ``len(widths)`` prompts x G rows whose completion k of prompt p has ``widths[p]`` tokens."""
+    from polopt_lightning.rollout.base import RolloutBatch
+
+    P, T = len(widths), max(widths)
+    ids = torch.full((P * G, T), 0)
+    mask = torch.zeros((P * G, T), dtype=torch.long)
+    for p, w in enumerate(widths):
+        for k in range(G):
+            ids[p * G + k, :w] = first_token + p * G + k
+            mask[p * G + k, :w] = 1
+    prompts = torch.full((P * G, prompt_width), 7)
+    return RolloutBatch(prompt_ids=prompts, prompt_mask=torch.ones_like(prompts), completion_ids=ids,
+                        completion_mask=mask, sampling_logprobs=-mask.float(), finished=torch.ones(P * G, dtype=bool),
+                        group_size=G, context_mask=mask.clone() if context else None)
+
+
+def test_draws_of_different_widths_join_padded_on_their_sides_up_to_the_limit_with_their_prompt_fields():
+    from polopt_lightning.experience import concat_groups
+
+    G = 2
+    first = _draw([1, 3], G, prompt_width=2, first_token=10)  # prompts 0, 1: keep only prompt 1
+    second = _draw([2, 1, 1], G, prompt_width=4, first_token=20)  # prompts 0-2: keep 0 and 2, the limit takes 0
+    targets = lambda P, w: {"anchor_ids": torch.arange(P * w).view(P, w) + 1}  # noqa: E731 (per prompt, [P, w])
+    parts = [(first, torch.arange(4.0), torch.tensor([False, True]), targets(2, 2)),
+             (second, torch.arange(6.0) + 10, torch.tensor([True, False, True]), targets(3, 3))]
+    out, rewards, picked = concat_groups(parts, G, limit=2)
+    assert [p.tolist() for p in picked] == [[2, 3], [0, 1]]
+    assert rewards.tolist() == [2.0, 3.0, 10.0, 11.0]
+    assert out["group_index"].tolist() == [0, 0, 1, 1]
+    assert out["completion_ids"].tolist() == [[12, 12, 12], [13, 13, 13], [20, 20, 0], [21, 21, 0]]  # right-padded
+    assert out["completion_mask"].tolist() == [[1, 1, 1], [1, 1, 1], [1, 1, 0], [1, 1, 0]]
+    assert out["prompt_ids"].tolist() == [[0, 0, 7, 7], [0, 0, 7, 7], [7, 7, 7, 7], [7, 7, 7, 7]]  # left-padded
+    assert out["prompt_mask"].tolist() == [[0, 0, 1, 1], [0, 0, 1, 1], [1, 1, 1, 1], [1, 1, 1, 1]]
+    assert out["sampling_logprobs"].tolist() == [[-1.0] * 3, [-1.0] * 3, [-1.0, -1.0, 0.0], [-1.0, -1.0, 0.0]]
+    assert out["context_mask"] is None  # one turn: no context of its own
+    assert out["anchor_ids"].tolist() == [[3, 4, 0], [1, 2, 3]]  # prompt 1 of the first draw, prompt 0 of the second
+    # a multi-turn draw keeps its context mask; a one-turn draw beside it takes its completion mask as its context
+    turns = _draw([2], G, prompt_width=2, first_token=30, context=True)
+    turns.context_mask[:, 1] = 1
+    turns.context_mask[0, 1], turns.completion_mask[0, 1] = 1, 0  # an environment token
+    out, _, _ = concat_groups([(turns, torch.zeros(2), torch.tensor([True]), {}),
+                               (_draw([3], G, 2, 40), torch.zeros(2), torch.tensor([True]), {})], G, limit=None)
+    assert out["context_mask"].tolist() == [[1, 1, 0], [1, 1, 0], [1, 1, 1], [1, 1, 1]]
+    assert out["completion_mask"].tolist() == [[1, 0, 0], [1, 1, 0], [1, 1, 1], [1, 1, 1]]
+    # three draws: each one's groups numbered after all the groups kept before it
+    three = [(_draw([1], G, 2, 50 + 10 * d), torch.zeros(2), torch.tensor([True]), {}) for d in range(3)]
+    assert concat_groups(three, G, limit=None)[0]["group_index"].tolist() == [0, 0, 1, 1, 2, 2]
+    # nothing kept past the limit, even from a draw that has groups to give
+    out, rewards, picked = concat_groups([parts[0], parts[1]], G, limit=1)
+    assert [p.tolist() for p in picked] == [[2, 3], []] and rewards.tolist() == [2.0, 3.0]
+
+
+def test_pad_cat_pads_each_side_with_the_value_given():
+    from polopt_lightning.experience import pad_cat
+
+    a, b = torch.tensor([[1, 2, 3]]), torch.tensor([[4]])
+    assert pad_cat([a, b], 9).tolist() == [[1, 2, 3], [4, 9, 9]]
+    assert pad_cat([a, b], -1, left=True).tolist() == [[1, 2, 3], [-1, -1, 4]]
+
+
+def test_batch_moments_count_each_value_and_give_no_spread_below_two():
+    from polopt_lightning.experience import ExperienceMaker
+
+    moments = ExperienceMaker.batch_moments
+    mean, std = moments(torch.tensor([1.0, 2.0, 6.0]), torch.device("cpu"))
+    assert (mean.item(), std.item()) == (pytest.approx(3.0), pytest.approx(math.sqrt(7.0)))
+    mean, std = moments(torch.tensor([1.0, 3.0]), torch.device("cpu"))  # two values: a spread
+    assert (mean.item(), std.item()) == (pytest.approx(2.0), pytest.approx(math.sqrt(2.0)))
+    mean, std = moments(torch.tensor([0.5]), torch.device("cpu"))  # one value: its mean, no spread
+    assert (mean.item(), std.item(), std.shape) == (0.5, 0.0, ())
+    mean, std = moments(torch.tensor([0.2, 0.2, 0.2]), torch.device("cpu"))  # equal values: no spread, not 1
+    assert std.item() == pytest.approx(0.0, abs=1e-6)
+    mean, std = moments(torch.tensor([1.0, 3.0]), torch.device("cpu"), torch.tensor([1.0, 3.0]))  # weighted: 1,3,3,3
+    assert (mean.item(), std.item()) == (pytest.approx(2.5), pytest.approx(1.0))
+    mean, std = moments(torch.tensor([]), torch.device("cpu"))
+    assert (mean.item(), std.item()) == (0.0, 0.0)  # nothing counted: 0 / max(count, 1)
