@@ -251,6 +251,19 @@ def test_token_level_advantages_take_sequence_weights_and_the_top_entropy_mask_p
     torch.testing.assert_close(out, torch.tensor([[w, 0.0, 3 * w], [0.0, -2.0, -3.0]]))
 
 
+def test_token_level_advantages_take_token_weights_one_a_token():
+    from types import SimpleNamespace
+
+    advantages = torch.tensor([[1.0, 2.0, 3.0], [-1.0, -2.0, -3.0]])
+    old = torch.tensor([[0.0, -1.0, -2.0], [-0.5, 0.0, 0.0]])
+    sampler = torch.tensor([[0.0, -2.0, -1.0], [-0.5, 0.0, 0.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 0, 0]])
+    exp = SimpleNamespace(advantages=advantages, sampling_logprobs=sampler)
+    out, _ = updater(is_correction=True, is_mode="token_truncate", is_cap=2.0).advantages(exp, torch.arange(2), old,
+                                                                                          mask)
+    torch.testing.assert_close(out, torch.tensor([[1.0, 4.0, 3 / math.e], [-1.0, -2.0, -3.0]]))  # e capped at 2
+
+
 def test_a_duck_typed_objective_without_token_advantages_refuses_token_weights():
     from types import SimpleNamespace
 
