@@ -85,24 +85,21 @@ for group in "${groups[@]}"; do
   "$py" - "$dir/results.txt" "${MUTATION_FLOOR:-0}" "${names[@]}" <<'PY' || status=1
 import collections, fnmatch, sys
 path, floor, patterns = sys.argv[1], float(sys.argv[2]), sys.argv[3:]
-per = collections.defaultdict(collections.Counter)
-for line in open(path):
+per, left = collections.defaultdict(collections.Counter), []
+for line in open(path):  # the checked names' states, per module, and their survivors (or mutants no test covers)
     if "__mutmut_" in line:
         name, state = line.strip().rsplit(": ", 1)
         if patterns and not any(fnmatch.fnmatch(name, p) for p in patterns):
             continue
         per[name.split("__mutmut_")[0].split(".x")[0]][state] += 1
+        if state not in ("killed", "timeout", "not checked"):
+            left.append(f"    {name}: {state}")
 low = False
 for module, c in sorted(per.items()):
     n, killed = sum(c.values()), c["killed"] + c["timeout"]
     print(f"{module}: {n} mutants, {killed} killed, score {100 * killed / n:.1f}%  {dict(c)}")
     low |= 100 * killed / n < floor
-for line in open(path):  # the survivors (and mutants no test covers) of the checked names
-    if "__mutmut_" in line:
-        name, state = line.strip().rsplit(": ", 1)
-        if state not in ("killed", "timeout", "not checked") and (
-                not patterns or any(fnmatch.fnmatch(name, p) for p in patterns)):
-            print(f"    {name}: {state}")
+print("\n".join(left))
 sys.exit(1 if low or not per else 0)
 PY
 done
