@@ -211,12 +211,13 @@ class PolicyOptimizationModule(L.LightningModule):
         # (as torch's fused AdamW declares it does). Where the step clips through Lightning (a loss scaler, sharded
         # gradients: see Updater.clips_in_place) this project's factory then builds the unfused kernel; under bf16-mixed
         # the step clips in place and keeps the fused one (several times faster at 0.5B: docs/performance.md).
-        mixed = self.trainer is not None and isinstance(self.trainer.precision_plugin, MixedPrecision)
+        trainer = self._trainer  # None outside a Trainer (the `trainer` property raises then)
+        mixed = trainer is not None and isinstance(trainer.precision_plugin, MixedPrecision)
         ours = getattr(factory, "func", None) is build_optimizer
         if mixed and config.max_grad_norm and ours and not self.updater.clips_in_place():
             factory = partial(factory, fused=False)
         optimizer = factory(params)
-        total = self.trainer.max_steps if self.trainer is not None and self.trainer.max_steps > 0 else 0
+        total = trainer.max_steps if trainer is not None and trainer.max_steps > 0 else 0
         scheduler = torch.optim.lr_scheduler.LambdaLR(
             optimizer, partial(lr_factor, schedule=config.lr_schedule, warmup=config.warmup_steps, total=total,
                                floor=config.min_lr_ratio))

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Mutation testing of the core with mutmut 3 (the `dev` extra); docs/testing.md.
-#   tests/mutation.sh [GROUP ...]    groups: objectives advantages update experience rewards multi_turn (default: all)
+#   tests/mutation.sh [GROUP ...]    groups: objectives advantages update step experience rewards multi_turn (default: all)
 #   MUTMUT_JOBS (default 1): workers; MUTATION_DIR: the scratch folder; MUTATION_FLOOR: fail below this score (%);
 #   MUTANTS: mutant name patterns (fnmatch, e.g. "polopt_lightning.objectives.base.*") instead of the group's
 # Each group mutates its files (or the functions it names) and runs, for each mutant, only the fast tests of its
@@ -11,7 +11,7 @@ root="$(cd "$(dirname "$0")/.." && pwd)"
 py="${PYTHON:-$root/.venv-test/bin/python}"
 [ -x "$py" ] || py=python
 groups=("$@")
-[ ${#groups[@]} -gt 0 ] || groups=(objectives advantages update experience rewards multi_turn)
+[ ${#groups[@]} -gt 0 ] || groups=(objectives advantages update step experience rewards multi_turn)
 work="${MUTATION_DIR:-$(mktemp -d /tmp/polopt-mutation.XXXXXX)}"
 mkdir -p "$work"
 status=0
@@ -39,6 +39,13 @@ for group in "${groups[@]}"; do
              "polopt_lightning.update.xǁUpdaterǁweighted_advantages__*" "polopt_lightning.update.xǁUpdaterǁcorrects__*")
       deselect="$deselect and not train_from_a_fit and not in_the_checkpoint and not adapter_disabled"
       ;;
+    step)  # the update's loop: mini-batches, micro-batches and their weights, skipped steps, clipping, max_steps
+      files=(polopt_lightning/update.py)
+      tests=(tests/test_step_without_trainer.py tests/test_performance_equivalence.py tests/test_kl_entropy.py)
+      names=("polopt_lightning.update.xǁUpdaterǁrun__*" "polopt_lightning.update.xǁUpdaterǁstep__*"
+             "polopt_lightning.update.xǁUpdaterǁaccumulate__*")
+      deselect="$deselect and not train_from_a_fit and not in_the_checkpoint and not adapter_disabled and not memory"
+      ;;
     experience)
       files=(polopt_lightning/experience.py)
       tests=(tests/test_experience.py tests/test_estimators.py tests/test_kl_entropy.py tests/test_core_edges.py)
@@ -59,7 +66,7 @@ for group in "${groups[@]}"; do
              "polopt_lightning.rollout.multi_turn.x_assemble__*" "polopt_lightning.rollout.multi_turn.xǁChatTurnsǁobservation_ids__*")
       deselect="$deselect and not off_policy_passes and not hung_one_is_killed and not errors_and_hangs"
       ;;
-    *) echo "unknown group $group (objectives advantages update experience rewards multi_turn)" >&2; exit 2 ;;
+    *) echo "unknown group $group (objectives advantages update step experience rewards multi_turn)" >&2; exit 2 ;;
   esac
   [ -z "${MUTANTS:-}" ] || read -r -a names <<< "$MUTANTS"
   dir="$work/$group"

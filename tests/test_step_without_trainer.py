@@ -1,0 +1,152 @@
+"""The step without a Trainer: ``Updater.run`` on a module that no Trainer holds equals the update written out by hand
+(the log-probs from the model's logits, every mini-batch whole, torch's own clipping), step by step."""
+
+import copy
+import math
+from functools import partial
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from polopt_lightning import PolicyOptimizationModule
+from polopt_lightning.models import build_tiny_model
+from polopt_lightning.update import lr_factor, mini_batch_order
+
+
+def varied(prompts, completions, **kw):
+    return [float(sum(map(ord, c)) % 5) for c in completions]
+
+
+def module_and_experience(objective=None, **update):
+    model, tok = build_tiny_model(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64, seed=1)
+    module = PolicyOptimizationModule(model, tok, objective=objective or {"name": "grpo"}, reward_fns=[varied],
+                                      experience={"num_generations": 4}, update=update,
+                                      generation={"max_new_tokens": 6}, seed=3)
+    prompts = ["12+34=", "5+6=", "100+200+3="]
+    enc = tok(prompts, padding=True, return_tensors="pt")
+    exp, _ = module.make_experience({"prompt_ids": enc.input_ids, "prompt_mask": enc.attention_mask,
+                                     "prompts": prompts, "columns": {}})
+    assert exp.advantages.abs().sum() > 0
+    return module, exp
+
+
+def scores(model, exp, rows):
+    """Log-probs and entropies ``[n, T]`` of the rows' completions, from the model's full logits."""
+    ids = torch.cat([exp.prompt_ids[rows], exp.completion_ids[rows]], 1)
+    mask = torch.cat([exp.prompt_mask[rows], exp.completion_mask[rows].to(exp.prompt_mask.dtype)], 1)
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    T = exp.completion_ids.shape[1]
+    logits = model(input_ids=ids, attention_mask=mask, position_ids=positions).logits[:, -T - 1:-1].float()
+    logp = torch.log_softmax(logits, -1)
+    return logp.gather(-1, exp.completion_ids[rows].unsqueeze(-1)).squeeze(-1), -(logp.exp() * logp).sum(-1)
+
+
+def by_hand(module, exp, global_step=0, steps=None):
+    """The rollout's updates as the docs describe them; returns the updated policy and each step's loss."""
+    policy, objective, config = copy.deepcopy(module.policy), module.objective, module.update_config
+    optimizer = module.optimizer_factory([p for p in policy.parameters() if p.requires_grad])
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, partial(
+        lr_factor, schedule=config.lr_schedule, warmup=config.warmup_steps, total=0, floor=config.min_lr_ratio))
+    n = exp.completion_ids.shape[0]
+    size = math.ceil(n / config.mini_batches)
+    with torch.no_grad():  # before any update: the sampling policy's (and the reference's) log-probs
+        start_logprobs, start_entropy = scores(policy, exp, torch.arange(n))
+    updates = [(i, start) for i in range(config.num_iterations) for start in range(0, n, size)][:steps]
+    losses = []
+    for i, start in updates:
+        order = mini_batch_order(exp.group_index, module.seed + global_step + i * config.mini_batches,
+                                 config.share_prompt)
+        rows = order[start:start + size]
+        optimizer.zero_grad()
+        logprobs, entropy = scores(policy, exp, rows)
+        mask = exp.completion_mask[rows]
+        old = start_logprobs[rows] if config.off_policy else logprobs.detach()
+        out = objective(logprobs=logprobs, old_logprobs=old, advantages=exp.advantages[rows], mask=mask,
+                        ref_logprobs=start_logprobs[rows] if objective.beta else None)
+        loss = out.loss - config.entropy_coef * (entropy * mask).sum() / mask.sum()
+        loss.backward()
+        if config.max_grad_norm:
+            torch.nn.utils.clip_grad_norm_(policy.parameters(), config.max_grad_norm)
+        optimizer.step()
+        scheduler.step()
+        losses.append(float(out.loss.detach()))
+    return policy, losses
+
+
+def run(module, exp, trainer=None):
+    """``Updater.run`` on the module with no Trainer (or a stand-in one); counts the steps the engine is told of."""
+    module.manual_backward = lambda loss: loss.backward()
+    module._trainer = trainer
+    told = []
+    module.engine.policy_updated = lambda policy: told.append(policy)
+    optim = module.configure_optimizers()
+    metrics = module.updater.run(exp, optim["optimizer"], optim["lr_scheduler"]["scheduler"])
+    return metrics, len(told), optim["optimizer"]
+
+
+def assert_same_weights(a, b):
+    for (name, p), q in zip(a.named_parameters(), b.parameters()):
+        torch.testing.assert_close(p, q, atol=2e-6, rtol=1e-4, msg=name)
+
+
+@pytest.mark.parametrize("objective, update", [
+    ({"name": "grpo"}, {}),  # the shipped update: one on-policy step, clipped at 1.0
+    ({"name": "grpo", "beta": 0.04}, {"mini_batches": 2, "num_iterations": 2, "micro_batch_tokens": 30}),
+    ({"name": "gspo"}, {"mini_batches": 3, "share_prompt": False, "max_grad_norm": 0.05}),
+    ({"name": "dr_grpo", "max_completion_length": 6}, {"mini_batches": 2, "entropy_coef": 0.01}),
+])
+def test_the_updates_equal_the_hand_written_ones(objective, update):
+    module, exp = module_and_experience(objective, **update)
+    expected, losses = by_hand(module, exp)
+    metrics, steps, optimizer = run(module, exp)
+    assert steps == len(losses) == module.update_config.mini_batches * module.update_config.num_iterations
+    assert optimizer.state_dict()["state"][0]["step"] == steps
+    assert all(p.grad is None for p in module.policy.parameters())  # freed after the step
+    assert_same_weights(module.policy, expected)
+    torch.testing.assert_close(float(metrics["loss"]), sum(losses) / len(losses), atol=1e-6, rtol=1e-5)
+    assert float(metrics["skipped_updates"]) == 0 and float(metrics["grad_norm"]) > 0
+    if objective.get("beta"):
+        assert "kl" in metrics
+
+
+def test_the_weights_move_and_a_clip_limits_them():
+    module, exp = module_and_experience()
+    start = copy.deepcopy(module.policy)
+    metrics, _, _ = run(module, exp)
+    moved = sum(float((p - q).abs().sum()) for p, q in zip(module.policy.parameters(), start.parameters()))
+    assert moved > 0 and float(metrics["grad_norm"]) > 0.05  # so the clip at 0.05 below acts
+    unclipped, _ = by_hand(module_and_experience(max_grad_norm=None)[0], exp)
+    clipped, _ = by_hand(module_and_experience(max_grad_norm=0.05)[0], exp)
+    assert any(not torch.allclose(p, q) for p, q in zip(unclipped.parameters(), clipped.parameters()))
+
+
+def test_a_non_finite_loss_skips_the_update_and_the_step_still_counts():
+    module, exp = module_and_experience(mini_batches=2, share_prompt=False)
+    exp.advantages = exp.advantages.clone()
+    exp.advantages[:] = float("inf")  # (a NaN advantage counts as 0: base.Objective)
+    start = copy.deepcopy(module.policy)
+    with pytest.warns(UserWarning, match=r"step 0: non-finite loss \(-?inf\) or gradient norm \((nan|-?inf)\); the "
+                                         "update is skipped"):
+        metrics, steps, optimizer = run(module, exp)
+    assert float(metrics["skipped_updates"]) == 2 and steps == 2
+    assert_same_weights(module.policy, start)
+    assert optimizer.state_dict()["state"] == {}  # no parameter stepped: no Adam state either
+
+
+@pytest.mark.parametrize("global_step, max_steps, made", [(0, 3, 3), (2, 3, 1), (3, 3, 1), (0, 0, 4), (0, -1, 4)])
+def test_the_rollouts_updates_stop_at_max_steps(global_step, max_steps, made):
+    module, exp = module_and_experience(mini_batches=2, num_iterations=2)
+    expected, _ = by_hand(module, exp, global_step, steps=made)
+    trainer = SimpleNamespace(max_steps=max_steps, global_step=global_step, strategy=SimpleNamespace(model=None),
+                              precision_plugin=None)
+    _, steps, _ = run(module, exp, trainer)
+    assert steps == made
+    assert_same_weights(module.policy, expected)
+
+
+def test_more_mini_batches_than_completions_is_refused():
+    module, exp = module_and_experience(mini_batches=13)
+    with pytest.raises(ValueError, match=r"update.mini_batches=13 is more than the rollout's 12 completions "
+                                         r"\(prompts per batch x num_generations=4\)"):
+        run(module, exp)
