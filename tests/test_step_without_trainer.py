@@ -18,10 +18,10 @@ def varied(prompts, completions, **kw):
     return [float(sum(map(ord, c)) % 5) for c in completions]
 
 
-def module_and_experience(objective=None, **update):
+def module_and_experience(objective=None, reference=None, **update):
     model, tok = build_tiny_model(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64, seed=1)
     module = PolicyOptimizationModule(model, tok, objective=objective or {"name": "grpo"}, reward_fns=[varied],
-                                      experience={"num_generations": 4}, update=update,
+                                      experience={"num_generations": 4}, update=update, reference=reference,
                                       generation={"max_new_tokens": 6}, seed=3)
     prompts = ["12+34=", "5+6=", "100+200+3="]
     enc = tok(prompts, padding=True, return_tensors="pt")
@@ -42,8 +42,8 @@ def scores(model, exp, rows):
     return logp.gather(-1, exp.completion_ids[rows].unsqueeze(-1)).squeeze(-1), -(logp.exp() * logp).sum(-1)
 
 
-def by_hand(module, exp, global_step=0, steps=None):
-    """The rollout's updates as the docs describe them; returns the updated policy and each step's loss."""
+def by_hand(module, exp, global_step=0, steps=None, old_logprobs=None):
+    """The rollout's updates as the docs describe them; returns the updated policy and each step's metrics."""
     policy, objective, config = copy.deepcopy(module.policy), module.objective, module.update_config
     optimizer = module.optimizer_factory([p for p in policy.parameters() if p.requires_grad])
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, partial(
@@ -51,9 +51,10 @@ def by_hand(module, exp, global_step=0, steps=None):
     n = exp.completion_ids.shape[0]
     size = math.ceil(n / config.mini_batches)
     with torch.no_grad():  # before any update: the sampling policy's (and the reference's) log-probs
-        start_logprobs, start_entropy = scores(policy, exp, torch.arange(n))
+        ref_logprobs, start_entropy = scores(policy, exp, torch.arange(n))
+    start_logprobs = ref_logprobs if old_logprobs is None else old_logprobs  # or the sampler's, reused
     updates = [(i, start) for i in range(config.num_iterations) for start in range(0, n, size)][:steps]
-    losses = []
+    metrics = []
     for i, start in updates:
         order = mini_batch_order(exp.group_index, module.seed + global_step + i * config.mini_batches,
                                  config.share_prompt)
@@ -62,16 +63,36 @@ def by_hand(module, exp, global_step=0, steps=None):
         logprobs, entropy = scores(policy, exp, rows)
         mask = exp.completion_mask[rows]
         old = start_logprobs[rows] if config.off_policy else logprobs.detach()
-        out = objective(logprobs=logprobs, old_logprobs=old, advantages=exp.advantages[rows], mask=mask,
-                        ref_logprobs=start_logprobs[rows] if objective.beta else None)
-        loss = out.loss - config.entropy_coef * (entropy * mask).sum() / mask.sum()
+        advantages, keep = exp.advantages[rows], mask.bool()
+        if config.top_entropy_quantile < 1:  # the policy gradient on the mini-batch's most uncertain tokens only
+            keep = keep & (start_entropy[rows] >= torch.quantile(start_entropy[rows][keep],
+                                                                 1 - config.top_entropy_quantile))
+            advantages = advantages[:, None] * keep
+        ref = ref_logprobs[rows] if module.ref_model is not None else None
+        out = objective(logprobs=logprobs, old_logprobs=old, advantages=advantages, mask=mask, ref_logprobs=ref)
+        loss = out.loss - config.entropy_coef * (entropy * keep).sum() / keep.sum()
         loss.backward()
-        if config.max_grad_norm:
-            torch.nn.utils.clip_grad_norm_(policy.parameters(), config.max_grad_norm)
+        step = {"loss": out.loss.detach(), **out.metrics, "entropy": (entropy * mask).sum() / mask.sum()}
+        if ref is not None and "kl" not in out.metrics:  # watched, not trained on: k3 per token, their mean
+            log_ratio = (ref - logprobs.detach())[mask.bool()]
+            step["kl"] = (log_ratio.exp() - log_ratio - 1).mean()
+        if config.top_entropy_quantile < 1:
+            step["top_entropy_frac"] = keep.sum() / mask.sum()
+        if config.entropy_coef:
+            step["entropy_coef"] = torch.tensor(config.entropy_coef)
+        step["grad_norm"] = torch.nn.utils.clip_grad_norm_(policy.parameters(), config.max_grad_norm or math.inf)
         optimizer.step()
         scheduler.step()
-        losses.append(float(out.loss.detach()))
-    return policy, losses
+        metrics.append({k: float(v.detach()) for k, v in step.items()})
+    return policy, metrics
+
+
+def assert_same_metrics(metrics, steps):
+    """The run's metrics are the means of its steps' (the ``*_max`` ones too); skipped steps are counted."""
+    expected = {key: sum(step[key] for step in steps) / len(steps) for key in steps[0]}
+    assert set(metrics) == {*expected, "skipped_updates"}
+    for key, value in expected.items():
+        torch.testing.assert_close(float(metrics[key]), value, atol=1e-6, rtol=1e-4, msg=key)
 
 
 def run(module, exp, trainer=None):
@@ -95,19 +116,22 @@ def assert_same_weights(a, b):
     ({"name": "grpo", "beta": 0.04}, {"mini_batches": 2, "num_iterations": 2, "micro_batch_tokens": 30}),
     ({"name": "gspo"}, {"mini_batches": 3, "share_prompt": False, "max_grad_norm": 0.05}),
     ({"name": "dr_grpo", "max_completion_length": 6}, {"mini_batches": 2, "entropy_coef": 0.01}),
+    ({"name": "grpo"}, {"top_entropy_quantile": 0.5, "entropy_coef": 0.01}),
+    ({"name": "dapo"}, {"mini_batches": 2, "num_iterations": 2, "top_entropy_quantile": 0.3,
+                        "micro_batch_tokens": 40}),
+    ({"name": "grpo"}, {"mini_batches": 12}),  # a completion a mini-batch
+    ({"name": "grpo"}, {"mini_batches": 2, "micro_batch_tokens": 30, "reference": {"track_kl": True}}),
 ])
 def test_the_updates_equal_the_hand_written_ones(objective, update):
     module, exp = module_and_experience(objective, **update)
-    expected, losses = by_hand(module, exp)
+    expected, steps_by_hand = by_hand(module, exp)
     metrics, steps, optimizer = run(module, exp)
-    assert steps == len(losses) == module.update_config.mini_batches * module.update_config.num_iterations
+    assert steps == len(steps_by_hand) == module.update_config.mini_batches * module.update_config.num_iterations
     assert optimizer.state_dict()["state"][0]["step"] == steps
     assert all(p.grad is None for p in module.policy.parameters())  # freed after the step
     assert_same_weights(module.policy, expected)
-    torch.testing.assert_close(float(metrics["loss"]), sum(losses) / len(losses), atol=1e-6, rtol=1e-5)
+    assert_same_metrics(metrics, steps_by_hand)
     assert float(metrics["skipped_updates"]) == 0 and float(metrics["grad_norm"]) > 0
-    if objective.get("beta"):
-        assert "kl" in metrics
 
 
 def test_the_weights_move_and_a_clip_limits_them():
@@ -150,3 +174,15 @@ def test_more_mini_batches_than_completions_is_refused():
     with pytest.raises(ValueError, match=r"update.mini_batches=13 is more than the rollout's 12 completions "
                                          r"\(prompts per batch x num_generations=4\)"):
         run(module, exp)
+
+
+@pytest.mark.parametrize("reuse", [False, True])
+def test_the_samplers_log_probs_are_the_old_ones_only_where_they_match_the_training_pass(reuse):
+    """Off-policy, the old log-probs are the sampler's when the engine says they match the training pass and the
+    update may reuse them; otherwise a pass of the policy gives them (here the sampler's are made to differ)."""
+    module, exp = module_and_experience(mini_batches=2, num_iterations=2, reuse_sampling_logprobs=reuse)
+    exp.sampling_logprobs = exp.sampling_logprobs + 0.3 * torch.randn_like(exp.sampling_logprobs)
+    module.engine.logprobs_match = lambda policy: True
+    expected, _ = by_hand(module, exp, old_logprobs=exp.sampling_logprobs if reuse else None)
+    run(module, exp)
+    assert_same_weights(module.policy, expected)
