@@ -41,7 +41,7 @@ for group in "${groups[@]}"; do
       ;;
     step)  # the update's loop: mini-batches, micro-batches and their weights, skipped steps, clipping, max_steps
       files=(polopt_lightning/update.py)
-      tests=(tests/test_step_without_trainer.py tests/test_performance_equivalence.py)
+      tests=(tests/test_step_without_trainer.py)
       names=("polopt_lightning.update.xǁUpdaterǁrun__*" "polopt_lightning.update.xǁUpdaterǁstep__*"
              "polopt_lightning.update.xǁUpdaterǁaccumulate__*")
       deselect="$deselect and not train_from_a_fit and not in_the_checkpoint and not adapter_disabled and not memory"

@@ -119,6 +119,7 @@ def assert_same_weights(a, b):
     ({"name": "grpo"}, {"top_entropy_quantile": 0.5, "entropy_coef": 0.01}),
     ({"name": "dapo"}, {"mini_batches": 2, "num_iterations": 2, "top_entropy_quantile": 0.3,
                         "micro_batch_tokens": 40}),
+    ({"name": "grpo"}, {"mini_batches": 2, "top_entropy_quantile": 0.5, "reuse_sampling_logprobs": False}),
     ({"name": "grpo"}, {"mini_batches": 12}),  # a completion a mini-batch
     ({"name": "grpo"}, {"mini_batches": 2, "micro_batch_tokens": 30, "reference": {"track_kl": True}}),
 ])
