@@ -187,3 +187,45 @@ def test_the_samplers_log_probs_are_the_old_ones_only_where_they_match_the_train
     expected, _ = by_hand(module, exp, old_logprobs=exp.sampling_logprobs if reuse else None)
     run(module, exp)
     assert_same_weights(module.policy, expected)
+
+
+class _InfiniteGradient(torch.autograd.Function):
+    """Zero forward, an infinite gradient backward."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.shape = x.shape
+        return x.new_zeros(())
+
+    @staticmethod
+    def backward(ctx, grad):
+        return torch.full(ctx.shape, float("inf"))
+
+
+class _Poisoned:
+    """The module's objective with its loss changed by ``poison(loss, logprobs)``."""
+
+    def __init__(self, inner, poison):
+        self.inner, self.poison = inner, poison
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def __call__(self, **kw):
+        out = self.inner(**kw)
+        out.loss = self.poison(out.loss, kw["logprobs"])
+        return out
+
+
+@pytest.mark.parametrize("poison, loss, norm", [
+    (lambda loss, logprobs: loss + float("inf"), "inf", r"[0-9.]+"),  # the loss alone
+    (lambda loss, logprobs: loss + _InfiniteGradient.apply(logprobs), r"-?[0-9.]+", "(nan|inf)"),  # the gradient alone
+])
+def test_a_non_finite_loss_or_gradient_alone_skips_the_update(poison, loss, norm):
+    module, exp = module_and_experience()
+    module.objective = _Poisoned(module.objective, poison)
+    start = copy.deepcopy(module.policy)
+    with pytest.warns(UserWarning, match=rf"non-finite loss \({loss}\) or gradient norm \({norm}\)"):
+        metrics, steps, _ = run(module, exp)
+    assert float(metrics["skipped_updates"]) == 1 and steps == 1
+    assert_same_weights(module.policy, start)
