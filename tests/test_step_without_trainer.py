@@ -103,6 +103,7 @@ def run(module, exp, trainer=None):
     module.engine.policy_updated = lambda policy: told.append(policy)
     optim = module.configure_optimizers()
     metrics = module.updater.run(exp, optim["optimizer"], optim["lr_scheduler"]["scheduler"])
+    assert all(policy is module.policy for policy in told)  # the backend syncs the policy itself
     return metrics, len(told), optim["optimizer"]
 
 
@@ -229,3 +230,23 @@ def test_a_non_finite_loss_or_gradient_alone_skips_the_update(poison, loss, norm
         metrics, steps, _ = run(module, exp)
     assert float(metrics["skipped_updates"]) == 1 and steps == 1
     assert_same_weights(module.policy, start)
+
+
+def test_where_the_gradients_are_not_whole_lightning_clips_them():
+    """A loss scaler (``16-mixed``) holds the gradients scaled, so the step cannot clip by the norm it measured: it
+    asks the Trainer (``clip_gradients``, which unscales first) with the limit and the optimizer."""
+    module, exp = module_and_experience(mini_batches=2)
+    expected, _ = by_hand(module, exp)
+    calls = []
+
+    def clip_gradients(optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
+        calls.append((optimizer, gradient_clip_val, gradient_clip_algorithm))
+        torch.nn.utils.clip_grad_norm_(module.policy.parameters(), gradient_clip_val)
+
+    module.clip_gradients = clip_gradients
+    trainer = SimpleNamespace(max_steps=-1, global_step=0, strategy=SimpleNamespace(model=None),
+                              precision_plugin=SimpleNamespace(scaler=object()))
+    _, steps, optimizer = run(module, exp, trainer)
+    assert not module.updater.clips_in_place()
+    assert calls == [(optimizer, 1.0, "norm")] * steps and steps == 2
+    assert_same_weights(module.policy, expected)
