@@ -11,35 +11,60 @@ import torch
 
 from polopt_lightning import PolicyOptimizationModule
 from polopt_lightning.models import build_tiny_model
-from polopt_lightning.update import lr_factor, mini_batch_order
+from polopt_lightning.update import lr_factor, mini_batch_order, sampler_weights
 
 
 def varied(prompts, completions, **kw):
     return [float(sum(map(ord, c)) % 5) for c in completions]
 
 
-def module_and_experience(objective=None, reference=None, **update):
+def module_and_experience(objective=None, reference=None, anchor=None, equal_lengths=True, **update):
+    """A module (no Trainer) and one rollout of 3 prompts x 4 completions of up to 6 tokens. ``equal_lengths``: every
+    completion counted at the full 6 tokens, which the logged token means need to be exact when a mini-batch is split
+    (see :func:`test_token_means_are_logged_exactly_under_micro_batching_with_uneven_lengths`)."""
     model, tok = build_tiny_model(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64, seed=1)
     module = PolicyOptimizationModule(model, tok, objective=objective or {"name": "grpo"}, reward_fns=[varied],
                                       experience={"num_generations": 4}, update=update, reference=reference,
-                                      generation={"max_new_tokens": 6}, seed=3)
+                                      anchor=anchor, generation={"max_new_tokens": 6}, seed=3)
     prompts = ["12+34=", "5+6=", "100+200+3="]
     enc = tok(prompts, padding=True, return_tensors="pt")
     exp, _ = module.make_experience({"prompt_ids": enc.input_ids, "prompt_mask": enc.attention_mask,
-                                     "prompts": prompts, "columns": {}})
+                                     "prompts": prompts, "columns": {"answer": ["46", "11", "303"]}})
     assert exp.advantages.abs().sum() > 0
+    if equal_lengths:  # random tokens in place of the EOS and the padding after it, the sampler's log-probs of them
+        ended = exp.completion_mask == 0
+        ended |= torch.zeros_like(ended).scatter(1, (exp.completion_mask.sum(-1, keepdim=True) - 1).clamp(min=0),
+                                                 (exp.completion_ids == tok.eos_token_id).any(-1, keepdim=True))
+        filler = torch.randint(10, 90, exp.completion_ids.shape, generator=torch.Generator().manual_seed(0))
+        exp.completion_ids = torch.where(ended, filler, exp.completion_ids)
+        exp.completion_mask = torch.ones_like(exp.completion_mask)
+        with torch.no_grad():
+            exp.sampling_logprobs = scores(module.policy, exp, torch.arange(len(exp.completion_ids)))[0]
+    else:
+        assert len(set(exp.completion_mask.sum(-1).tolist())) > 1
     return module, exp
 
 
 def scores(model, exp, rows):
     """Log-probs and entropies ``[n, T]`` of the rows' completions, from the model's full logits."""
-    ids = torch.cat([exp.prompt_ids[rows], exp.completion_ids[rows]], 1)
-    mask = torch.cat([exp.prompt_mask[rows], exp.completion_mask[rows].to(exp.prompt_mask.dtype)], 1)
+    return answer_scores(model, exp.prompt_ids[rows], exp.prompt_mask[rows], exp.completion_ids[rows],
+                         exp.completion_mask[rows])
+
+
+def answer_scores(model, prompt_ids, prompt_mask, answer_ids, answer_mask):
+    ids = torch.cat([prompt_ids, answer_ids], 1)
+    mask = torch.cat([prompt_mask, answer_mask.to(prompt_mask.dtype)], 1)
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    T = exp.completion_ids.shape[1]
+    T = answer_ids.shape[1]
     logits = model(input_ids=ids, attention_mask=mask, position_ids=positions).logits[:, -T - 1:-1].float()
     logp = torch.log_softmax(logits, -1)
-    return logp.gather(-1, exp.completion_ids[rows].unsqueeze(-1)).squeeze(-1), -(logp.exp() * logp).sum(-1)
+    return logp.gather(-1, answer_ids.unsqueeze(-1)).squeeze(-1), -(logp.exp() * logp).sum(-1)
+
+
+def kl(estimator, logprobs, ref):
+    """Per-token KL estimates of the policy from the reference (Schulman's k1, k2, k3; k3+ has k3's value)."""
+    log_ratio = ref - logprobs
+    return {"k1": -log_ratio, "k2": log_ratio ** 2 / 2}.get(estimator, log_ratio.exp() - log_ratio - 1)
 
 
 def by_hand(module, exp, global_step=0, steps=None, old_logprobs=None):
@@ -64,18 +89,34 @@ def by_hand(module, exp, global_step=0, steps=None, old_logprobs=None):
         mask = exp.completion_mask[rows]
         old = start_logprobs[rows] if config.off_policy else logprobs.detach()
         advantages, keep = exp.advantages[rows], mask.bool()
+        step = {}
+        if config.is_correction:  # the sampler correction: advantages times the sampler's importance weights
+            weights, step = sampler_weights(old, exp.sampling_logprobs[rows], mask, config.is_mode, config.is_cap)
+            advantages = advantages[:, None] * weights if weights.shape[-1] > 1 else advantages * weights[:, 0]
         if config.top_entropy_quantile < 1:  # the policy gradient on the mini-batch's most uncertain tokens only
             keep = keep & (start_entropy[rows] >= torch.quantile(start_entropy[rows][keep],
                                                                  1 - config.top_entropy_quantile))
-            advantages = advantages[:, None] * keep
+            advantages = (advantages[:, None] if advantages.dim() == 1 else advantages) * keep
         ref = ref_logprobs[rows] if module.ref_model is not None else None
         out = objective(logprobs=logprobs, old_logprobs=old, advantages=advantages, mask=mask, ref_logprobs=ref)
-        loss = out.loss - config.entropy_coef * (entropy * keep).sum() / keep.sum()
+        if config.entropy_aggregation == "objective":  # the bonus aggregated over tokens as the objective's loss is
+            bonus = objective.aggregate_tokens(entropy, keep)
+        else:
+            bonus = (entropy * keep).sum() / keep.sum()
+        loss = out.loss - config.entropy_coef * bonus
+        if module.anchor is not None:  # lambda x the NLL of the mini-batch's prompts' reference answers, a token mean
+            groups = exp.group_index[rows].unique()
+            first = groups * module.experience_config.num_generations
+            answer_mask = exp.anchor_mask[groups]
+            answer = answer_scores(policy, exp.prompt_ids[first], exp.prompt_mask[first], exp.anchor_ids[groups],
+                                   answer_mask)[0]
+            nll = -(answer * answer_mask).sum() / answer_mask.sum()
+            loss = loss + module.anchor.value * nll
+            step.update(anchor_nll=nll, anchor_coef=torch.tensor(module.anchor.value))
         loss.backward()
-        step = {"loss": out.loss.detach(), **out.metrics, "entropy": (entropy * mask).sum() / mask.sum()}
-        if ref is not None and "kl" not in out.metrics:  # watched, not trained on: k3 per token, their mean
-            log_ratio = (ref - logprobs.detach())[mask.bool()]
-            step["kl"] = (log_ratio.exp() - log_ratio - 1).mean()
+        step.update({"loss": out.loss.detach(), **out.metrics, "entropy": (entropy * mask).sum() / mask.sum()})
+        if ref is not None and "kl" not in out.metrics:  # watched, not trained on: the mean of per-token estimates
+            step["kl"] = kl(objective.kl_estimator, logprobs.detach(), ref)[mask.bool()].mean()
         if config.top_entropy_quantile < 1:
             step["top_entropy_frac"] = keep.sum() / mask.sum()
         if config.entropy_coef:
@@ -87,11 +128,13 @@ def by_hand(module, exp, global_step=0, steps=None, old_logprobs=None):
     return policy, metrics
 
 
-def assert_same_metrics(metrics, steps):
+def assert_same_metrics(metrics, steps, keys=None):
     """The run's metrics are the means of its steps' (the ``*_max`` ones too); skipped steps are counted."""
     expected = {key: sum(step[key] for step in steps) / len(steps) for key in steps[0]}
     assert set(metrics) == {*expected, "skipped_updates"}
     for key, value in expected.items():
+        if keys is not None and key not in keys:
+            continue
         torch.testing.assert_close(float(metrics[key]), value, atol=1e-6, rtol=1e-4, msg=key)
 
 
@@ -123,6 +166,12 @@ def assert_same_weights(a, b):
     ({"name": "grpo"}, {"mini_batches": 2, "top_entropy_quantile": 0.5, "reuse_sampling_logprobs": False}),
     ({"name": "grpo"}, {"mini_batches": 12}),  # a completion a mini-batch
     ({"name": "grpo"}, {"mini_batches": 2, "micro_batch_tokens": 30, "reference": {"track_kl": True}}),
+    ({"name": "gspo", "kl_estimator": "k1"}, {"mini_batches": 2, "reference": {"track_kl": True}}),
+    ({"name": "gspo", "beta": 0.04, "kl_estimator": "k2"}, {"micro_batch_tokens": 30}),
+    ({"name": "dr_grpo", "max_completion_length": 6}, {"entropy_coef": 0.01, "entropy_aggregation": "objective",
+                                                       "top_entropy_quantile": 0.5, "micro_batch_tokens": 30}),
+    ({"name": "grpo"}, {"mini_batches": 2, "anchor": {"coef": 0.5, "column": "answer"}, "micro_batch_tokens": 30}),
+    ({"name": "grpo"}, {"anchor": {"coef": 0.0, "column": "answer"}}),  # the NLL watched, no gradient
 ])
 def test_the_updates_equal_the_hand_written_ones(objective, update):
     module, exp = module_and_experience(objective, **update)
@@ -250,3 +299,45 @@ def test_where_the_gradients_are_not_whole_lightning_clips_them():
     assert not module.updater.clips_in_place()
     assert calls == [(optimizer, 1.0, "norm")] * steps and steps == 2
     assert_same_weights(module.policy, expected)
+
+
+@pytest.mark.parametrize("mode", ["token_truncate", "sequence_mask"])
+def test_the_sampler_correction_weights_each_micro_batchs_advantages_by_its_own_rows(mode):
+    """With the correction on, every token's (or sequence's) advantage is times the sampler's importance weight,
+    from the rows' old log-probs and the sampler's: micro-batches each weigh their own rows."""
+    module, exp = module_and_experience(mini_batches=2, num_iterations=2, is_correction=True, is_mode=mode,
+                                        reuse_sampling_logprobs=False, micro_batch_tokens=30)
+    exp.sampling_logprobs = exp.sampling_logprobs + 0.2 * torch.randn_like(exp.sampling_logprobs)
+    expected, steps_by_hand = by_hand(module, exp)
+    metrics, _, _ = run(module, exp)
+    assert_same_weights(module.policy, expected)
+    assert_same_metrics(metrics, steps_by_hand)
+    assert any(key.startswith("is_") for key in metrics)
+
+
+@pytest.mark.parametrize("objective, update", [
+    ({"name": "grpo", "beta": 0.04}, {"mini_batches": 2, "num_iterations": 2, "micro_batch_tokens": 30}),
+    ({"name": "dr_grpo", "max_completion_length": 6}, {"micro_batch_tokens": 30, "is_correction": True,
+                                                        "top_entropy_quantile": 0.5, "entropy_coef": 0.01}),
+])
+def test_with_uneven_lengths_the_updates_and_the_exact_metrics_equal_the_hand_written_ones(objective, update):
+    """Completions of different lengths (one ends at its first token): the micro-batches' own widths change nothing."""
+    module, exp = module_and_experience(objective, equal_lengths=False, **update)
+    expected, steps_by_hand = by_hand(module, exp)
+    metrics, _, _ = run(module, exp)
+    assert_same_weights(module.policy, expected)
+    assert_same_metrics(metrics, steps_by_hand, keys={"loss", "kl", "entropy", "grad_norm", "ratio_max",
+                                                      "is_weight_max", "entropy_coef", "top_entropy_frac"})
+
+
+@pytest.mark.xfail(strict=True, reason="known: a micro-batch's metrics are weighted by its share of the objective's "
+                   "normaliser (sequences for GRPO's default sequence mean), so token means (clip fractions, ratio and "
+                   "importance-weight means, sampler_kl, a watched KL) are off when lengths differ; the metric "
+                   "reduction is redone with issue 50's loss terms")
+def test_token_means_are_logged_exactly_under_micro_batching_with_uneven_lengths():
+    module, exp = module_and_experience(equal_lengths=False, mini_batches=2, micro_batch_tokens=30,
+                                        is_correction=True, reuse_sampling_logprobs=False)
+    exp.sampling_logprobs = exp.sampling_logprobs + 0.2 * torch.randn_like(exp.sampling_logprobs)
+    _, steps_by_hand = by_hand(module, exp)
+    metrics, _, _ = run(module, exp)
+    assert_same_metrics(metrics, steps_by_hand)
