@@ -21,18 +21,18 @@ from torchmetrics import MeanMetric
 
 from .accel.cpu.fast_path import CPUFastPath
 from .distributed import all_gather_objects, all_reduce, world_size
-from .experience import Experience, ExperienceConfig, ExperienceMaker
-from .logprobs import Scorer
+from .step.experience import Experience, ExperienceConfig, ExperienceMaker
+from .step.logprobs import Scorer
 from .models import disable_dropout as _disable_dropout
 from .models import enable_gradient_checkpointing, frozen_quantized_state, prepare_tokenizer, prepare_trainable
 from .objectives import Objective, SupervisedAnchor, build_objective
 from .optim import build_optimizer, optimizer_factory
-from .reference import ReferenceConfig, build_reference
+from .step.reference import ReferenceConfig, build_reference
 from .rewards import MixtureRewards, RewardComposer, RewardOutput, TrainerState, build_rewards
 from .rng import restore_rng, rng_state
 from .rollout import RolloutBatch, RolloutEngine, SamplingConfig, build_engine
 from .settings import settings_of, with_moved
-from .update import UpdateConfig, Updater, lr_factor
+from .step.update import UpdateConfig, Updater, lr_factor
 
 # Lightning's own pytree helper calls a torch API deprecated in torch 2.9 at every fit: nothing a user of this module
 # (or of Lightning) can act on. Only that message, only from that Lightning module, is silenced.
@@ -75,15 +75,15 @@ class PolicyOptimizationModule(L.LightningModule):
         generation: sampling settings (:class:`SamplingConfig` fields) for training rollouts.
         val_generation: settings for validation (greedy by default).
         experience: group size, advantage scale and DAPO's dynamic sampling and overlong filtering
-            (:class:`~polopt_lightning.experience.ExperienceConfig`, or a dict of its fields).
+            (:class:`~polopt_lightning.step.experience.ExperienceConfig`, or a dict of its fields).
         update: passes, mini-batches, schedule, clipping and the training pass's memory and speed settings
-            (:class:`~polopt_lightning.update.UpdateConfig`, or a dict of its fields).
+            (:class:`~polopt_lightning.step.update.UpdateConfig`, or a dict of its fields).
         optimizer: a factory ``params -> Optimizer`` called on the trainable parameters (e.g.
             ``functools.partial(torch.optim.AdamW, lr=1e-5)``), or a dict of
             :func:`~polopt_lightning.optim.build_optimizer`'s settings (``{"name": "adamw_8bit", "lr": 1e-5}``);
             default torch's AdamW at lr 1e-5, fused where allowed.
         reference: the KL reference's dtype, quantization and ``track_kl``
-            (:class:`~polopt_lightning.reference.ReferenceConfig`, or a dict of its fields).
+            (:class:`~polopt_lightning.step.reference.ReferenceConfig`, or a dict of its fields).
         ref_model: the reference policy itself, when it is not the starting policy (frozen in place: its parameters'
             ``requires_grad`` off; cast to ``reference.dtype``).
         rollout_engine: the rollout backend (:mod:`polopt_lightning.rollout`): a

@@ -27,31 +27,31 @@ for group in "${groups[@]}"; do
       deselect="$deselect and not train_from_a_fit and not in_the_checkpoint and not kl_reward_penalty and not adapter_disabled"
       ;;
     advantages)
-      files=(polopt_lightning/advantages.py)
+      files=(polopt_lightning/step/advantages.py)
       tests=(tests/test_advantages.py tests/test_advantages_edges.py tests/test_estimators.py)
       ;;
     update)  # the step's update: the sampler correction, mini- and micro-batches, the schedule
-      files=(polopt_lightning/update.py)
+      files=(polopt_lightning/step/update.py)
       tests=(tests/test_update.py tests/test_performance_equivalence.py tests/test_kl_entropy.py tests/test_core_edges.py)
-      names=("polopt_lightning.update.x_sampler_weights__*" "polopt_lightning.update.x_mini_batch_order__*"
-             "polopt_lightning.update.x_micro_batches__*" "polopt_lightning.update.x_lr_factor__*"
-             "polopt_lightning.update.xǁUpdaterǁadvantages__*"
-             "polopt_lightning.update.xǁUpdaterǁweighted_advantages__*" "polopt_lightning.update.xǁUpdaterǁcorrects__*")
+      names=("polopt_lightning.step.update.x_sampler_weights__*" "polopt_lightning.step.update.x_mini_batch_order__*"
+             "polopt_lightning.step.update.x_micro_batches__*" "polopt_lightning.step.update.x_lr_factor__*"
+             "polopt_lightning.step.update.xǁUpdaterǁadvantages__*"
+             "polopt_lightning.step.update.xǁUpdaterǁweighted_advantages__*" "polopt_lightning.step.update.xǁUpdaterǁcorrects__*")
       deselect="$deselect and not train_from_a_fit and not in_the_checkpoint and not adapter_disabled"
       ;;
     step)  # the update's loop: mini-batches, micro-batches and their weights, skipped steps, clipping, max_steps
-      files=(polopt_lightning/update.py)
+      files=(polopt_lightning/step/update.py)
       tests=(tests/test_step_without_trainer.py)
-      names=("polopt_lightning.update.xǁUpdaterǁrun__*" "polopt_lightning.update.xǁUpdaterǁstep__*"
-             "polopt_lightning.update.xǁUpdaterǁaccumulate__*")
+      names=("polopt_lightning.step.update.xǁUpdaterǁrun__*" "polopt_lightning.step.update.xǁUpdaterǁstep__*"
+             "polopt_lightning.step.update.xǁUpdaterǁaccumulate__*")
       deselect="$deselect and not train_from_a_fit and not in_the_checkpoint and not adapter_disabled and not memory"
       ;;
     experience)
-      files=(polopt_lightning/experience.py)
+      files=(polopt_lightning/step/experience.py)
       tests=(tests/test_experience.py tests/test_estimators.py tests/test_kl_entropy.py tests/test_core_edges.py)
-      names=("polopt_lightning.experience.xǁExperienceMakerǁkl_penalty__*"
-             "polopt_lightning.experience.xǁExperienceMakerǁbatch_moments__*" "polopt_lightning.experience.x_pad_cat__*"
-             "polopt_lightning.experience.x_concat_groups__*")
+      names=("polopt_lightning.step.experience.xǁExperienceMakerǁkl_penalty__*"
+             "polopt_lightning.step.experience.xǁExperienceMakerǁbatch_moments__*" "polopt_lightning.step.experience.x_pad_cat__*"
+             "polopt_lightning.step.experience.x_concat_groups__*")
       deselect="$deselect and not train_from_a_fit and not in_the_checkpoint and not adapter_disabled"
       ;;
     rewards)

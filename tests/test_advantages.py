@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from polopt_lightning.advantages import frac_zero_std, group_relative_advantages, zero_std_groups
+from polopt_lightning.step.advantages import frac_zero_std, group_relative_advantages, zero_std_groups
 
 NAN = float("nan")
 

@@ -1,10 +1,10 @@
-"""Edges of polopt_lightning/advantages.py that mutation testing (tests/mutation.sh, docs/testing.md) found unchecked:
+"""Edges of polopt_lightning/step/advantages.py that mutation testing (tests/mutation.sh, docs/testing.md) found unchecked:
 the defaults, the registry's checks, the messages, groups of two, weights that count fewer than two."""
 
 import pytest
 import torch
 
-from polopt_lightning.advantages import (
+from polopt_lightning.step.advantages import (
     ADVANTAGE_ESTIMATORS,
     AdvantageEstimator,
     baselined,

@@ -208,13 +208,13 @@ def updater(objective=None, engine=None, **config):
     from types import SimpleNamespace
 
     from polopt_lightning.objectives import GRPO
-    from polopt_lightning.update import UpdateConfig, Updater
+    from polopt_lightning.step.update import UpdateConfig, Updater
 
     return Updater(SimpleNamespace(update_config=UpdateConfig(**config), objective=objective or GRPO(), engine=engine))
 
 
 def test_a_weight_is_capped_at_e_to_the_20_before_its_metrics_and_a_weight_at_the_cap_is_not_beyond_it():
-    from polopt_lightning.update import sampler_weights
+    from polopt_lightning.step.update import sampler_weights
 
     old, sampler, mask = torch.tensor([[0.0, 25.0]]), torch.tensor([[0.0, 0.0]]), torch.ones(1, 2)
     weights, metrics = sampler_weights(old, sampler, mask, "token_truncate", cap=1e12)
@@ -275,7 +275,7 @@ def test_a_duck_typed_objective_without_token_advantages_refuses_token_weights()
 
 @pytest.mark.parametrize("schedule", ["constant", "linear", "cosine"])
 def test_each_learning_rate_schedule_by_hand(schedule):
-    from polopt_lightning.update import lr_factor
+    from polopt_lightning.step.update import lr_factor
 
     floor = 0.1
     by_hand = {  # step: factor, with 4 warm-up steps of 14
@@ -351,7 +351,7 @@ def _draw(widths, G, prompt_width, first_token, context=False):
 
 
 def test_draws_of_different_widths_join_padded_on_their_sides_up_to_the_limit_with_their_prompt_fields():
-    from polopt_lightning.experience import concat_groups
+    from polopt_lightning.step.experience import concat_groups
 
     G = 2
     first = _draw([1, 3], G, prompt_width=2, first_token=10)  # prompts 0, 1: keep only prompt 1
@@ -387,7 +387,7 @@ def test_draws_of_different_widths_join_padded_on_their_sides_up_to_the_limit_wi
 
 
 def test_pad_cat_pads_each_side_with_the_value_given():
-    from polopt_lightning.experience import pad_cat
+    from polopt_lightning.step.experience import pad_cat
 
     a, b = torch.tensor([[1, 2, 3]]), torch.tensor([[4]])
     assert pad_cat([a, b], 9).tolist() == [[1, 2, 3], [4, 9, 9]]
@@ -395,7 +395,7 @@ def test_pad_cat_pads_each_side_with_the_value_given():
 
 
 def test_batch_moments_count_each_value_and_give_no_spread_below_two():
-    from polopt_lightning.experience import ExperienceMaker
+    from polopt_lightning.step.experience import ExperienceMaker
 
     moments = ExperienceMaker.batch_moments
     mean, std = moments(torch.tensor([1.0, 2.0, 6.0]), torch.device("cpu"))

@@ -142,3 +142,28 @@ def test_a_marker_that_selects_a_test_makes_its_missing_need_fail():
     # a one-GPU machine is a GPU machine: the two-device tests skip there under -m gpu
     assert failing_needs("gpu", Item(gpu, missing("2 cuda"))) == []
     assert failing_needs("not gpu", Item(gpu, missing("cuda"))) == failing_needs("gpu", Item(missing("cuda"))) == []
+
+
+def test_a_moved_module_still_imports_from_its_old_path_as_the_same_module_with_a_warning():
+    """Saved runs name modules in their configs (``_target_: polopt_lightning.update.UpdateConfig``): each old path
+    of ``MOVED_MODULES`` imports the new module itself (Hydra's too) and says where it went."""
+    import subprocess
+
+    code = """
+import importlib, sys, warnings
+from hydra.utils import get_class
+from polopt_lightning import MOVED_MODULES
+for old, new in MOVED_MODULES.items():
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        module = importlib.import_module(old)
+    assert module is importlib.import_module(new) and sys.modules[old] is module, old
+    assert [str(w.message) for w in caught if w.category is FutureWarning] == [
+        f"{old} has moved to {new}: import it from there (the old path goes in a later release)"], caught
+import polopt_lightning.step.update as update
+assert get_class("polopt_lightning.update.UpdateConfig") is update.UpdateConfig
+print(len(MOVED_MODULES))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT.parent, timeout=120)
+    assert out.returncode == 0 and out.stdout.split() == ["8"], out.stderr[-2000:]
+    assert not (ROOT / "update.py").exists() and (ROOT / "step" / "update.py").exists()

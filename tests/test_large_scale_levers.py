@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from polopt_lightning.rollout.base import INVERSE_CDF_VOCAB, sample_tokens
-from polopt_lightning.update import grad_norm, scale_gradients
+from polopt_lightning.step.update import grad_norm, scale_gradients
 
 
 def test_inverse_cdf_sampler_draws_the_distribution_and_never_a_zero_probability_token():
@@ -72,7 +72,7 @@ def _autograd_log_softmax(logits, index, temperature, rows, with_entropy):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_chunked_log_probs_have_autograds_bits_values_and_gradients(dtype, temperature):
-    from polopt_lightning.logprobs import selective_log_softmax
+    from polopt_lightning.step.logprobs import selective_log_softmax
 
     torch.manual_seed(0)
     logits = (3 * torch.randn(3, 7, 50)).to(dtype)
@@ -125,8 +125,8 @@ def test_the_head_gets_a_contiguous_input_and_the_values_of_an_int_logits_to_kee
     weight, 10-80x slower on the CPU; see ``_hf.last_positions``) and computes what ``logits_to_keep=n`` computes."""
     from polopt_lightning._hf import positions_from_mask
     from polopt_lightning.accel.cpu.decode import PackedProjections
-    from polopt_lightning.lean_step import llama_like
-    from polopt_lightning.logprobs import completion_logprobs, shared_prompt_completion_logprobs
+    from polopt_lightning.accel.lean_step import llama_like
+    from polopt_lightning.step.logprobs import completion_logprobs, shared_prompt_completion_logprobs
     from polopt_lightning.models import build_tiny_model
     from polopt_lightning.rollout import HFRolloutEngine, SamplingConfig
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from polopt_lightning import PolicyOptimizationModule, PromptDataModule
-from polopt_lightning.environments import GuessingGame, calculator, environment_reward
+from polopt_lightning.rollout.environments import GuessingGame, calculator, environment_reward
 from polopt_lightning.models import build_tiny_model, char_tokenizer
 from polopt_lightning.rollout import RolloutBatch, RolloutEngine, SamplingConfig
 from polopt_lightning.rollout.multi_turn import (
@@ -56,7 +56,7 @@ def test_the_shipped_pythonic_format_parses_one_call_several_and_refuses_malform
     keyword arguments as literals; a list that does not parse is one error the model is told, never a raise."""
     from omegaconf import OmegaConf
 
-    from polopt_lightning.environments import add
+    from polopt_lightning.rollout.environments import add
     from polopt_lightning.rollout.multi_turn import TOOL_CALL_FORMATS, parse_pythonic_tool_calls
 
     from .helpers import CONF
@@ -303,7 +303,7 @@ def test_training_on_multi_turn_rollouts_with_off_policy_passes(objective, tmp_p
         assert all(len(t) == sum(m["role"] == "assistant" for m in c) for t, c in zip(turn_rewards, conversation))
         return [float(len(c)) for c in conversation]  # more turns, more reward: some learning signal
 
-    engine = MultiTurnEngine("polopt_lightning.environments.GuessingGame", max_turns=3, max_tokens=30)
+    engine = MultiTurnEngine("polopt_lightning.rollout.environments.GuessingGame", max_turns=3, max_tokens=30)
     module = PolicyOptimizationModule(model, tok, objective=objective, reward_fns=[sees_the_conversation],
                                       rollout_engine=engine, experience={"num_generations": 4},
                                       generation={"max_new_tokens": 6}, update={"mini_batches": 2},

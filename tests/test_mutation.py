@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-CHECKED = ("polopt_lightning.update.x_sampler_weights__* polopt_lightning.update.xǁUpdaterǁadvantages__* "
-           "polopt_lightning.update.xǁUpdaterǁweighted_advantages__* polopt_lightning.update.xǁUpdaterǁcorrects__* "
-           "polopt_lightning.update.x_lr_factor__*")
+CHECKED = ("polopt_lightning.step.update.x_sampler_weights__* polopt_lightning.step.update.xǁUpdaterǁadvantages__* "
+           "polopt_lightning.step.update.xǁUpdaterǁweighted_advantages__* polopt_lightning.step.update.xǁUpdaterǁcorrects__* "
+           "polopt_lightning.step.update.x_lr_factor__*")
 
 
 def equivalents() -> dict[str, str]:
@@ -45,8 +45,8 @@ def test_every_mutant_of_the_sampler_correction_is_killed_or_listed_as_equivalen
     proc = subprocess.run(["bash", str(ROOT / "tests" / "mutation.sh"), "update"], env=env, capture_output=True,
                           text=True, timeout=2400)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert re.search(r"polopt_lightning\.update: \d+ mutants", proc.stdout), proc.stdout[-3000:]
+    assert re.search(r"polopt_lightning\.step\.update: \d+ mutants", proc.stdout), proc.stdout[-3000:]
     survivors = set(re.findall(r"^\s*(\S+__mutmut_\d+): (?:survived|no tests|suspicious)", proc.stdout, re.M))
-    listed = {name for name in equivalents() if name.startswith("polopt_lightning.update.")}
+    listed = {name for name in equivalents() if name.startswith("polopt_lightning.step.update.")}
     assert not survivors - listed, f"mutants no test kills (add a test that does): {sorted(survivors - listed)}"
     print(proc.stdout)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from polopt_lightning import PolicyOptimizationModule
-from polopt_lightning.logprobs import (
+from polopt_lightning.step.logprobs import (
     PACKED_MAX_TOKENS,
     completion_logprobs,
     selective_log_softmax,
@@ -156,7 +156,7 @@ def test_packed_groups_give_the_plain_logprobs_entropies_and_gradients():
 
 
 def test_groups_are_packed_where_it_pays_and_the_model_takes_the_mask(monkeypatch):
-    import polopt_lightning.logprobs as scorer_code
+    import polopt_lightning.step.logprobs as scorer_code
 
     module, exp = experience({"name": "grpo"})
     calls = []

@@ -13,7 +13,7 @@ import torch
 
 from polopt_lightning import PolicyOptimizationModule, PromptDataModule
 from polopt_lightning.data import ArithmeticTask
-from polopt_lightning.logprobs import completion_logprobs, shared_prompt_completion_logprobs
+from polopt_lightning.step.logprobs import completion_logprobs, shared_prompt_completion_logprobs
 from polopt_lightning.models import (
     Adapter,
     Quantization,

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from polopt_lightning import PolicyOptimizationModule, PromptDataModule
-from polopt_lightning.logprobs import completion_logprobs
+from polopt_lightning.step.logprobs import completion_logprobs
 from polopt_lightning.models import build_tiny_model, cast_weights
 from polopt_lightning.rollout import HFRolloutEngine, SamplingConfig
 from tests.helpers import distinct_chars
@@ -254,7 +254,7 @@ def test_the_optimizer_is_unfused_where_lightning_clips(tiny):
     import lightning as L
     from lightning.pytorch.plugins.precision import MixedPrecision
 
-    from polopt_lightning.update import clips_in_place
+    from polopt_lightning.step.update import clips_in_place
 
     model, tok = tiny
     for scaler, mesh, in_place in ((None, None, True), (object(), None, False), (None, object(), False)):

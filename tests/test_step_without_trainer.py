@@ -11,7 +11,7 @@ import torch
 
 from polopt_lightning import PolicyOptimizationModule
 from polopt_lightning.models import build_tiny_model
-from polopt_lightning.update import lr_factor, mini_batch_order, sampler_weights
+from polopt_lightning.step.update import lr_factor, mini_batch_order, sampler_weights
 
 
 def varied(prompts, completions, **kw):

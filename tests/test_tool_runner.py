@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from polopt_lightning.environments import add, calculator
+from polopt_lightning.rollout.environments import add, calculator
 from polopt_lightning.rollout.tool_runner import ToolCall, ToolRunner, is_trusted, trusted
 
 

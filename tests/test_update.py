@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from polopt_lightning.update import sampler_weights
+from polopt_lightning.step.update import sampler_weights
 
 from .helpers import make, trainer
 
@@ -46,7 +46,7 @@ def test_the_update_multiplies_each_advantage_by_its_sampler_weight(mode):
     from types import SimpleNamespace
 
     from polopt_lightning.objectives import GRPO
-    from polopt_lightning.update import UpdateConfig, Updater
+    from polopt_lightning.step.update import UpdateConfig, Updater
 
     e = math.e
     if mode == "token_truncate":

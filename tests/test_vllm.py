@@ -144,7 +144,7 @@ def test_greedy_tokens_equal_the_transformers_backend_before_and_after_the_polic
 @pytest.mark.vllm
 @run_if("vllm")
 def test_sampled_completions_carry_their_log_probs(engine):
-    from polopt_lightning.logprobs import completion_logprobs
+    from polopt_lightning.step.logprobs import completion_logprobs
 
     model, tok = build_tiny_model(hidden_size=128, num_layers=2, num_heads=2, intermediate_size=256, seed=4)
     ids, mask = _prompts(tok)
@@ -171,7 +171,7 @@ def test_filtered_sampling_returns_the_unfiltered_distributions_log_probs(engine
     mass back, so they are the tempered, unfiltered log-probs a training pass computes (RolloutBatch's contract, what
     the transformers backend returns) and the sampler correction's weight stays near 1 instead of carrying the kept
     mass (huggingface/trl#6789)."""
-    from polopt_lightning.logprobs import completion_logprobs
+    from polopt_lightning.step.logprobs import completion_logprobs
     from polopt_lightning.rollout.base import kept_log_mass
 
     model, tok = build_tiny_model(hidden_size=128, num_layers=2, num_heads=2, intermediate_size=256, seed=8)
@@ -294,7 +294,7 @@ def test_multi_turn_rollouts_run_on_vllm_as_on_the_transformers_backend(engine):
     """A three-turn episode (an environment that always answers "lower") sampled greedily by vLLM: the same turns as
     the transformers backend's, and on the policy's tokens the sampling log-probs of a training pass that attends to
     the environment's tokens."""
-    from polopt_lightning.logprobs import completion_logprobs
+    from polopt_lightning.step.logprobs import completion_logprobs
     from polopt_lightning.rollout import HFRolloutEngine
     from polopt_lightning.rollout.multi_turn import MultiTurnEngine
 

@@ -70,7 +70,7 @@ class PromptDataModule(L.LightningDataModule):
 
     A batch holds ``prompts`` as the dataset holds them (strings, or message lists), ``prompt_texts`` as the model reads
     them, and every column other than the prompt in ``columns``: the reward functions receive all of them as TRL passes
-    them (:meth:`~polopt_lightning.experience.ExperienceMaker.score`).
+    them (:meth:`~polopt_lightning.step.experience.ExperienceMaker.score`).
     """
 
     def __init__(

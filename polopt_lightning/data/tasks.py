@@ -95,7 +95,7 @@ class ArithmeticTask(_TaskRewards):
 
 @dataclass
 class ToolArithmeticTask(ArithmeticTask):
-    """Addition of numbers too long to add in one's head, with an ``add`` tool (:func:`polopt_lightning.environments.add`)
+    """Addition of numbers too long to add in one's head, with an ``add`` tool (:func:`polopt_lightning.rollout.environments.add`)
     for a multi-turn rollout (``rollout=tools``). Rows as :class:`ArithmeticTask`'s, plus ``demonstration``: what the
     supervised warm start teaches (``warm_start.answer_column=demonstration``): for a share ``tool_share`` of the rows
     the whole tool-using turn sequence, a pythonic call, EOS, the tool's result as the chat template renders a tool

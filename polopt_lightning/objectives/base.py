@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from ..advantages import ADVANTAGE_SCALES
+from ..step.advantages import ADVANTAGE_SCALES
 
 # Log-ratios beyond this are clamped before exp(): exp(20) ~ 5e8 is far outside any clip range, so values in the
 # normal range are untouched while a stale or corrupted old log-prob cannot overflow to inf (verl clamps at 20 too).

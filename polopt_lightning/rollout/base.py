@@ -60,7 +60,7 @@ class SamplingConfig:
 @dataclass
 class Completions:
     """``N`` rows of prompts and their sampled completions, laid out group by group: what a rollout returns and what
-    the update's experience (:class:`~polopt_lightning.experience.Experience`) carries on.
+    the update's experience (:class:`~polopt_lightning.step.experience.Experience`) carries on.
 
     Attributes:
         prompt_ids, prompt_mask: ``[N, Lp]`` left-padded prompts (each prompt repeated for its G completions).

@@ -15,7 +15,7 @@ from torch import Tensor, nn
 
 from .._hf import cache_argument, last_positions, output_cache, positions_from_mask, preallocated_cache
 from ..accel.cpu.decode import CPUDecoding
-from ..lean_step import decode_step, llama_like, shared_prompt_decode_step, static_decode_step
+from ..accel.lean_step import decode_step, llama_like, shared_prompt_decode_step, static_decode_step
 from ..models import float_dtype, frozen_copy, is_quantized, resolve_dtype
 from .base import RolloutBatch, RolloutEngine, filter_logits, sample_tokens
 
@@ -29,7 +29,7 @@ class HFRolloutEngine(RolloutEngine):
     runs in eval mode without gradient and returns to its previous mode after.
 
     Args:
-        fast_decode: the lean Llama-family decoding step (see :mod:`polopt_lightning.lean_step`).
+        fast_decode: the lean Llama-family decoding step (see :mod:`polopt_lightning.accel.lean_step`).
         dtype: sample with a copy of the policy's weights in this dtype (e.g. ``"bfloat16"``), refreshed from the
             policy at each call, with autocast off. ``None`` samples in the precision the training step computes
             in: with the policy itself, or, for an fp32 policy under autocast (a ``bf16-mixed`` / ``16-mixed``

@@ -1,4 +1,4 @@
-"""The CPU's decoding products for the lean step (:mod:`polopt_lightning.lean_step`).
+"""The CPU's decoding products for the lean step (:mod:`polopt_lightning.accel.lean_step`).
 
 A 16-row product with a weight in PyTorch's ``[out, in]`` layout is 2-4x slower on the CPU than with the weight
 reordered once for the math library: :class:`PackedProjections` prepacks them. Inside
@@ -25,7 +25,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from ...lean_step import Projections, _head_dim, _norm_eps, _without_torch_function
+from ..lean_step import Projections, _head_dim, _norm_eps, _without_torch_function
 from ...settings import settings_of
 from . import linear as cpu_linear
 from . import rowdot

@@ -20,12 +20,12 @@ from .advantages import (
     get_estimator,
     zero_std_groups,
 )
-from .chat import completion_like
-from .distributed import all_gather_rows, all_reduce, world_size
-from .objectives.base import kl_estimate
-from .rewards import MixtureRewards, RewardComposer, RewardOutput
-from .rollout import Completions, RolloutBatch
-from .settings import Settings
+from ..chat import completion_like
+from ..distributed import all_gather_rows, all_reduce, world_size
+from ..objectives.base import kl_estimate
+from ..rewards import MixtureRewards, RewardComposer, RewardOutput
+from ..rollout import Completions, RolloutBatch
+from ..settings import Settings
 
 WHITENINGS = ("completion", "token")
 
@@ -37,7 +37,7 @@ class ExperienceConfig(Settings):
         num_generations: completions per prompt (``G >= 2``: a group of one has no relative signal).
         advantage_estimator: how rewards become advantages: ``"grpo"`` (group mean), ``"rloo"`` (leave-one-out),
             ``"reinforce_pp"`` (batch-whitened), ``"reinforce_pp_baseline"`` (group mean, then batch-whitened); see
-            :data:`~polopt_lightning.advantages.ADVANTAGE_ESTIMATORS`.
+            :data:`~polopt_lightning.step.advantages.ADVANTAGE_ESTIMATORS`.
         advantage_scale: ``"group"``, ``"batch"`` or ``"none"``; ``None``: the estimator's own (GRPO's: the
             objective's, Dr. GRPO none; RLOO none; REINFORCE++ batch).
         whitening: what REINFORCE++'s batch whitening (``reinforce_pp``, ``reinforce_pp_baseline`` with the batch
@@ -123,7 +123,7 @@ class ExperienceMaker:
         config: an :class:`ExperienceConfig` (or a dict of its fields).
         anchor: the supervised anchor (its ``column`` names the reference answers), or ``None``.
         advantage_scale: the scale used when ``config.advantage_scale`` is ``None`` (the objective's own).
-        reference: the :class:`~polopt_lightning.reference.ReferenceConfig` whose ``kl_in_reward`` (and
+        reference: the :class:`~polopt_lightning.step.reference.ReferenceConfig` whose ``kl_in_reward`` (and
             ``reward_kl_estimator``) make the KL a reward penalty; ``None``: no penalty.
     """
 
@@ -324,9 +324,9 @@ class ExperienceMaker:
 
     @staticmethod
     def batch_moments(values: Tensor, device: torch.device, weights: Tensor | None = None) -> tuple[Tensor, Tensor]:
-        """The mean and standard deviation of ``values`` (:func:`~polopt_lightning.advantages.batch_values`: the step's
+        """The mean and standard deviation of ``values`` (:func:`~polopt_lightning.step.advantages.batch_values`: the step's
         valid rewards, or what a whitening estimator whitens) over all processes (``advantage_scale="batch"``), each
-        value counted ``weights`` times (:func:`~polopt_lightning.advantages.batch_weights`; ``None``: once)."""
+        value counted ``weights`` times (:func:`~polopt_lightning.step.advantages.batch_weights`; ``None``: once)."""
         valid = values.double()
         if weights is None:
             sums = [valid.new_tensor(float(valid.numel())), valid.sum(), (valid ** 2).sum()]

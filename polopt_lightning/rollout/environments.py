@@ -20,8 +20,8 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from .rollout.multi_turn import Environment, EnvStep
-from .rollout.tool_runner import trusted
+from .multi_turn import Environment, EnvStep
+from .tool_runner import trusted
 
 _OPERATORS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.FloorDiv: operator.floordiv,
               ast.Mod: operator.mod}

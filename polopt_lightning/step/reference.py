@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .models import (
+from ..models import (
     Quantization,
     as_quantization,
     cast_weights,
@@ -20,7 +20,7 @@ from .models import (
     reference_context,
     resolve_dtype,
 )
-from .settings import Settings
+from ..settings import Settings
 
 
 @dataclass

@@ -9,8 +9,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 
-from ._hf import cache_argument, last_positions, output_cache, positions_from_mask
-from .models import evaluating, reference_context
+from .._hf import cache_argument, last_positions, output_cache, positions_from_mask
+from ..models import evaluating, reference_context
 
 if TYPE_CHECKING:
     from .experience import Experience
@@ -272,7 +272,7 @@ def _select_rows(cache, index: Tensor) -> None:
 
 
 class Scorer:
-    """The log-probs of an :class:`~polopt_lightning.experience.Experience`'s completions under the policy or the KL
+    """The log-probs of an :class:`~polopt_lightning.step.experience.Experience`'s completions under the policy or the KL
     reference, as the update's settings say: each prompt once per group (``share_prompt``), groups packed
     (``pack_groups``), each completion with its own prompt under gradient checkpointing (checkpointed layers keep no
     cache) while gradients are on.
@@ -281,7 +281,7 @@ class Scorer:
         policy: the policy.
         ref_model: the reference copy, or ``None`` (none needed, or ``shared``).
         shared_reference: the policy's own base with its adapters disabled is the reference.
-        config: the :class:`~polopt_lightning.update.UpdateConfig`.
+        config: the :class:`~polopt_lightning.step.update.UpdateConfig`.
         temperature: the sampling temperature the log-probs are taken at.
     """
 

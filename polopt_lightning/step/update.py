@@ -15,11 +15,11 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
 
-from .distributed import all_reduce, world_size
+from ..distributed import all_reduce, world_size
 from .entropy import EntropyControl
 from .logprobs import completion_logprobs
-from .objectives.base import kl_estimate, masked_max, masked_mean
-from .settings import Settings
+from ..objectives.base import kl_estimate, masked_max, masked_mean
+from ..settings import Settings
 
 if TYPE_CHECKING:
     from .experience import Experience
@@ -65,7 +65,7 @@ class UpdateConfig(Settings):
             sequence's weight is the product of its tokens'; ``mask`` drops what exceeds the cap instead of capping it).
         is_cap: the largest weight kept.
         entropy_coef: an entropy bonus, ``loss - entropy_coef x H`` with ``H`` the policy's mean per-token entropy
-            over the mini-batch (:mod:`~polopt_lightning.entropy`); with ``entropy_target`` it is the starting value
+            over the mini-batch (:mod:`~polopt_lightning.step.entropy`); with ``entropy_target`` it is the starting value
             of an adaptive coefficient. 0: none.
         entropy_aggregation: how the bonus's ``H`` averages the tokens' entropies: ``"token-mean"``, one mean over the
             mini-batch's tokens whatever the objective (TRL's); ``"objective"``, as the objective aggregates its loss

@@ -1,4 +1,4 @@
-"""The update's entropy terms (both off by default; settings in :class:`~polopt_lightning.update.UpdateConfig`):
+"""The update's entropy terms (both off by default; settings in :class:`~polopt_lightning.step.update.UpdateConfig`):
 
 - an **entropy bonus**, ``loss - coef x H`` with ``H`` the mean per-token entropy of the policy over the mini-batch's
   tokens (the same meaning whatever the objective's aggregation, as TRL's ``entropy_coef``; with
@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .distributed import all_gather_rows, all_reduce
+from ..distributed import all_gather_rows, all_reduce
 
 
 class EntropyControl:
@@ -40,7 +40,7 @@ class EntropyControl:
 
     @classmethod
     def of(cls, config: Any) -> EntropyControl:
-        """From an :class:`~polopt_lightning.update.UpdateConfig`'s ``entropy_*`` and ``top_entropy_quantile``."""
+        """From an :class:`~polopt_lightning.step.update.UpdateConfig`'s ``entropy_*`` and ``top_entropy_quantile``."""
         return cls(config.entropy_coef, config.entropy_target, config.entropy_coef_delta, config.entropy_coef_min,
                    config.entropy_coef_max, config.top_entropy_quantile)
 

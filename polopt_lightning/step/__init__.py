@@ -1,0 +1,3 @@
+"""One training step's pieces, apart from Lightning: the experience (rollout, rewards, advantages: ``experience.py``,
+``advantages.py``), the scoring passes (``logprobs.py``, ``entropy.py``) and the KL reference (``reference.py``), and
+the update that turns them into optimizer steps (``update.py``). Nothing here imports the module or a Trainer."""
