@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from .accel.cpu.weights import release_weight_files
+from . import accel
 
 log = logging.getLogger(__name__)
 
@@ -164,7 +164,7 @@ def load_pretrained(
     prepare_tokenizer(tokenizer)
     if is_quantized(model):
         prepare_quantized(model)
-    release_weight_files(model)
+    accel.loaded(model)
     return model, tokenizer
 
 
@@ -451,7 +451,7 @@ def quantized_copy(model: PreTrainedModel, quantization: Quantization, folder: s
         model.save_pretrained(target, safe_serialization=True)
         quantized = AutoModelForCausalLM.from_pretrained(target, quantization_config=quantization.bnb_config(),
                                                          dtype=float_dtype(model))
-        release_weight_files(quantized)  # before the temporary folder goes
+        accel.loaded(quantized)  # before the temporary folder goes
     quantized.generation_config = copy.deepcopy(model.generation_config)
     return prepare_quantized(quantized)
 

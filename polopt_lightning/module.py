@@ -19,19 +19,19 @@ from lightning.pytorch.plugins.precision import MixedPrecision
 from torch import Tensor, nn
 from torchmetrics import MeanMetric
 
-from .accel.cpu.fast_path import CPUFastPath
+from . import accel as accelerators
 from .distributed import all_gather_objects, all_reduce, world_size
-from .step.experience import Experience, ExperienceConfig, ExperienceMaker
-from .step.logprobs import Scorer
 from .models import disable_dropout as _disable_dropout
 from .models import enable_gradient_checkpointing, frozen_quantized_state, prepare_tokenizer, prepare_trainable
 from .objectives import Objective, SupervisedAnchor, build_objective
 from .optim import build_optimizer, optimizer_factory
-from .step.reference import ReferenceConfig, build_reference
 from .rewards import MixtureRewards, RewardComposer, RewardOutput, TrainerState, build_rewards
 from .rng import restore_rng, rng_state
 from .rollout import RolloutBatch, RolloutEngine, SamplingConfig, build_engine
 from .settings import settings_of, with_moved
+from .step.experience import Experience, ExperienceConfig, ExperienceMaker
+from .step.logprobs import Scorer
+from .step.reference import ReferenceConfig, build_reference
 from .step.update import UpdateConfig, Updater, lr_factor
 
 # Lightning's own pytree helper calls a torch API deprecated in torch 2.9 at every fit: nothing a user of this module
@@ -118,7 +118,7 @@ class PolicyOptimizationModule(L.LightningModule):
         reference: ReferenceConfig | Mapping[str, Any] | None = None,
         ref_model: nn.Module | None = None,
         rollout_engine: RolloutEngine | str | Mapping[str, Any] | None = None,
-        accel: CPUFastPath | Mapping[str, Any] | None = None,
+        accel: Any = None,
         anchor: SupervisedAnchor | Mapping[str, Any] | None = None,
         seed: int = 0,
         **moved: Any,
@@ -154,7 +154,7 @@ class PolicyOptimizationModule(L.LightningModule):
         self.sampling = SamplingConfig.of(generation)
         self.val_sampling = SamplingConfig.of(val_generation, max_new_tokens=self.sampling.max_new_tokens,
                                               temperature=0.0)
-        self.accel = CPUFastPath.of(accel)
+        self.accel = accelerators.training(accel)
         # rollout, rewards, dynamic sampling, advantages and the anchor's targets: one step's experience
         self.experience = ExperienceMaker(self.tokenizer, self.rewards, self.experience_config, anchor,
                                           objective.advantage_scale, self.reference_config)

@@ -7,13 +7,13 @@ import math
 import pytest
 import torch
 
+from polopt_lightning.objectives import CISPO, GRPO, SAPO, build_objective
 from polopt_lightning.step.advantages import (
     ADVANTAGE_ESTIMATORS,
     estimate_advantages,
     group_relative_advantages,
 )
 from polopt_lightning.step.experience import ExperienceConfig, ExperienceMaker
-from polopt_lightning.objectives import CISPO, GRPO, SAPO, build_objective
 
 from .helpers import make, trainer
 

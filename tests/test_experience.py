@@ -3,9 +3,9 @@ rewards, dynamic sampling and overlong filtering, and the typed experience it re
 
 import torch
 
-from polopt_lightning.step.experience import Experience, ExperienceMaker
 from polopt_lightning.rewards import RewardComposer
 from polopt_lightning.rollout import RolloutBatch
+from polopt_lightning.step.experience import Experience, ExperienceMaker
 
 
 def length(prompts, completions, completion_ids, **kw):

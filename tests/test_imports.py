@@ -5,12 +5,16 @@ import ast
 import pathlib
 import sys
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parents[1] / "polopt_lightning"
 
 
-def cycles(root: pathlib.Path) -> list[list[str]]:
-    """The groups of modules that import each other around a circle (Tarjan's strongly connected components)."""
+def imports(root: pathlib.Path) -> dict[str, set[str]]:
+    """Each module of the package -> the package's modules it imports (at the top or inside a function), the
+    packages whose ``__init__`` that runs included."""
     mods = {}
+
     for p in root.rglob('*.py'):
         rel = p.relative_to(root.parent).with_suffix('')
         name = '.'.join(rel.parts)
@@ -43,6 +47,12 @@ def cycles(root: pathlib.Path) -> list[list[str]]:
                         pk = '.'.join(parts[:i])
                         if pk in mods and pk != m and not m.startswith(pk + '.'):
                             edges[m].add(pk)
+    return edges
+
+
+def cycles(root: pathlib.Path) -> list[list[str]]:
+    """The groups of modules that import each other around a circle (Tarjan's strongly connected components)."""
+    edges = imports(root)
     index, low, stack, on, out, n = {}, {}, [], set(), [], [0]
 
     def visit(v):
@@ -67,7 +77,7 @@ def cycles(root: pathlib.Path) -> list[list[str]]:
             if len(comp) > 1:
                 out.append(sorted(comp))
     sys.setrecursionlimit(10000)
-    for v in mods:
+    for v in edges:
         if v not in index:
             visit(v)
     return out
@@ -167,3 +177,18 @@ print(len(MOVED_MODULES))
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT.parent, timeout=120)
     assert out.returncode == 0 and out.stdout.split() == ["8"], out.stderr[-2000:]
     assert not (ROOT / "update.py").exists() and (ROOT / "step" / "update.py").exists()
+
+
+def test_generic_code_reaches_the_cpu_fast_path_only_through_the_accel_plugins():
+    """No module outside ``accel/`` imports ``accel.cpu``: the module, the transformers backend and the model loader
+    ask :mod:`polopt_lightning.accel` (its ``PLUGINS``), which imports the CPU plugin when first used."""
+    from polopt_lightning import accel
+
+    reach = {m: sorted(t for t in targets if t.startswith("polopt_lightning.accel.cpu"))
+             for m, targets in imports(ROOT).items() if not m.startswith("polopt_lightning.accel")}
+    assert {m: t for m, t in reach.items() if t} == {}
+    cpu = accel.plugin("cpu")
+    assert type(accel.training({"keep_host_memory": False})) is cpu.CPUFastPath
+    assert type(accel.decoding(None)) is cpu.CPUDecoding
+    with pytest.raises(ValueError, match=r"no accel plugin 'tpu'; registered: \['cpu'\]"):
+        accel.plugin("tpu")

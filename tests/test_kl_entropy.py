@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from polopt_lightning import PolicyOptimizationModule
+from polopt_lightning.models import Adapter, apply_adapter, build_tiny_model
+from polopt_lightning.objectives import GRPO, KL_ESTIMATORS, build_objective, kl_estimate
 from polopt_lightning.step.advantages import estimate_advantages
 from polopt_lightning.step.entropy import EntropyControl
 from polopt_lightning.step.logprobs import completion_logprobs, selective_log_softmax
-from polopt_lightning.models import Adapter, apply_adapter, build_tiny_model
-from polopt_lightning.objectives import GRPO, KL_ESTIMATORS, build_objective, kl_estimate
 from polopt_lightning.step.update import UpdateConfig
 
 from .helpers import make, trainer

@@ -126,9 +126,9 @@ def test_the_head_gets_a_contiguous_input_and_the_values_of_an_int_logits_to_kee
     from polopt_lightning._hf import positions_from_mask
     from polopt_lightning.accel.cpu.decode import PackedProjections
     from polopt_lightning.accel.lean_step import llama_like
-    from polopt_lightning.step.logprobs import completion_logprobs, shared_prompt_completion_logprobs
     from polopt_lightning.models import build_tiny_model
     from polopt_lightning.rollout import HFRolloutEngine, SamplingConfig
+    from polopt_lightning.step.logprobs import completion_logprobs, shared_prompt_completion_logprobs
 
     model, _ = build_tiny_model(hidden_size=32, num_layers=2, num_heads=2, vocab_size=128)
     model = model.to(dtype).eval().requires_grad_(False)  # a frozen reference copy or sampler

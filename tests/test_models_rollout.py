@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from polopt_lightning._hf import cache_argument, preallocated_cache
-from polopt_lightning.step.logprobs import completion_logprobs, selective_log_softmax
 from polopt_lightning.models import build_tiny_model, char_tokenizer, load_pretrained, prepare_tokenizer
 from polopt_lightning.rollout import HFRolloutEngine, SamplingConfig
+from polopt_lightning.step.logprobs import completion_logprobs, selective_log_softmax
 
 from .helpers import one_decoding_step, run_if
 

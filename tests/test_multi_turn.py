@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from polopt_lightning import PolicyOptimizationModule, PromptDataModule
-from polopt_lightning.rollout.environments import GuessingGame, calculator, environment_reward
 from polopt_lightning.models import build_tiny_model, char_tokenizer
 from polopt_lightning.rollout import RolloutBatch, RolloutEngine, SamplingConfig
+from polopt_lightning.rollout.environments import GuessingGame, calculator, environment_reward
 from polopt_lightning.rollout.multi_turn import (
     ChatTurns,
     EnvStep,

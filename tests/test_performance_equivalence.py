@@ -7,14 +7,14 @@ import pytest
 import torch
 
 from polopt_lightning import PolicyOptimizationModule
+from polopt_lightning.models import build_tiny_model
+from polopt_lightning.rollout import HFRolloutEngine, SamplingConfig
 from polopt_lightning.step.logprobs import (
     PACKED_MAX_TOKENS,
     completion_logprobs,
     selective_log_softmax,
     shared_prompt_completion_logprobs,
 )
-from polopt_lightning.models import build_tiny_model
-from polopt_lightning.rollout import HFRolloutEngine, SamplingConfig
 
 
 def varied(prompts, completions, **kw):

@@ -13,7 +13,6 @@ import torch
 
 from polopt_lightning import PolicyOptimizationModule, PromptDataModule
 from polopt_lightning.data import ArithmeticTask
-from polopt_lightning.step.logprobs import completion_logprobs, shared_prompt_completion_logprobs
 from polopt_lightning.models import (
     Adapter,
     Quantization,
@@ -28,6 +27,7 @@ from polopt_lightning.models import (
 from polopt_lightning.optim import build_optimizer
 from polopt_lightning.rewards import ExactMatchReward
 from polopt_lightning.rollout import HFRolloutEngine, SamplingConfig
+from polopt_lightning.step.logprobs import completion_logprobs, shared_prompt_completion_logprobs
 
 pytest.importorskip("bitsandbytes", reason="bitsandbytes is a runtime dependency; these tests need it installed")
 pytest.importorskip("peft", reason="peft is a runtime dependency; these tests need it installed")

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from polopt_lightning import PolicyOptimizationModule, PromptDataModule
-from polopt_lightning.step.logprobs import completion_logprobs
 from polopt_lightning.models import build_tiny_model, cast_weights
 from polopt_lightning.rollout import HFRolloutEngine, SamplingConfig
+from polopt_lightning.step.logprobs import completion_logprobs
 from tests.helpers import distinct_chars
 
 

@@ -171,8 +171,8 @@ def test_filtered_sampling_returns_the_unfiltered_distributions_log_probs(engine
     mass back, so they are the tempered, unfiltered log-probs a training pass computes (RolloutBatch's contract, what
     the transformers backend returns) and the sampler correction's weight stays near 1 instead of carrying the kept
     mass (huggingface/trl#6789)."""
-    from polopt_lightning.step.logprobs import completion_logprobs
     from polopt_lightning.rollout.base import kept_log_mass
+    from polopt_lightning.step.logprobs import completion_logprobs
 
     model, tok = build_tiny_model(hidden_size=128, num_layers=2, num_heads=2, intermediate_size=256, seed=8)
     engine.policy_updated(model)
@@ -294,9 +294,9 @@ def test_multi_turn_rollouts_run_on_vllm_as_on_the_transformers_backend(engine):
     """A three-turn episode (an environment that always answers "lower") sampled greedily by vLLM: the same turns as
     the transformers backend's, and on the policy's tokens the sampling log-probs of a training pass that attends to
     the environment's tokens."""
-    from polopt_lightning.step.logprobs import completion_logprobs
     from polopt_lightning.rollout import HFRolloutEngine
     from polopt_lightning.rollout.multi_turn import MultiTurnEngine
+    from polopt_lightning.step.logprobs import completion_logprobs
 
     from .helpers.multi_turn import TEMPLATE, AlwaysLower, short_answers
 

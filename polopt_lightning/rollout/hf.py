@@ -4,7 +4,6 @@ in its sampling dtype), the CPU fast path's lean decoding step where the model a
 from __future__ import annotations
 
 import warnings
-from collections.abc import Mapping
 from contextlib import nullcontext
 from dataclasses import fields, replace
 from functools import partial
@@ -13,8 +12,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from .. import accel
 from .._hf import cache_argument, last_positions, output_cache, positions_from_mask, preallocated_cache
-from ..accel.cpu.decode import CPUDecoding
 from ..accel.lean_step import decode_step, llama_like, shared_prompt_decode_step, static_decode_step
 from ..models import float_dtype, frozen_copy, is_quantized, resolve_dtype
 from .base import RolloutBatch, RolloutEngine, filter_logits, sample_tokens
@@ -64,8 +63,8 @@ class HFRolloutEngine(RolloutEngine):
 
     def __init__(self, fast_decode: bool = True, dtype: torch.dtype | str | None = None, compile: bool = False,
                  shared_prompt_kv: bool | None = None, inference_mode: bool | None = None,
-                 release_copy: bool | None = None, cpu: CPUDecoding | Mapping[str, Any] | None = None) -> None:
-        self.cpu = CPUDecoding.of(cpu)
+                 release_copy: bool | None = None, cpu: Any = None) -> None:
+        self.cpu = accel.decoding(cpu)
         self.fast_decode = fast_decode
         self.release_copy = release_copy
         self._released = False

@@ -11,6 +11,12 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from ..chat import completion_like
+from ..distributed import all_gather_rows, all_reduce, world_size
+from ..objectives.base import kl_estimate
+from ..rewards import MixtureRewards, RewardComposer, RewardOutput
+from ..rollout import Completions, RolloutBatch
+from ..settings import Settings
 from .advantages import (
     ADVANTAGE_ESTIMATORS,
     ADVANTAGE_SCALES,
@@ -20,12 +26,6 @@ from .advantages import (
     get_estimator,
     zero_std_groups,
 )
-from ..chat import completion_like
-from ..distributed import all_gather_rows, all_reduce, world_size
-from ..objectives.base import kl_estimate
-from ..rewards import MixtureRewards, RewardComposer, RewardOutput
-from ..rollout import Completions, RolloutBatch
-from ..settings import Settings
 
 WHITENINGS = ("completion", "token")
 

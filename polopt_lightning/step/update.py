@@ -16,10 +16,10 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
 
 from ..distributed import all_reduce, world_size
-from .entropy import EntropyControl
-from .logprobs import completion_logprobs
 from ..objectives.base import kl_estimate, masked_max, masked_mean
 from ..settings import Settings
+from .entropy import EntropyControl
+from .logprobs import completion_logprobs
 
 if TYPE_CHECKING:
     from .experience import Experience

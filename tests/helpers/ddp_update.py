@@ -29,10 +29,10 @@ from polopt_lightning.accel.cpu.linear import OneDNNLinear
 from polopt_lightning.cli import config_dir
 from polopt_lightning.data import ArithmeticTask
 from polopt_lightning.distributed import all_gather_objects, close_process_group
-from polopt_lightning.step.experience import pad_cat
 from polopt_lightning.models import build_tiny_model
 from polopt_lightning.rewards.builtin import ExactMatchReward
 from polopt_lightning.rollout import HFRolloutEngine, RolloutBatch
+from polopt_lightning.step.experience import pad_cat
 
 PROMPTS = 4  # in all, over the processes
 

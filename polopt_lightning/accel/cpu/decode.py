@@ -25,8 +25,8 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from ..lean_step import Projections, _head_dim, _norm_eps, _without_torch_function
 from ...settings import settings_of
+from ..lean_step import Projections, _head_dim, _norm_eps, _without_torch_function
 from . import linear as cpu_linear
 from . import rowdot
 from .rowdot import RowDot
