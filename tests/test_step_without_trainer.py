@@ -209,15 +209,19 @@ def test_a_non_finite_loss_skips_the_update_and_the_step_still_counts():
     assert optimizer.state_dict()["state"] == {}  # no parameter stepped: no Adam state either
 
 
-@pytest.mark.parametrize("global_step, max_steps, made", [(0, 3, 3), (2, 3, 1), (3, 3, 1), (0, 0, 4), (0, -1, 4)])
-def test_the_rollouts_updates_stop_at_max_steps(global_step, max_steps, made):
+@pytest.mark.parametrize("global_step, max_steps, made", [(0, 3, 3), (2, 3, 1), (3, 3, 1), (0, 1, 1), (0, 4, 4),
+                                                         (0, 0, 4), (0, -1, 4)])
+def test_the_rollouts_updates_stop_at_max_steps(global_step, max_steps, made, caplog):
     module, exp = module_and_experience(mini_batches=2, num_iterations=2)
     expected, _ = by_hand(module, exp, global_step, steps=made)
     trainer = SimpleNamespace(max_steps=max_steps, global_step=global_step, strategy=SimpleNamespace(model=None),
                               precision_plugin=None)
-    _, steps, _ = run(module, exp, trainer)
+    with caplog.at_level("INFO"):
+        _, steps, _ = run(module, exp, trainer)
     assert steps == made
     assert_same_weights(module.policy, expected)
+    said = f"trainer.max_steps={max_steps}: the last rollout makes {made} of its optimizer steps"
+    assert (said in caplog.text) == (made < 4), caplog.text
 
 
 def test_more_mini_batches_than_completions_is_refused():
