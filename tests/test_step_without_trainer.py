@@ -80,6 +80,7 @@ def by_hand(module, exp, global_step=0, steps=None, old_logprobs=None):
     start_logprobs = ref_logprobs if old_logprobs is None else old_logprobs  # or the sampler's, reused
     updates = [(i, start) for i in range(config.num_iterations) for start in range(0, n, size)][:steps]
     metrics = []
+    coef, last = config.entropy_coef, math.inf  # the bonus's coefficient; adaptive: the last step's entropy
     for i, start in updates:
         order = mini_batch_order(exp.group_index, module.seed + global_step + i * config.mini_batches,
                                  config.share_prompt)
@@ -103,7 +104,8 @@ def by_hand(module, exp, global_step=0, steps=None, old_logprobs=None):
             bonus = objective.aggregate_tokens(entropy, keep)
         else:
             bonus = (entropy * keep).sum() / keep.sum()
-        loss = out.loss - config.entropy_coef * bonus
+        applied = coef if config.entropy_target is None or last <= config.entropy_target else 0.0
+        loss = out.loss - applied * bonus
         if module.anchor is not None:  # lambda x the NLL of the mini-batch's prompts' reference answers, a token mean
             groups = exp.group_index[rows].unique()
             first = groups * module.experience_config.num_generations
@@ -119,8 +121,13 @@ def by_hand(module, exp, global_step=0, steps=None, old_logprobs=None):
             step["kl"] = kl(objective.kl_estimator, logprobs.detach(), ref)[mask.bool()].mean()
         if config.top_entropy_quantile < 1:
             step["top_entropy_frac"] = keep.sum() / mask.sum()
-        if config.entropy_coef:
-            step["entropy_coef"] = torch.tensor(config.entropy_coef)
+        if config.entropy_coef or config.entropy_target is not None:
+            step["entropy_coef"] = torch.tensor(applied)
+        if config.entropy_target is not None:  # Skywork-OR1's rule, on the bonus tokens' mean entropy
+            last = float((entropy.detach() * keep).sum() / keep.sum())
+            step["_observed"] = torch.tensor(last)
+            coef += config.entropy_coef_delta if last <= config.entropy_target else -config.entropy_coef_delta
+            coef = min(max(coef, config.entropy_coef_min), config.entropy_coef_max)
         step["grad_norm"] = torch.nn.utils.clip_grad_norm_(policy.parameters(), config.max_grad_norm or math.inf)
         optimizer.step()
         scheduler.step()
@@ -130,7 +137,7 @@ def by_hand(module, exp, global_step=0, steps=None, old_logprobs=None):
 
 def assert_same_metrics(metrics, steps, keys=None):
     """The run's metrics are the means of its steps' (the ``*_max`` ones too); skipped steps are counted."""
-    expected = {key: sum(step[key] for step in steps) / len(steps) for key in steps[0]}
+    expected = {key: sum(step[key] for step in steps) / len(steps) for key in steps[0] if not key.startswith("_")}
     assert set(metrics) == {*expected, "skipped_updates"}
     for key, value in expected.items():
         if keys is not None and key not in keys:
@@ -345,3 +352,19 @@ def test_token_means_are_logged_exactly_under_micro_batching_with_uneven_lengths
     _, steps_by_hand = by_hand(module, exp)
     metrics, _, _ = run(module, exp)
     assert_same_metrics(metrics, steps_by_hand)
+
+
+@pytest.mark.parametrize("target", [0.0, 4.5, 10.0])
+def test_the_adaptive_entropy_coefficient_follows_each_steps_bonus_tokens(target):
+    """Skywork-OR1's rule through the update: the bonus waits for a measurement, then after each step its
+    coefficient rises (entropy at or below the target) or falls, read from that step's bonus tokens."""
+    module, exp = module_and_experience(mini_batches=3, num_iterations=2, entropy_coef=0.02, entropy_target=target,
+                                        entropy_coef_delta=0.01, top_entropy_quantile=0.5, micro_batch_tokens=30)
+    expected, steps_by_hand = by_hand(module, exp)
+    metrics, _, _ = run(module, exp)
+    assert_same_weights(module.policy, expected)
+    assert_same_metrics(metrics, steps_by_hand)
+    control = module.updater.entropy
+    assert control.last == pytest.approx(steps_by_hand[-1]["_observed"], rel=1e-5)
+    moves = sum(1 if step["_observed"] <= target else -1 for step in steps_by_hand)
+    assert control.coef == pytest.approx(min(max(0.02 + 0.01 * moves, 0.0), 1.0))
