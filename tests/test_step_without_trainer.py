@@ -76,7 +76,10 @@ def by_hand(module, exp, global_step=0, steps=None, old_logprobs=None):
     n = exp.completion_ids.shape[0]
     size = math.ceil(n / config.mini_batches)
     with torch.no_grad():  # before any update: the sampling policy's (and the reference's) log-probs
-        ref_logprobs, start_entropy = scores(policy, exp, torch.arange(n))
+        ref_logprobs = scores(policy, exp, torch.arange(n))[0]
+        # its entropies as the update's scorer computes them (tested against the full softmax in test_kl_entropy.py):
+        # a tiny random model's entropies tie to 1e-6 near a quantile, where two ways of summing pick different tokens
+        start_entropy = module.scorer.logprobs(policy, exp, slice(None), with_entropy=True)[1]
     start_logprobs = ref_logprobs if old_logprobs is None else old_logprobs  # or the sampler's, reused
     updates = [(i, start) for i in range(config.num_iterations) for start in range(0, n, size)][:steps]
     metrics = []
@@ -330,6 +333,8 @@ def test_the_sampler_correction_weights_each_micro_batchs_advantages_by_its_own_
     ({"name": "grpo", "beta": 0.04}, {"mini_batches": 2, "num_iterations": 2, "micro_batch_tokens": 30}),
     ({"name": "dr_grpo", "max_completion_length": 6}, {"micro_batch_tokens": 30, "is_correction": True,
                                                         "top_entropy_quantile": 0.5, "entropy_coef": 0.01}),
+    # a completion a mini-batch: one of them a single token
+    ({"name": "grpo"}, {"mini_batches": 12, "top_entropy_quantile": 0.5, "entropy_coef": 0.01, "entropy_target": 10.0}),
 ])
 def test_with_uneven_lengths_the_updates_and_the_exact_metrics_equal_the_hand_written_ones(objective, update):
     """Completions of different lengths (one ends at its first token): the micro-batches' own widths change nothing."""
@@ -339,6 +344,10 @@ def test_with_uneven_lengths_the_updates_and_the_exact_metrics_equal_the_hand_wr
     assert_same_weights(module.policy, expected)
     assert_same_metrics(metrics, steps_by_hand, keys={"loss", "kl", "entropy", "grad_norm", "ratio_max",
                                                       "is_weight_max", "entropy_coef", "top_entropy_frac"})
+    observed = [step["_observed"] for step in steps_by_hand if "_observed" in step]
+    if observed:  # the adaptive coefficient read every step's bonus tokens, the single-token one too
+        assert module.updater.entropy.last == pytest.approx(observed[-1], rel=1e-5)
+        assert min(observed) > 0 and len(observed) == 12
 
 
 @pytest.mark.xfail(strict=True, reason="known: a micro-batch's metrics are weighted by its share of the objective's "
