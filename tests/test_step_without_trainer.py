@@ -131,6 +131,7 @@ def by_hand(module, exp, global_step=0, steps=None, old_logprobs=None):
             step["_observed"] = torch.tensor(last)
             coef += config.entropy_coef_delta if last <= config.entropy_target else -config.entropy_coef_delta
             coef = min(max(coef, config.entropy_coef_min), config.entropy_coef_max)
+            step["_coef"] = torch.tensor(coef)
         step["grad_norm"] = torch.nn.utils.clip_grad_norm_(policy.parameters(), config.max_grad_norm or math.inf)
         optimizer.step()
         scheduler.step()
@@ -335,6 +336,8 @@ def test_the_sampler_correction_weights_each_micro_batchs_advantages_by_its_own_
                                                         "top_entropy_quantile": 0.5, "entropy_coef": 0.01}),
     # a completion a mini-batch: one of them a single token
     ({"name": "grpo"}, {"mini_batches": 12, "top_entropy_quantile": 0.5, "entropy_coef": 0.01, "entropy_target": 10.0}),
+    ({"name": "grpo"}, {"mini_batches": 12, "entropy_coef": 0.5, "entropy_target": 3.0}),
+    ({"name": "grpo"}, {"mini_batches": 12, "entropy_coef": 0.5}),
 ])
 def test_with_uneven_lengths_the_updates_and_the_exact_metrics_equal_the_hand_written_ones(objective, update):
     """Completions of different lengths (one ends at its first token): the micro-batches' own widths change nothing."""
@@ -347,6 +350,7 @@ def test_with_uneven_lengths_the_updates_and_the_exact_metrics_equal_the_hand_wr
     observed = [step["_observed"] for step in steps_by_hand if "_observed" in step]
     if observed:  # the adaptive coefficient read every step's bonus tokens, the single-token one too
         assert module.updater.entropy.last == pytest.approx(observed[-1], rel=1e-5)
+        assert module.updater.entropy.coef == pytest.approx(float(steps_by_hand[-1]["_coef"]))
         assert min(observed) > 0 and len(observed) == 12
 
 
