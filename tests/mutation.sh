@@ -22,8 +22,8 @@ for group in "${groups[@]}"; do
     objectives)
       files=(polopt_lightning/objectives/base.py polopt_lightning/objectives/grpo.py polopt_lightning/objectives/gspo.py
              polopt_lightning/objectives/cispo.py polopt_lightning/objectives/sapo.py)
-      tests=(tests/test_objectives.py tests/test_objectives_edges.py tests/test_estimators.py tests/test_kl_entropy.py
-             tests/test_core_edges.py)
+      tests=(tests/test_objectives.py tests/test_objectives_edges.py tests/test_objectives_base.py tests/test_estimators.py
+             tests/test_kl_entropy.py tests/test_core_edges.py)
       deselect="$deselect and not train_from_a_fit and not in_the_checkpoint and not kl_reward_penalty and not adapter_disabled"
       ;;
     advantages)

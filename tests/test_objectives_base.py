@@ -1,0 +1,116 @@
+"""The objective interface's own edges (objectives/base.py): its checks and their messages, what it hands the loss
+(no reference without a KL term, NaN advantages as 0, the logprobs' dtype), the clip and KL helpers at their bounds,
+the registry. The objectives' values are tested in test_objectives.py and test_objectives_edges.py."""
+
+import math
+import re
+
+import pytest
+import torch
+
+from polopt_lightning.objectives import GRPO, GSPO
+from polopt_lightning.objectives.base import (
+    LOG_RATIO_LIMIT,
+    Objective,
+    available_objectives,
+    build_objective,
+    check_clip,
+    clipped_surrogate,
+    k3_kl,
+    kl_estimate,
+    register_objective,
+)
+
+
+def inputs(batch=2, width=3):
+    g = torch.Generator().manual_seed(0)
+    logprobs = -torch.rand(batch, width, generator=g)
+    return dict(logprobs=logprobs, old_logprobs=logprobs - 0.1, advantages=torch.tensor([1.0, -0.5]),
+                mask=torch.ones(batch, width))
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(logprobs=torch.zeros(3)), "logprobs must be [B, T], got shape (3,)"),
+    (dict(old_logprobs=torch.zeros(2, 2)), "old_logprobs must have the shape of logprobs (2, 3), got (2, 2)"),
+    (dict(mask=torch.ones(2, 2)), "mask must have the shape of logprobs (2, 3), got (2, 2)"),
+    (dict(advantages=torch.zeros(3)), "advantages must be [B]=2 or [B, T]=(2, 3), got shape (3,)"),
+])
+def test_each_input_is_checked_with_a_message_that_names_it(change, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        GRPO()(**{**inputs(), **change})
+
+
+def test_a_sequence_level_objective_names_only_the_sequence_shape():
+    with pytest.raises(ValueError, match=re.escape("advantages must be [B]=2, got shape (2, 3)")):
+        GSPO()(**{**inputs(), "advantages": torch.zeros(2, 3)})
+
+
+def test_a_kl_term_needs_a_reference_of_the_logprobs_shape():
+    with pytest.raises(ValueError, match=re.escape("GRPO(beta=0.1) needs ref_logprobs; pass them or set beta=0")):
+        GRPO(beta=0.1)(**inputs())
+    with pytest.raises(ValueError, match=re.escape("ref_logprobs must have the shape of logprobs (2, 3), got (2, 2)")):
+        GRPO(beta=0.1)(**inputs(), ref_logprobs=torch.zeros(2, 2))
+
+
+def test_a_reference_without_a_kl_term_changes_nothing():
+    plain = GRPO()(**inputs())
+    given = GRPO()(**inputs(), ref_logprobs=inputs()["logprobs"] - 1.0)
+    assert torch.equal(given.loss, plain.loss) and given.metrics.keys() == plain.metrics.keys()
+    assert "kl" not in given.metrics
+
+
+def test_a_nan_advantage_counts_as_zero_and_advantages_take_the_logprobs_dtype():
+    nan = GRPO()(**{**inputs(), "advantages": torch.tensor([float("nan"), -0.5])})
+    zero = GRPO()(**{**inputs(), "advantages": torch.tensor([0.0, -0.5])})
+    assert torch.equal(nan.loss, zero.loss)
+    wide = GRPO()(**{**inputs(), "advantages": torch.tensor([1.0, -0.5], dtype=torch.float64)})
+    assert wide.loss.dtype == torch.float32
+
+
+def test_the_clip_range_bounds():
+    assert check_clip(0.2, 0.0) == (0.2, 0.0) and check_clip(0.0, None) == (0.0, 0.0)
+    with pytest.raises(ValueError, match=re.escape("clip_low must be in [0, 1), got 1")):
+        check_clip(1, None)
+    with pytest.raises(ValueError, match=re.escape("clip_high must be >= 0, got -0.1")):
+        check_clip(0.2, -0.1)
+
+
+def test_the_clip_flags_are_strict_and_need_a_signed_advantage():
+    ratio = torch.tensor([0.75, 0.5, 0.5, 1.5, 2.0, 2.0, 0.5])
+    advantages = torch.tensor([-1.0, -1.0, 0.0, 1.0, 1.0, 0.0, 0.5])
+    _, low, high = clipped_surrogate(ratio, advantages, 0.25, 0.5)
+    assert low.tolist() == [False, True, False, False, False, False, False]
+    assert high.tolist() == [False, False, False, False, True, False, False]
+
+
+def test_k3_clamps_the_log_ratio_both_ways_and_is_the_default_estimator():
+    lp, ref = torch.tensor([0.0, 0.0]), torch.tensor([50.0, -50.0])
+    limit = LOG_RATIO_LIMIT
+    torch.testing.assert_close(k3_kl(lp, ref), torch.tensor([math.exp(limit) - limit - 1, math.exp(-limit) + limit - 1]))
+    lp, ref = -torch.rand(2, 3), -torch.rand(2, 3)
+    assert torch.equal(kl_estimate(lp, ref), k3_kl(lp, ref))
+
+
+def test_the_base_aggregate_and_repr():
+    class Plain(Objective):
+        def compute(self, logprobs, old_logprobs, advantages, mask, ref_logprobs):
+            raise AssertionError("not called")
+
+    plain = Plain()
+    plain.beta = 0.5
+    assert repr(plain) == "Plain(beta=0.5)"
+    values = torch.tensor([[1.0, 3.0, 5.0], [2.0, 0.0, 0.0], [7.0, 7.0, 7.0]])
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0], [0, 0, 0]])
+    assert float(plain.aggregate_tokens(values, mask)) == 2.0  # (mean(1, 3) + 2) / 2; the empty row counts nowhere
+    assert float(plain.normaliser(mask)) == 2.0
+
+
+def test_the_registry_takes_a_name_once_and_names_what_it_knows():
+    factory = available_objectives()[0]
+    registered = build_objective.__globals__["_REGISTRY"][factory]
+    assert register_objective(factory)(registered) is registered  # the same factory again: accepted
+    with pytest.raises(ValueError, match=re.escape(f"objective {factory!r} is already registered to {registered!r}")):
+        register_objective(factory)(lambda **kw: None)
+    with pytest.raises(KeyError, match=re.escape(f"unknown objective 'nope'; known objectives: "
+                                                 f"{', '.join(available_objectives())}")):
+        build_objective("nope")
