@@ -97,12 +97,28 @@ def test_the_base_aggregate_and_repr():
             raise AssertionError("not called")
 
     plain = Plain()
-    plain.beta = 0.5
-    assert repr(plain) == "Plain(beta=0.5)"
-    values = torch.tensor([[1.0, 3.0, 5.0], [2.0, 0.0, 0.0], [7.0, 7.0, 7.0]])
-    mask = torch.tensor([[1, 1, 0], [1, 0, 0], [0, 0, 0]])
-    assert float(plain.aggregate_tokens(values, mask)) == 2.0  # (mean(1, 3) + 2) / 2; the empty row counts nowhere
-    assert float(plain.normaliser(mask)) == 2.0
+    plain.beta, plain.kl_estimator = 0.5, "k1"
+    assert repr(plain) == "Plain(beta=0.5, kl_estimator='k1')"
+    values = torch.tensor([[1.0, 3.0, 5.0], [2.0, 0.0, 0.0], [7.0, 7.0, 7.0], [4.0, 4.0, 4.0]])
+    mask = torch.tensor([[0, 0, 0], [1, 0, 0], [1, 1, 1], [1, 1, 0]])
+    assert float(plain.aggregate_tokens(values, mask)) == pytest.approx(13 / 3)  # (2 + 7 + 4) / 3: the empty row counts nowhere
+    assert float(plain.normaliser(mask)) == 3.0
+
+
+def test_an_objective_gets_no_reference_without_a_kl_term():
+    """Whatever its own checks, ``compute`` sees the reference only when ``beta > 0``."""
+
+    class Spy(Objective):
+        def compute(self, logprobs, old_logprobs, advantages, mask, ref_logprobs):
+            self.given = ref_logprobs
+            return base.ObjectiveOutput(loss=logprobs.sum())
+
+    spy, ref = Spy(), inputs()["logprobs"] - 1.0
+    spy(**inputs(), ref_logprobs=ref)
+    assert spy.given is None
+    spy.beta = 0.1
+    spy(**inputs(), ref_logprobs=ref)
+    assert torch.equal(spy.given, ref)
 
 
 def test_the_registry_takes_a_name_once_and_names_what_it_knows():
