@@ -15,6 +15,7 @@ from polopt_lightning.step.logprobs import (
     selective_log_softmax,
     shared_prompt_completion_logprobs,
 )
+from polopt_lightning.step.update import mini_batch_order
 
 
 def varied(prompts, completions, **kw):
@@ -101,6 +102,51 @@ def test_micro_batches_go_by_length_and_trim_their_own_padding(share_prompt):
     metrics, split = gradients(module, exp, rows, micro_batch_tokens=budget)
     for name in whole:
         torch.testing.assert_close(split[name], whole[name], atol=1e-6, rtol=1e-4)
+
+
+@pytest.mark.parametrize("share_prompt", [False, True])
+def test_each_micro_batch_is_as_full_as_the_budget_allows(share_prompt):
+    """Greedy filling: a piece closes only when the next row would break the budget at the widened width; a completion
+    of one token (or none) counts as one, so pieces of them hold exactly ``budget // (prompt + 1)`` rows."""
+    module, exp = experience({"name": "grpo"})
+    prompt = exp.prompt_ids.shape[1]
+    module.update_config.share_prompt = share_prompt
+    rows = torch.arange(12)
+    for lengths, budget in [([1, 6, 2, 5, 3, 6, 1, 4, 2, 1, 3, 1], 3 * (prompt + 6) + 2),
+                            ([3, 0, 5, 2, 6, 6, 1, 4, 2, 5, 3, 1], 2 * (prompt + 5)),
+                            ([1] * 12, 4 * (prompt + 1))]:
+        lengths = torch.tensor(lengths)
+        exp.completion_mask = (torch.arange(exp.completion_mask.shape[1])[None] < lengths[:, None]).long()
+        module.update_config.micro_batch_tokens = budget
+        pieces = module.updater.micro_batches(exp, rows)
+        counted = lengths.clamp(min=1)
+        for piece, following in zip(pieces, pieces[1:]):
+            width = int(counted[piece].max())
+            assert len(piece) * (prompt + width) <= budget
+            assert (len(piece) + 1) * (prompt + max(width, int(counted[following[0]]))) > budget, (lengths, pieces)
+        if lengths.max() == 1:
+            assert [len(p) for p in pieces] == [4, 4, 4]
+
+
+@pytest.mark.parametrize("share_prompt", [False, True])
+def test_the_mini_batch_order_is_a_permutation_drawn_from_its_seed_alone(share_prompt):
+    """The same seed gives the same order whatever the global random state (a resumed run shuffles as the first did),
+    different seeds give different orders; with ``share_prompt`` each group's rows are contiguous, the groups and the
+    rows inside each group shuffled."""
+    group = torch.arange(6).repeat_interleave(4)
+    torch.manual_seed(1)
+    first = mini_batch_order(group, 7, share_prompt)
+    torch.manual_seed(2)
+    torch.rand(3)
+    assert mini_batch_order(group, 7, share_prompt).tolist() == first.tolist()
+    orders = [mini_batch_order(group, seed, share_prompt) for seed in range(8)]
+    assert all(sorted(o.tolist()) == list(range(24)) for o in orders)
+    assert len({tuple(o.tolist()) for o in orders}) == 8
+    if share_prompt:
+        runs = [[int(g) for g in group[o]][::4] for o in orders]
+        assert all(group[o].view(6, 4).eq(group[o][::4, None]).all() for o in orders)  # whole groups, one after another
+        assert len({tuple(r) for r in runs}) > 1
+        assert len({tuple(o[(group[o] == 0)].tolist()) for o in orders}) > 1  # rows inside group 0 reordered
 
 
 def test_sampling_logprobs_match_the_training_numerics():
