@@ -130,3 +130,40 @@ def test_the_registry_takes_a_name_once_and_names_what_it_knows():
     with pytest.raises(KeyError, match=re.escape(f"unknown objective 'nope'; known objectives: "
                                                  f"{', '.join(available_objectives())}")):
         build_objective("nope")
+
+
+@pytest.mark.parametrize("name, options", [
+    ("grpo", {}), ("grpo", {"aggregation": "token-mean", "dual_clip": 3.0}), ("dapo", {}), ("dr_grpo", {}),
+    ("gspo", {}), ("gspo", {"variant": "token"}), ("cispo", {}), ("sapo", {"tau_pos": 20.0, "tau_neg": 30.0}),
+])
+@pytest.mark.parametrize("beta", [0.0, 0.05])
+def test_the_metrics_of_two_pieces_combine_into_the_whole_batchs(name, options, beta):
+    """What the micro-batched update relies on: each mean metric names how many tokens or sequences it averages
+    (``counts``), the others are aggregated as the loss is (by the piece's share of ``normaliser``), ``*_max`` are
+    maxima. Combined so, two pieces of uneven lengths log the whole batch's values."""
+    if name == "dr_grpo":
+        options = {"max_completion_length": 5}
+    clips = {"sapo": {}, "gspo": {"clip_low": 0.003, "clip_high": 0.004}}.get(name, {"clip_low": 0.05, "clip_high": 0.08})
+    objective = build_objective(name, beta=beta, **clips, **options)
+    g = torch.Generator().manual_seed(1)
+    logprobs = -torch.rand(6, 5, generator=g) * 2
+    batch = dict(logprobs=logprobs, old_logprobs=logprobs + 0.3 * torch.randn(6, 5, generator=g),
+                 advantages=torch.tensor([1.0, -0.5, 2.0, -1.5, 0.7, -0.2]),
+                 mask=(torch.arange(5)[None] < torch.tensor([5, 1, 3, 4, 2, 5])[:, None]).float(),
+                 ref_logprobs=logprobs + 0.2 * torch.randn(6, 5, generator=g))
+    whole = objective(**batch)
+    pieces = [objective(**{k: v[rows] for k, v in batch.items()}) for rows in (slice(0, 2), slice(2, 6))]
+    shares = [objective.normaliser(batch["mask"][rows]) / objective.normaliser(batch["mask"]) for rows in
+              (slice(0, 2), slice(2, 6))]
+    assert set(whole.counts) <= set(whole.metrics) and whole.counts
+    assert not any(key.endswith("_max") or (key == "kl") for key in whole.counts)
+    for key, value in whole.metrics.items():
+        if key.endswith("_max"):
+            combined = torch.maximum(*(p.metrics[key] for p in pieces))
+        elif key in whole.counts:
+            combined = sum(p.metrics[key] * p.counts[key] for p in pieces) / sum(p.counts[key] for p in pieces)
+        else:
+            combined = sum(p.metrics[key] * share for p, share in zip(pieces, shares))
+        torch.testing.assert_close(combined, value, msg=f"{name} {options}: {key}")
+    assert 0 < float(whole.metrics["clip_frac"]) < 1  # some tokens clipped, not all: the means are not trivial
+    torch.testing.assert_close(sum(p.loss.detach() * s for p, s in zip(pieces, shares)), whole.loss.detach())

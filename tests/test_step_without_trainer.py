@@ -20,8 +20,7 @@ def varied(prompts, completions, **kw):
 
 def module_and_experience(objective=None, reference=None, anchor=None, equal_lengths=True, **update):
     """A module (no Trainer) and one rollout of 3 prompts x 4 completions of up to 6 tokens. ``equal_lengths``: every
-    completion counted at the full 6 tokens, which the logged token means need to be exact when a mini-batch is split
-    (see :func:`test_token_means_are_logged_exactly_under_micro_batching_with_uneven_lengths`)."""
+    completion counted at the full 6 tokens (random tokens in place of the EOS and the padding after it)."""
     model, tok = build_tiny_model(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64, seed=1)
     module = PolicyOptimizationModule(model, tok, objective=objective or {"name": "grpo"}, reward_fns=[varied],
                                       experience={"num_generations": 4}, update=update, reference=reference,
@@ -354,13 +353,20 @@ def test_with_uneven_lengths_the_updates_and_the_exact_metrics_equal_the_hand_wr
         assert min(observed) > 0 and len(observed) == 12
 
 
-@pytest.mark.xfail(strict=True, reason="known: a micro-batch's metrics are weighted by its share of the objective's "
-                   "normaliser (sequences for GRPO's default sequence mean), so token means (clip fractions, ratio and "
-                   "importance-weight means, sampler_kl, a watched KL) are off when lengths differ; the metric "
-                   "reduction is redone with issue 50's loss terms")
-def test_token_means_are_logged_exactly_under_micro_batching_with_uneven_lengths():
-    module, exp = module_and_experience(equal_lengths=False, mini_batches=2, micro_batch_tokens=30,
-                                        is_correction=True, reuse_sampling_logprobs=False)
+@pytest.mark.parametrize("objective, reference, is_mode", [
+    ({"name": "grpo"}, None, "token_truncate"),
+    ({"name": "grpo", "aggregation": "token-mean", "beta": 0.04}, None, "sequence_mask"),
+    ({"name": "gspo", "beta": 0.04}, None, "sequence_truncate"),
+    ({"name": "gspo", "variant": "token"}, {"track_kl": True}, "token_mask"),
+])
+def test_token_means_are_logged_exactly_under_micro_batching_with_uneven_lengths(objective, reference, is_mode):
+    """Each piece's means are weighted by the tokens or sequences they average (``ObjectiveOutput.counts``), the
+    loss and the KL aggregated as the loss is by the piece's share of the normaliser: every logged value is the whole
+    mini-batch's, whatever the split and the lengths."""
+    module, exp = module_and_experience(objective, reference, equal_lengths=False, mini_batches=2,
+                                        micro_batch_tokens=30, is_correction=True, is_mode=is_mode,
+                                        is_cap=1.1, reuse_sampling_logprobs=False)
+    assert len(module.updater.micro_batches(exp, torch.arange(6))) > 1
     exp.sampling_logprobs = exp.sampling_logprobs + 0.2 * torch.randn_like(exp.sampling_logprobs)
     _, steps_by_hand = by_hand(module, exp)
     metrics, _, _ = run(module, exp)

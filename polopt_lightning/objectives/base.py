@@ -22,10 +22,15 @@ class ObjectiveOutput:
     Attributes:
         loss: scalar tensor to minimise.
         metrics: detached scalar tensors (clip fractions, ratio statistics, ``kl`` when ``beta > 0``).
+        counts: for a metric that is a mean over tokens or sequences, how many it averages: a micro-batched or
+            data-parallel update weights each piece's value by it, so the logged mean is the whole mini-batch's.
+            A metric without a count is weighted by the piece's share of :meth:`Objective.normaliser`, as the loss
+            is (right for the loss and for terms aggregated as it is); one named ``*_max`` is a maximum.
     """
 
     loss: Tensor
     metrics: dict[str, Tensor] = field(default_factory=dict)
+    counts: dict[str, Tensor] = field(default_factory=dict)
 
 
 class Objective:

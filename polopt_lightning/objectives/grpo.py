@@ -108,7 +108,7 @@ class GRPO(Objective):
     def surrogate(self, ratio: Tensor, advantages: Tensor, logprobs: Tensor, mask: Tensor
                   ) -> tuple[Tensor, dict[str, Tensor]]:
         """The per-token policy-gradient loss ``[B, T]`` for ratios ``r`` and advantages ``A`` (``[B, 1]`` or
-        ``[B, T]``), and its clip metrics. GRPO's: the clipped surrogate (and the dual clip). Subclasses (CISPO, SAPO)
+        ``[B, T]``), and its clip metrics (token means). GRPO's: the clipped surrogate (and the dual clip). Subclasses (CISPO, SAPO)
         replace this and keep the KL term, the aggregation and the ratio metrics."""
         per_token, clipped_low, clipped_high = clipped_surrogate(ratio, advantages, self.clip_low, self.clip_high)
         metrics: dict[str, Tensor] = {}
@@ -134,7 +134,10 @@ class GRPO(Objective):
         loss = aggregate(per_token, mask, self.aggregation, self.max_completion_length)
         with torch.no_grad():
             metrics.update(ratio_mean=masked_mean(ratio, mask), ratio_max=masked_max(ratio, mask))
-        return ObjectiveOutput(loss=loss, metrics=metrics)
+        # the surrogate's metrics and the ratio's mean are token means; the KL is aggregated as the loss is
+        tokens = mask.sum()
+        counts = {key: tokens for key in metrics if key != "kl" and not key.endswith("_max")}
+        return ObjectiveOutput(loss=loss, metrics=metrics, counts=counts)
 
 
 @register_objective("dapo")

@@ -97,4 +97,8 @@ class GSPO(Objective):
                 ratio_mean=masked_mean(seq_ratio, nonempty),
                 ratio_max=masked_max(seq_ratio, nonempty),
             )
-        return ObjectiveOutput(loss=loss, metrics=metrics)
+        tokens, sequences = mask.sum(), nonempty.sum()
+        counts = {"clip_frac_low": tokens, "clip_frac_high": tokens, "clip_frac": tokens, "ratio_mean": sequences}
+        if "clip_frac_seq" in metrics:
+            counts["clip_frac_seq"] = sequences
+        return ObjectiveOutput(loss=loss, metrics=metrics, counts=counts)

@@ -159,6 +159,13 @@ def sampler_weights(old: Tensor, sampler: Tensor, mask: Tensor, mode: str, cap: 
     return weights, metrics
 
 
+def sampler_counts(mask: Tensor, mode: str) -> dict[str, Tensor]:
+    """How many tokens or sequences each mean of :func:`sampler_weights`' metrics is over (``ObjectiveOutput.counts``)."""
+    tokens = mask.bool().sum()
+    units = mask.bool().any(-1).sum() if mode.startswith("sequence") else tokens
+    return {"is_weight_mean": units, "is_capped_frac": units, "sampler_kl": tokens}
+
+
 def mini_batch_order(group_index: Tensor, seed: int, share_prompt: bool) -> Tensor:
     """A random order of the rollout's rows (drawn from ``seed``) for splitting into mini-batches.
 
@@ -445,6 +452,7 @@ class Updater:
         world = world_size()
         total_weight = all_reduce(objective.normaliser(full_mask))
         sums: dict[str, Tensor] = {}
+        counts: dict[str, Tensor] = {}  # the tokens or sequences of each mean metric (ObjectiveOutput.counts)
         entropy_sum = torch.zeros((), device=device)
         # the tokens that carry the policy gradient (top-entropy mask) and those the entropy bonus averages over
         control = self.entropy
@@ -477,12 +485,14 @@ class Updater:
                                                          None if keep is None else keep[micro, :width])
                 out = objective(logprobs=logprobs, old_logprobs=old, advantages=advantages, mask=mask,
                                 ref_logprobs=ref)
-                out.metrics.update(is_metrics)
+                if is_metrics:
+                    out.metrics.update(is_metrics)
+                    out.counts.update(sampler_counts(mask, self.config.is_mode))
                 if ref is not None and "kl" not in out.metrics:  # watched (track_kl, kl_in_reward), not trained on
                     valid = mask.bool()  # padding may hold -inf/NaN log-probs: zeros there, as the objectives do
                     kl = kl_estimate(torch.where(valid, logprobs.detach(), 0.0), torch.where(valid, ref, 0.0),
                                      objective.kl_estimator)
-                    out.metrics["kl"] = masked_mean(kl, valid)
+                    out.metrics["kl"], out.counts["kl"] = masked_mean(kl, valid), valid.sum()
                 # The loss is a sum over the mini-batch divided by the objective's normaliser: weighting each piece
                 # by its share of that normaliser makes the accumulated gradient exactly the full mini-batch's.
                 share = objective.normaliser(mask) / total_weight.clamp(min=1e-12)
@@ -500,12 +510,18 @@ class Updater:
             for key, value in {"loss": out.loss.detach(), **out.metrics}.items():
                 if key.endswith("_max"):
                     sums[key] = torch.maximum(sums[key], value) if key in sums else value
+                elif key in out.counts:  # a mean over tokens or sequences: weighted by how many it averages
+                    count = out.counts[key].to(value.dtype)
+                    sums[key] = sums.get(key, 0.0) + value * count
+                    counts[key] = counts.get(key, 0.0) + count
                 else:
                     sums[key] = sums.get(key, 0.0) + value * share
             entropy_sum = entropy_sum + (entropy.detach() * mask).sum()
-        # every metric over the whole mini-batch: normaliser-weighted sums added up, maxima of maxima, and the
-        # entropy per token over every process's tokens
+        # every metric over the whole mini-batch: normaliser-weighted sums added up, means over every process's tokens
+        # or sequences, maxima of maxima, and the entropy per token over every process's tokens
         metrics = {key: all_reduce(value, "max" if key.endswith("_max") else "sum") for key, value in sums.items()}
+        for key, count in counts.items():
+            metrics[key] = metrics[key] / all_reduce(count).clamp(min=1)
         tokens = all_reduce(full_mask.sum().to(entropy_sum))
         metrics["entropy"] = all_reduce(entropy_sum.detach()) / tokens.clamp(min=1)
         if keep is not None:
