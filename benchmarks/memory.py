@@ -135,8 +135,8 @@ def run_polopt(folder: str, setting: str, steps: int, overrides: dict | None = N
     if phases is not None:
         note_sampling_dtype(module, phases.facts)
         phases.wrap(module, "rollout", "rollout")
-        phases.wrap(module, "reference_logprobs", "reference")
-        phases.wrap(module, "accumulate_gradients", "training")  # forward and backward of every mini-batch
+        phases.wrap(module.scorer, "reference", "reference")
+        phases.wrap(module.updater, "accumulate", "training")  # forward and backward of every mini-batch
     times: list[float] = []
 
     class Timer(L.Callback):

@@ -38,7 +38,6 @@ def main() -> None:
                                                                                          for c in completions]],
             experience={"num_generations": workload["generations"]}, generation={"max_new_tokens": T, "min_new_tokens": T},
             update={"micro_batch_tokens": args.budget, "share_prompt": share_prompt})
-        module.manual_backward = lambda loss: loss.backward()
         enc = tok(prompts[:2], return_tensors="pt", padding=True)
         exp, _ = module.make_experience({"prompt_ids": enc.input_ids, "prompt_mask": enc.attention_mask,
                                          "prompts": prompts[:2], "columns": {}})

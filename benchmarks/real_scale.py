@@ -18,7 +18,7 @@ interval and their range; the first step of each trial (optimizer state allocate
 pooled with ``--summarize`` measure each step against the floors of the run it was measured in (the median of those
 ratios; the floors' range is printed).
 
-Phases, timed around the trainers' own methods (polopt: ``rollout``, ``reference_logprobs``, ``accumulate_gradients``;
+Phases, timed around the trainers' own methods (polopt: ``rollout``, ``scorer.reference``, ``updater.accumulate``;
 TRL: ``_generate``, ``_get_per_token_logps_and_entropies`` without gradient (reference) and with it (training
 forward), ``accelerator.backward``): rollout, reference pass, training forward + backward, and the rest of the step
 (rewards, gradient norm and clipping, optimizer step, zeroing, bookkeeping). Each phase's floor, from the measured

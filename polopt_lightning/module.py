@@ -31,6 +31,7 @@ from .rollout import RolloutBatch, RolloutEngine, SamplingConfig, build_engine
 from .settings import settings_of, with_moved
 from .step.experience import Experience, ExperienceConfig, ExperienceMaker
 from .step.logprobs import Scorer
+from .step.loop import LightningLoop
 from .step.reference import ReferenceConfig, build_reference
 from .step.update import UpdateConfig, Updater, lr_factor
 
@@ -176,7 +177,9 @@ class PolicyOptimizationModule(L.LightningModule):
             # not); the reference only ever runs inside `evaluating`, which puts it in eval mode for its pass.
             self.ref_model.train()
         self.scorer = Scorer(model, self.ref_model, self.shared_reference, config, self.sampling.logprob_temperature)
-        self.updater = Updater(self)
+        self.updater = Updater(model, objective, self.scorer, self.engine, config, LightningLoop(self), anchor=anchor,
+                               reference=self.reference_config.needed(objective.beta), seed=seed,
+                               reuse_sampling_logprobs=self.reuse_sampling_logprobs)
         self.val_metrics = nn.ModuleDict({k: MeanMetric(nan_strategy="ignore")
                                           for k in ("accuracy", "reward", *(f"{t}/accuracy" for t in self.tasks))})
         self._generator: torch.Generator | None = None

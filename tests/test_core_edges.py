@@ -205,12 +205,11 @@ def test_a_located_failure_hands_each_sample_its_prompt_and_columns_and_names_it
 
 # -------------------------------------------------------------------------------- the sampler correction, the schedule
 def updater(objective=None, engine=None, **config):
-    from types import SimpleNamespace
-
     from polopt_lightning.objectives import GRPO
+    from polopt_lightning.step.loop import TorchLoop
     from polopt_lightning.step.update import UpdateConfig, Updater
 
-    return Updater(SimpleNamespace(update_config=UpdateConfig(**config), objective=objective or GRPO(), engine=engine))
+    return Updater(None, objective or GRPO(), None, engine, UpdateConfig(**config), TorchLoop())
 
 
 def test_a_weight_is_capped_at_e_to_the_20_before_its_metrics_and_a_weight_at_the_cap_is_not_beyond_it():

@@ -127,7 +127,7 @@ def test_off_policy_old_logprobs_are_the_policy_before_the_first_step(tmp_path, 
                                       update={"mini_batches": mini_batches, "num_iterations": num_iterations, "reuse_sampling_logprobs": False}, generation={"max_new_tokens": 4}, optimizer={"lr": 1e-2},
                                       rollout_engine={"dtype": rollout_dtype}, seed=1)
     captured = {}
-    make_experience, accumulate = module.make_experience, module.accumulate_gradients
+    make_experience, accumulate = module.make_experience, module.updater.accumulate
 
     def spy_experience(batch):
         exp, metrics = make_experience(batch)
@@ -139,7 +139,7 @@ def test_off_policy_old_logprobs_are_the_policy_before_the_first_step(tmp_path, 
         captured.setdefault("calls", []).append(record_old)
         return accumulate(exp, rows, record_old)
 
-    module.make_experience, module.accumulate_gradients = spy_experience, spy_accumulate
+    module.make_experience, module.updater.accumulate = spy_experience, spy_accumulate
     dm = PromptDataModule(train=arithmetic_rows[0], val=arithmetic_rows[1], tokenizer=tok, batch_size=3)
     settings = dict(accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
                     enable_model_summary=False)
@@ -254,7 +254,7 @@ def test_the_optimizer_is_unfused_where_lightning_clips(tiny):
     import lightning as L
     from lightning.pytorch.plugins.precision import MixedPrecision
 
-    from polopt_lightning.step.update import clips_in_place
+    from polopt_lightning.step.loop import clips_in_place
 
     model, tok = tiny
     for scaler, mesh, in_place in ((None, None, True), (object(), None, False), (None, object(), False)):

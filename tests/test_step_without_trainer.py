@@ -11,7 +11,8 @@ import torch
 
 from polopt_lightning import PolicyOptimizationModule
 from polopt_lightning.models import build_tiny_model
-from polopt_lightning.step.update import lr_factor, mini_batch_order, sampler_weights
+from polopt_lightning.step.loop import TorchLoop
+from polopt_lightning.step.update import Updater, lr_factor, mini_batch_order, sampler_weights
 
 
 def varied(prompts, completions, **kw):
@@ -149,9 +150,13 @@ def assert_same_metrics(metrics, steps, keys=None):
 
 
 def run(module, exp, trainer=None):
-    """``Updater.run`` on the module with no Trainer (or a stand-in one); counts the steps the engine is told of."""
-    module.manual_backward = lambda loss: loss.backward()
-    module._trainer = trainer
+    """``Updater.run`` on the module's parts in plain PyTorch (:class:`TorchLoop`), or through the module's own loop
+    over a stand-in Trainer; counts the steps the engine is told of."""
+    if trainer is None:
+        module.updater.loop = TorchLoop()
+    else:
+        module.manual_backward = lambda loss: loss.backward()
+        module._trainer = trainer
     told = []
     module.engine.policy_updated = lambda policy: told.append(policy)
     optim = module.configure_optimizers()
@@ -193,6 +198,26 @@ def test_the_updates_equal_the_hand_written_ones(objective, update):
     assert_same_weights(module.policy, expected)
     assert_same_metrics(metrics, steps_by_hand)
     assert float(metrics["skipped_updates"]) == 0 and float(metrics["grad_norm"]) > 0
+
+
+def test_the_update_runs_from_its_parts_alone_in_plain_pytorch():
+    """No LightningModule and no Trainer: the policy, objective, scorer, engine and settings handed to an ``Updater``
+    with a :class:`TorchLoop` train exactly as written by hand, and the loop counts the steps."""
+    module, exp = module_and_experience({"name": "grpo", "beta": 0.04}, mini_batches=2, num_iterations=2,
+                                        micro_batch_tokens=30, anchor={"coef": 0.5, "column": "answer"})
+    expected, steps_by_hand = by_hand(module, exp)
+    policy, engine, loop = module.policy, module.engine, TorchLoop()
+    engine.policy_updated = lambda policy: None
+    updater = Updater(policy, module.objective, module.scorer, engine, module.update_config, loop,
+                      anchor=module.anchor, reference=True, seed=module.seed)
+    config = module.update_config
+    optimizer = module.optimizer_factory([p for p in policy.parameters() if p.requires_grad])
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, partial(
+        lr_factor, schedule=config.lr_schedule, warmup=config.warmup_steps, total=0, floor=config.min_lr_ratio))
+    metrics = updater.run(exp, optimizer, scheduler)
+    assert loop.global_step == 4 == len(steps_by_hand)
+    assert_same_weights(policy, expected)
+    assert_same_metrics(metrics, steps_by_hand)
 
 
 def test_the_weights_move_and_a_clip_limits_them():
@@ -237,7 +262,7 @@ def test_the_rollouts_updates_stop_at_max_steps(global_step, max_steps, made, ca
 def test_more_mini_batches_than_completions_is_refused():
     module, exp = module_and_experience(mini_batches=13)
     with pytest.raises(ValueError, match=r"update.mini_batches=13 is more than the rollout's 12 completions "
-                                         r"\(prompts per batch x num_generations=4\)"):
+                                         r"\(3 prompts x num_generations=4\)"):
         run(module, exp)
 
 
@@ -287,7 +312,7 @@ class _Poisoned:
 ])
 def test_a_non_finite_loss_or_gradient_alone_skips_the_update(poison, loss, norm):
     module, exp = module_and_experience()
-    module.objective = _Poisoned(module.objective, poison)
+    module.updater.objective = _Poisoned(module.objective, poison)
     start = copy.deepcopy(module.policy)
     with pytest.warns(UserWarning, match=rf"non-finite loss \({loss}\) or gradient norm \({norm}\)"):
         metrics, steps, _ = run(module, exp)

@@ -46,6 +46,7 @@ def test_the_update_multiplies_each_advantage_by_its_sampler_weight(mode):
     from types import SimpleNamespace
 
     from polopt_lightning.objectives import GRPO
+    from polopt_lightning.step.loop import TorchLoop
     from polopt_lightning.step.update import UpdateConfig, Updater
 
     e = math.e
@@ -62,9 +63,8 @@ def test_the_update_multiplies_each_advantage_by_its_sampler_weight(mode):
     exp = SimpleNamespace(advantages=torch.tensor([2.0, -1.0]), sampling_logprobs=sampler)
     rows = torch.arange(2)
     for on in (True, False):
-        host = SimpleNamespace(update_config=UpdateConfig(is_correction=on, is_mode=mode, is_cap=3.0 if mode.startswith(
-            "sequence") else 2.0), objective=GRPO(), engine=None)
-        advantages, metrics = Updater(host).advantages(exp, rows, old, mask)
+        config = UpdateConfig(is_correction=on, is_mode=mode, is_cap=3.0 if mode.startswith("sequence") else 2.0)
+        advantages, metrics = Updater(None, GRPO(), None, None, config, TorchLoop()).advantages(exp, rows, old, mask)
         if on:
             torch.testing.assert_close(advantages, want)
             assert "is_weight_mean" in metrics

@@ -97,8 +97,7 @@ class GSPO(Objective):
                 ratio_mean=masked_mean(seq_ratio, nonempty),
                 ratio_max=masked_max(seq_ratio, nonempty),
             )
-        tokens, sequences = mask.sum(), nonempty.sum()
-        counts = {"clip_frac_low": tokens, "clip_frac_high": tokens, "clip_frac": tokens, "ratio_mean": sequences}
-        if "clip_frac_seq" in metrics:
-            counts["clip_frac_seq"] = sequences
+        # the clip fractions are token means; the rest are means over the non-empty sequences, which is what the
+        # normaliser counts: they need no count of their own
+        counts = dict.fromkeys(("clip_frac_low", "clip_frac_high", "clip_frac"), mask.sum())
         return ObjectiveOutput(loss=loss, metrics=metrics, counts=counts)

@@ -6,8 +6,6 @@ piece, the global gradient norm and clipping by it, and the learning-rate schedu
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -20,6 +18,7 @@ from ..objectives.base import kl_estimate, masked_max, masked_mean
 from ..settings import Settings
 from .entropy import EntropyControl
 from .logprobs import completion_logprobs
+from .loop import TrainingLoop
 
 if TYPE_CHECKING:
     from .experience import Experience
@@ -230,28 +229,6 @@ def even_pieces(pieces: list[Tensor], policy: nn.Module, device: torch.device) -
     return pieces
 
 
-@contextmanager
-def gradient_sync(wrapped: nn.Module | None, policy: nn.Module, last: bool) -> Iterator[None]:
-    """No gradient reduction in the backward passes of a mini-batch's pieces but the last: they accumulate locally and
-    the last one reduces the sum (DDP's ``no_sync`` on the strategy's ``wrapped`` model, FSDP2's
-    ``set_requires_gradient_sync`` on the ``policy``)."""
-    from torch.distributed.fsdp import FSDPModule
-
-    if last:
-        yield
-    elif isinstance(wrapped, torch.nn.parallel.DistributedDataParallel):
-        with wrapped.no_sync():
-            yield
-    elif isinstance(policy, FSDPModule):
-        policy.set_requires_gradient_sync(False)
-        try:
-            yield
-        finally:
-            policy.set_requires_gradient_sync(True)
-    else:
-        yield
-
-
 def lr_factor(step: int, schedule: str, warmup: int, total: int, floor: float) -> float:
     """The learning rate at ``step`` as a fraction of the peak: linear warm-up over ``warmup`` steps, then
     ``constant``, ``linear`` or ``cosine`` decay to ``floor`` at ``total``."""
@@ -295,92 +272,74 @@ def scale_gradients(model: nn.Module, max_norm: float, norm: Tensor) -> None:
             torch._foreach_mul_([g for g in grads if g.device == device], factor.to(device))
 
 
-def clips_in_place(trainer: Any, policy: nn.Module, mesh: Any = None) -> bool:
-    """Whether clipping can scale the gradients by the norm :func:`grad_norm` measured, instead of Lightning's
-    ``clip_gradients`` measuring it again: gradients that no loss scaler holds scaled (``16-mixed`` has one), that no
-    DeepSpeed engine clips itself and that are whole on each process (FSDP2's are sharded DTensors, under a device
-    ``mesh``). Without a ``trainer``: yes. The same rule picks the optimizer's kernel, before any gradient exists
-    (Lightning's mixed-precision plugins refuse to clip for a fused optimizer)."""
-    if trainer is None:
-        return True
-    if getattr(trainer.precision_plugin, "scaler", None) is not None:
-        return False
-    if "deepspeed" in type(getattr(trainer, "strategy", None)).__name__.lower():
-        return False
-    if mesh is not None:
-        return False
-    from torch.distributed.tensor import DTensor
-
-    return not any(isinstance(p, DTensor) or isinstance(p.grad, DTensor) for p in policy.parameters())
-
-
 class Updater:
     """A rollout's optimizer steps (:meth:`run`): the old log-probs off-policy updates need, the reference's, the
     mini-batches of every pass, each one's gradient accumulated over micro-batches with the objective's and the
     anchor's backward (:meth:`accumulate`), a non-finite step skipped, clipping, the optimizer and schedule steps.
 
-    ``host`` is the :class:`~polopt_lightning.PolicyOptimizationModule` it updates, read when called: its ``policy``,
-    ``objective``, ``anchor``, ``update_config``, ``scorer``, ``engine`` (told of every optimizer step), and the
-    Lightning services it has from its Trainer (``manual_backward``, which applies the precision's and the strategy's
-    scaling; ``clip_gradients``; the strategy's model; ``global_step``).
+    Its collaborators are explicit: the ``policy`` it trains, the ``objective``, the ``scorer`` (log-probs, entropies
+    and the reference's log-probs), the rollout ``engine`` (told of every optimizer step; it says whether its
+    log-probs match the policy's and whether its samples need the sampler correction), the ``config``, the supervised
+    ``anchor`` (or ``None``) and the ``loop`` that runs it (:class:`~polopt_lightning.step.loop.TrainingLoop`: backward,
+    clipping, the optimizer step, gradient synchronisation, the step counter). ``reference``: whether the update needs
+    the reference's log-probs (the KL term or its tracking); ``reuse_sampling_logprobs``: the sampler's log-probs may
+    stand for the old ones when the engine says they match; ``seed``: the mini-batch orders are drawn from it and the
+    step counter. The module builds it with a :class:`~polopt_lightning.step.loop.LightningLoop`; without Lightning,
+    :class:`~polopt_lightning.step.loop.TorchLoop` runs it.
     """
 
-    def __init__(self, host: Any) -> None:
-        self.host = host
+    def __init__(self, policy: nn.Module, objective: Any, scorer: Any, engine: Any, config: UpdateConfig,
+                 loop: TrainingLoop, *, anchor: Any = None, reference: bool = False,
+                 reuse_sampling_logprobs: bool = False, seed: int = 0) -> None:
+        self.policy, self.objective, self.scorer, self.engine = policy, objective, scorer, engine
+        self.config, self.loop, self.anchor = config, loop, anchor
+        self.reference, self.reuse_sampling_logprobs, self.seed = reference, reuse_sampling_logprobs, seed
         #: the entropy bonus's coefficient (and its adaptive state) and the top-entropy mask
-        self.entropy = EntropyControl.of(host.update_config)
-        if self.entropy.masks and not getattr(host.objective, "accepts_token_advantages", False):
+        self.entropy = EntropyControl.of(config)
+        if self.entropy.masks and not getattr(objective, "accepts_token_advantages", False):
             raise ValueError(f"update.top_entropy_quantile={self.entropy.top_quantile} masks tokens out of the policy "
-                             f"gradient: {type(host.objective).__name__} takes one advantage a sequence; use a token-"
+                             f"gradient: {type(objective).__name__} takes one advantage a sequence; use a token-"
                              "level objective (grpo, dapo, cispo, sapo, gspo_token) or top_entropy_quantile=1")
-
-    @property
-    def config(self) -> UpdateConfig:
-        return self.host.update_config
-
-    def _trainer(self) -> Any:
-        return self.host._trainer  # None outside a Trainer (the module's own property raises then)
 
     def run(self, exp: Experience, optimizer: Any, scheduler: Any) -> dict[str, Tensor]:
         """Every optimizer step of one rollout; returns their metrics (means; ``skipped_updates`` summed)."""
-        host, config = self.host, self.config
+        config, loop, policy, scorer = self.config, self.loop, self.policy, self.scorer
         n = exp.completion_ids.shape[0]
         if n < config.mini_batches:
+            prompts = int(exp.group_index.max()) + 1
             raise ValueError(f"update.mini_batches={config.mini_batches} is more than the rollout's {n} completions "
-                             f"(prompts per batch x num_generations={host.experience_config.num_generations})")
+                             f"({prompts} prompts x num_generations={n // prompts})")
         size = math.ceil(n / config.mini_batches)
         # the mini-batch orders of every pass, drawn up front: the first mini-batch needs no old-log-prob pass
-        orders = [mini_batch_order(exp.group_index.cpu(), host.seed + host.global_step + i * config.mini_batches,
+        orders = [mini_batch_order(exp.group_index.cpu(), self.seed + loop.global_step + i * config.mini_batches,
                                    config.share_prompt) for i in range(config.num_iterations)]
         own_old = False  # whether the first update records its rows' old log-probs itself
         with torch.no_grad():
             if config.off_policy:  # on-policy, old == current log-probs detached: no pass needed
-                if host.reuse_sampling_logprobs and host.engine.logprobs_match(host.policy):
+                if self.reuse_sampling_logprobs and self.engine.logprobs_match(policy):
                     exp.old_logprobs = exp.sampling_logprobs
                 elif self.entropy.masks:  # the top-entropy mask needs every row's entropies: one pass gives both
-                    exp.old_logprobs, exp.entropies = host.scorer.logprobs(host.policy, exp, slice(None),
-                                                                           with_entropy=True)
+                    exp.old_logprobs, exp.entropies = scorer.logprobs(policy, exp, slice(None), with_entropy=True)
                 else:
-                    later = orders[0][size:].to(host.device)
+                    later = orders[0][size:].to(loop.device)
                     exp.old_logprobs = torch.zeros_like(exp.sampling_logprobs)
                     if later.numel():  # none when one mini-batch holds the whole rollout (mu > 1)
-                        exp.old_logprobs[later] = host.scorer.logprobs(host.policy, exp, later)[0]
+                        exp.old_logprobs[later] = scorer.logprobs(policy, exp, later)[0]
                     own_old = True
             if self.entropy.masks and exp.entropies is None:  # the sampling policy's, for every pass of the rollout
-                exp.entropies = host.scorer.logprobs(host.policy, exp, slice(None), with_entropy=True)[1]
+                exp.entropies = scorer.logprobs(policy, exp, slice(None), with_entropy=True)[1]
             # only the KL term (or its tracking) needs the reference; a KL reward penalty has taken it already
-            if exp.ref_logprobs is None and host.reference_config.needed(host.objective.beta):
-                exp.ref_logprobs = host.reference_logprobs(exp)
+            if exp.ref_logprobs is None and self.reference:
+                exp.ref_logprobs = scorer.reference(exp)
 
         updates = [(i, start) for i in range(len(orders)) for start in range(0, n, size)]
         # Lightning stops between training steps only: a rollout's updates stop at trainer.max_steps themselves, so
         # max_steps=3 with 2 updates a rollout stops after the third update, not the fourth
-        trainer = self._trainer()
-        last = trainer.max_steps if trainer is not None and trainer.max_steps > 0 else None
-        if last is not None and host.global_step + len(updates) > last:
-            updates = updates[:max(last - host.global_step, 1)]
+        last = loop.max_steps
+        if last is not None and loop.global_step + len(updates) > last:
+            updates = updates[:max(last - loop.global_step, 1)]
             rank_zero_info(f"trainer.max_steps={last}: the last rollout makes {len(updates)} of its optimizer steps")
-        step_metrics = [self.step(exp, orders[i][start:start + size].to(host.device), optimizer, scheduler,
+        step_metrics = [self.step(exp, orders[i][start:start + size].to(loop.device), optimizer, scheduler,
                                   record_old=own_old and i == 0 and start == 0) for i, start in updates]
         return {key: (torch.stack([m[key] for m in step_metrics]).sum() if key == "skipped_updates"
                       else torch.stack([m[key] for m in step_metrics]).mean()) for key in step_metrics[0]}
@@ -389,20 +348,20 @@ class Updater:
         """The mini-batch ``rows`` in pieces of at most ``micro_batch_tokens`` tokens (:func:`micro_batches`), as many
         on every process (:func:`even_pieces`)."""
         pieces = micro_batches(exp, rows, self.config.micro_batch_tokens, self.config.share_prompt)
-        return even_pieces(pieces, self.host.policy, self.host.device)
+        return even_pieces(pieces, self.policy, self.loop.device)
 
     def step(self, exp: Experience, rows: Tensor, optimizer: Any, scheduler: Any,
              record_old: bool = False) -> dict[str, Tensor]:
         """One optimizer step on the completions ``rows`` of the rollout (see :meth:`accumulate`)."""
-        host = self.host
+        loop = self.loop
         optimizer.zero_grad(set_to_none=True)
-        metrics = host.accumulate_gradients(exp, rows, record_old)
+        metrics = self.accumulate(exp, rows, record_old)
         # Under autocast (Lightning's *-mixed precisions wrap the whole training_step) the forward cached a low-precision
         # copy of every trainable weight, kept until the context exits and never refreshed: the next mini-batch's
         # forward, after this update, would run on the weights from before it (measured: the same output after an
         # in-place change). Dropping the cache once the backward is done also frees that copy before the optimizer step.
         torch.clear_autocast_cache()
-        metrics["grad_norm"] = grad_norm(host.policy)
+        metrics["grad_norm"] = grad_norm(self.policy)
         # A non-finite loss or gradient never reaches the weights: the gradients are dropped, so the optimizer's step
         # leaves every parameter and its state as they are (it skips parameters without a gradient) while the step
         # still counts. `train/skipped_updates` says so, and the collapse monitor acts on it. The norm is the same on
@@ -412,15 +371,15 @@ class Updater:
         limit = self.config.max_grad_norm
         if not finite:
             optimizer.zero_grad(set_to_none=True)
-            rank_zero_warn(f"step {host.global_step}: non-finite loss ({float(metrics['loss']):.4g}) or gradient norm "
+            rank_zero_warn(f"step {loop.global_step}: non-finite loss ({float(metrics['loss']):.4g}) or gradient norm "
                            f"({float(metrics['grad_norm']):.4g}); the update is skipped")
         elif limit:
             if self.clips_in_place():  # the norm is known: one scaling pass, and none when it is within the limit
-                scale_gradients(host.policy, limit, metrics["grad_norm"])
+                scale_gradients(self.policy, limit, metrics["grad_norm"])
             else:
-                host.clip_gradients(optimizer, gradient_clip_val=limit, gradient_clip_algorithm="norm")
-        optimizer.step()
-        host.engine.policy_updated(host.policy)
+                loop.clip_gradients(optimizer, limit)
+        loop.optimizer_step(optimizer)
+        self.engine.policy_updated(self.policy)
         # gradients are not needed past the step: freeing them leaves their memory to the next rollout (which holds
         # no activations but may hold a sampler copy or prepacked decoding weights)
         optimizer.zero_grad(set_to_none=True)
@@ -428,13 +387,9 @@ class Updater:
         return metrics
 
     def clips_in_place(self) -> bool:
-        """:func:`clips_in_place` for the host's Trainer, policy and device mesh."""
-        return clips_in_place(self._trainer(), self.host.policy, getattr(self.host, "_device_mesh", None))
-
-    def _wrapped(self) -> nn.Module | None:
-        """The model as the strategy wraps it (DDP's wrapper), or ``None`` without a Trainer."""
-        trainer = self._trainer()
-        return trainer.strategy.model if trainer is not None else None
+        """Whether the loop lets the update scale the gradients by the norm it measured (see
+        :func:`~polopt_lightning.step.loop.clips_in_place`)."""
+        return self.loop.clips_in_place(self.policy)
 
     def accumulate(self, exp: Experience, rows: Tensor, record_old: bool = False) -> dict[str, Tensor]:
         """Backward of the objective on the completions ``rows``, in micro-batches; returns the step's metrics.
@@ -442,8 +397,7 @@ class Updater:
         ``record_old``: the policy has not moved since sampling, so these rows' old log-probs are their current
         ones; they are used as such and stored in ``exp.old_logprobs`` for later passes.
         """
-        host = self.host
-        objective, device = host.objective, host.device
+        objective, device, policy = self.objective, self.loop.device, self.policy
         full_mask = exp.completion_mask[rows]
         # Under data parallelism each process holds its share of the mini-batch and the strategy averages the
         # gradients over the W processes: dividing by the normaliser of the whole mini-batch (summed over processes)
@@ -468,14 +422,14 @@ class Updater:
         bonus_weight = all_reduce(objective.normaliser(bonus_mask[rows])) if by_objective else None
         bonus_sum = torch.zeros((), device=device)
         pieces = self.micro_batches(exp, rows)
-        if host.anchor is not None:
+        if self.anchor is not None:
             sums.update(self.anchor_backward(exp, rows))
         for k, micro in enumerate(pieces):
             # trim padding past the longest completion of this piece (the objectives do not depend on the width)
             width = max(int(exp.attention_mask[micro].sum(-1).max()), 1)
             mask = exp.completion_mask[micro, :width]
-            with gradient_sync(self._wrapped(), host.policy, last=k == len(pieces) - 1):
-                logprobs, entropy = host.scorer.logprobs(host.policy, exp, micro, width, with_entropy=True)
+            with self.loop.no_sync(policy, last=k == len(pieces) - 1):
+                logprobs, entropy = self.scorer.logprobs(policy, exp, micro, width, with_entropy=True)
                 if record_old:
                     exp.old_logprobs[micro, :width] = logprobs.detach()
                 old = (logprobs.detach() if record_old or exp.old_logprobs is None
@@ -506,7 +460,7 @@ class Updater:
                         loss = loss - coef * world * objective.aggregate_tokens(entropy, piece_mask) * piece_share
                     elif coef:
                         loss = loss - coef * world * piece_entropy / bonus_tokens.clamp(min=1)
-                host.manual_backward(loss)
+                self.loop.backward(loss)
             for key, value in {"loss": out.loss.detach(), **out.metrics}.items():
                 if key.endswith("_max"):
                     sums[key] = torch.maximum(sums[key], value) if key in sums else value
@@ -534,7 +488,7 @@ class Updater:
     def corrects(self) -> bool:
         """Whether the update weights the sampler's tokens (``is_correction``; ``None``: as the backend asks)."""
         on = self.config.is_correction
-        return bool(getattr(self.host.engine, "corrects_sampler", False)) if on is None else on
+        return bool(getattr(self.engine, "corrects_sampler", False)) if on is None else on
 
     def advantages(self, exp: Experience, rows: Tensor, old: Tensor, mask: Tensor, keep: Tensor | None = None
                    ) -> tuple[Tensor, dict[str, Tensor]]:
@@ -554,7 +508,7 @@ class Updater:
         advantages = exp.advantages[rows]
         if not self.corrects():
             return advantages, {}
-        config, objective = self.config, self.host.objective
+        config, objective = self.config, self.objective
         weights, metrics = sampler_weights(old, exp.sampling_logprobs[rows, :mask.shape[1]], mask, config.is_mode,
                                            config.is_cap)
         if weights.shape[-1] == 1:  # one weight a sequence
@@ -569,17 +523,19 @@ class Updater:
         (one forward over those prompts; gradients accumulate with the objective's before they are reduced). The NLL is
         the token mean over every process's prompts: each process divides its sum by the global count, times the
         processes the strategy averages over. With ``lambda = 0`` the NLL is measured without a backward."""
-        host, anchor = self.host, self.host.anchor
+        anchor, policy, loop = self.anchor, self.policy, self.loop
         groups = torch.unique(exp.group_index[rows])
-        first = groups * host.experience_config.num_generations  # each group's rows are contiguous, from group x G
+        every = torch.arange(exp.group_index.numel(), device=exp.group_index.device)
+        first = torch.full((int(exp.group_index.max()) + 1,), every.numel(), device=every.device).scatter_reduce(
+            0, exp.group_index, every, reduce="amin")[groups]  # each group's first row: its prompt
         mask = exp.anchor_mask[groups]
         width = max(int(mask.sum(-1).max()), 1)
         mask, ids = mask[:, :width], exp.anchor_ids[groups, :width]
         tokens = all_reduce(mask.sum().float())
-        with gradient_sync(self._wrapped(), host.policy, last=False), torch.set_grad_enabled(anchor.value > 0):
-            logprobs, _ = completion_logprobs(host.policy, exp.prompt_ids[first], exp.prompt_mask[first], ids, mask)
+        with loop.no_sync(policy, last=False), torch.set_grad_enabled(anchor.value > 0):
+            logprobs, _ = completion_logprobs(policy, exp.prompt_ids[first], exp.prompt_mask[first], ids, mask)
             loss, nll = anchor.loss(logprobs, mask, tokens)
             if anchor.value > 0:
-                host.manual_backward(loss * world_size())
+                loop.backward(loss * world_size())
         # summed over the processes by the caller's reduction, like the objective's metrics: the global token mean
-        return {"anchor_nll": nll, "anchor_coef": torch.tensor(anchor.value / world_size(), device=host.device)}
+        return {"anchor_nll": nll, "anchor_coef": torch.tensor(anchor.value / world_size(), device=loop.device)}
