@@ -331,6 +331,84 @@ def test_assembled_episodes_keep_each_tokens_owner_in_the_masks_types_and_extras
     assert MultiTurnEngine.take_turn(host, whole, turn, 0, left=3) == "4 5 6" and whole.finished
 
 
+def test_the_environments_answer_adds_its_reward_ends_the_episode_or_adds_its_tokens_within_the_budget():
+    from types import SimpleNamespace
+
+    from polopt_lightning.rollout.multi_turn import EnvStep, Episode, MultiTurnEngine
+
+    host = SimpleNamespace(max_turns=3, max_tokens=6,
+                           turns=SimpleNamespace(role="tool", observation_ids=lambda text: [ord(c) for c in text]))
+    episode = Episode(env=None)
+    episode.add([1, 2], [-0.1, -0.2])
+    assert MultiTurnEngine.answer_turn(host, episode, EnvStep("ab", 0.5), 0)  # 2 + 2 of 6 tokens: it goes on
+    assert episode.ids == [1, 2, 97, 98] and episode.policy == [1, 1, 0, 0]
+    assert episode.messages == [{"role": "tool", "content": "ab"}]
+    assert MultiTurnEngine.answer_turn(host, episode, EnvStep(None, None), 1) is False  # nothing to say: the end
+    assert episode.done and episode.turn_rewards == [0.5, None] and episode.reward == 0.5
+    # a reward on every step adds up; done ends the episode even with an observation, which is then not added
+    episode = Episode(env=None)
+    assert MultiTurnEngine.answer_turn(host, episode, EnvStep("x", -0.25), 0)
+    assert MultiTurnEngine.answer_turn(host, episode, EnvStep("seen", 1.5, done=True), 1) is False
+    assert episode.reward == 1.25 and episode.turn_rewards == [-0.25, 1.5] and episode.ids == [120]
+    # the last turn ends it; an observation is cut at the budget, which then stops the episode
+    assert MultiTurnEngine.answer_turn(host, Episode(env=None), EnvStep("x"), 2) is False
+    full = Episode(env=None)
+    full.add([1, 2, 3], [0.0, 0.0, 0.0])
+    assert MultiTurnEngine.answer_turn(host, full, EnvStep("abcdef"), 0) is False
+    assert full.ids == [1, 2, 3, 97, 98, 99] and not full.done  # cut by the budget, not ended by the environment
+    over = Episode(env=None)
+    over.add(list(range(7)), [0.0] * 7)  # already past the budget: nothing more is added
+    assert MultiTurnEngine.answer_turn(host, over, EnvStep("abc"), 0) is False and len(over.ids) == 7
+
+
+class _Templated:
+    """A tokenizer stand-in: its own rendering (``render(messages, generation)``), characters as ids, and a BOS id (1)
+    in front unless ``add_special_tokens=False``, as Llama's tokenizers do."""
+
+    chat_template = "stand-in"
+
+    def __init__(self, render, eos_token="</s>"):
+        self._render, self.eos_token = render, eos_token
+
+    def apply_chat_template(self, messages, tools, tokenize, add_generation_prompt):
+        return self._render(messages, add_generation_prompt)
+
+    def __call__(self, text, add_special_tokens=True):
+        return {"input_ids": [1] * add_special_tokens + [ord(c) for c in text]}
+
+
+def test_an_observations_tokens_start_after_the_policys_eos_without_special_tokens_or_where_no_eos_is_written():
+    from polopt_lightning.rollout.multi_turn import ChatTurns
+
+    def chat(eos):  # every message as "<role>:content", an assistant message closed by `eos`
+        def render(messages, generation):
+            text = "".join(f"<{m['role']}>:{m['content']}" + (eos if m["role"] == "assistant" else "") + "|"
+                           for m in messages)
+            return text + ("<assistant>:" if generation else "")
+        return render
+
+    def text(ids):
+        return "".join(map(chr, ids))
+
+    assert text(ChatTurns(_Templated(chat("</s>"))).observation_ids("46")) == "|<tool>:46|<assistant>:"
+    # a template that writes no EOS: the tokens start where the assistant's message ends in the render
+    assert text(ChatTurns(_Templated(chat(""))).observation_ids("46")) == "<tool>:46|<assistant>:"
+    # a tokenizer without an EOS token: likewise
+    assert text(ChatTurns(_Templated(chat("</s>"), eos_token=None)).observation_ids("46")) == "<tool>:46|<assistant>:"
+    shuffled = _Templated(lambda messages, generation: "".join(m["content"] for m in reversed(messages)))
+    with pytest.raises(ValueError, match=r"^the chat template does not render a conversation as a prefix of its "
+                                         r"continuation: multi-turn rollouts need one that does$"):
+        ChatTurns(shuffled).observation_ids("46")
+
+
+def test_left_pad_right_aligns_rows_in_long_ids_and_masks():
+    from polopt_lightning.rollout.multi_turn import left_pad
+
+    ids, mask = left_pad([[5, 6], [], [7]], pad=0, device=torch.device("cpu"))
+    assert ids.tolist() == [[5, 6], [0, 0], [0, 7]] and mask.tolist() == [[1, 1], [0, 0], [0, 1]]
+    assert ids.dtype == mask.dtype == torch.long
+
+
 # --------------------------------------------------------------------------- the experience: joining draws, moments
 def _draw(widths, G, prompt_width, first_token, context=False):
     """A rollout of ``len(widths)`` prompts x G rows whose completion k of prompt p has ``widths[p]`` tokens."""
