@@ -17,6 +17,7 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from .console import configure_console
+from .settings import MOVED_ARGUMENTS
 
 log = logging.getLogger("polopt_lightning")
 
@@ -436,18 +437,12 @@ def _override_key(override: str) -> str:
     return override.lstrip("+~").split("=", 1)[0]
 
 
-# keys that moved, old -> new: a command line or a saved run that uses the old name still works (renamed, said once)
+# keys that moved, old -> new: a command line or a saved run that uses the old name still works (renamed, said once);
+# the module's old arguments (settings.MOVED_ARGUMENTS) under `module.`, and the rollout's and the fast path's
 MOVED_KEYS = {
     "module.rollout_dtype": "rollout.dtype", "module.compile_rollout": "rollout.compile",
     "module.onednn_linear": "accel.onednn_linear", "module.keep_host_memory": "accel.keep_host_memory",
-    "module.lr": "optimizer.lr", "module.weight_decay": "optimizer.weight_decay", "module.betas": "optimizer.betas",
-    "module.ref_dtype": "reference.dtype", "module.track_kl": "reference.track_kl",
-    **{f"module.{k}": f"experience.{k}" for k in ("num_generations", "advantage_scale", "dynamic_sampling",
-                                                 "max_extra_draws", "mask_truncated_completions")},
-    **{f"module.{k}": f"update.{k}" for k in ("num_iterations", "mini_batches", "lr_schedule", "warmup_steps",
-                                             "min_lr_ratio", "max_grad_norm", "micro_batch_tokens",
-                                             "gradient_checkpointing", "share_prompt", "pack_groups",
-                                             "reuse_sampling_logprobs", "disable_dropout")},
+    **{f"module.{old}": f"{group}.{new}" for old, (group, new) in MOVED_ARGUMENTS.items()},
 }
 # groups added since runs were first saved: a saved run without them took their defaults
 NEW_GROUPS = ("rollout", "accel", "experience", "update", "reference")

@@ -9,49 +9,35 @@ import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict
-from functools import partial
 from pathlib import Path
 from typing import Any
 
 import lightning as L
 import torch
-from lightning.pytorch.plugins.precision import MixedPrecision
 from torch import Tensor, nn
 from torchmetrics import MeanMetric
 
 from . import accel as accelerators
-from .distributed import all_gather_objects, all_reduce, world_size
+from .distributed import all_reduce, world_size
 from .models import disable_dropout as _disable_dropout
-from .models import enable_gradient_checkpointing, frozen_quantized_state, prepare_tokenizer, prepare_trainable
+from .models import enable_gradient_checkpointing, prepare_tokenizer, prepare_trainable
 from .objectives import Objective, SupervisedAnchor, build_objective
-from .optim import build_optimizer, optimizer_factory
+from .optim import optimizer_and_schedule, optimizer_factory
+from .resume import load_weights, restore_state, save_state
 from .rewards import MixtureRewards, RewardComposer, RewardOutput, TrainerState, build_rewards
-from .rng import restore_rng, rng_state
+from .rng import restore_rng
 from .rollout import RolloutBatch, RolloutEngine, SamplingConfig, build_engine
-from .settings import settings_of, with_moved
+from .settings import MOVED_ARGUMENTS, settings_of, with_moved
 from .step.experience import Experience, ExperienceConfig, ExperienceMaker
 from .step.logprobs import Scorer
 from .step.loop import LightningLoop
 from .step.reference import ReferenceConfig, build_reference
-from .step.update import UpdateConfig, Updater, lr_factor
+from .step.update import UpdateConfig, Updater
 
 # Lightning's own pytree helper calls a torch API deprecated in torch 2.9 at every fit: nothing a user of this module
 # (or of Lightning) can act on. Only that message, only from that Lightning module, is silenced.
 warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated",
                         module=r"lightning\.pytorch\.utilities\._pytree")
-
-
-# old keyword arguments of the module -> (their concern's argument, their name there); accepted with a FutureWarning
-MOVED_ARGUMENTS = {
-    **{k: ("experience", k) for k in ("num_generations", "advantage_scale", "dynamic_sampling", "max_extra_draws",
-                                      "mask_truncated_completions")},
-    **{k: ("update", k) for k in ("num_iterations", "mini_batches", "lr_schedule", "warmup_steps", "min_lr_ratio",
-                                  "max_grad_norm", "micro_batch_tokens", "gradient_checkpointing", "share_prompt",
-                                  "pack_groups", "reuse_sampling_logprobs", "disable_dropout")},
-    "ref_dtype": ("reference", "dtype"), "ref_quantization": ("reference", "quantization"),
-    "track_kl": ("reference", "track_kl"),
-    **{k: ("optimizer", k) for k in ("lr", "weight_decay", "betas")},
-}
 
 
 class PolicyOptimizationModule(L.LightningModule):
@@ -99,7 +85,7 @@ class PolicyOptimizationModule(L.LightningModule):
         seed: seeds the sampling generator (offset by the global rank).
 
     The keyword arguments of earlier releases (``num_generations=``, ``mini_batches=``, ``ref_dtype=``, ``lr=``, ...:
-    :data:`MOVED_ARGUMENTS`) still work, with a FutureWarning naming their new place.
+    :data:`~polopt_lightning.settings.MOVED_ARGUMENTS`) still work, with a FutureWarning naming their new place.
     """
 
     def __init__(
@@ -209,22 +195,8 @@ class PolicyOptimizationModule(L.LightningModule):
 
     def configure_optimizers(self):
         params = [p for p in self.policy.parameters() if p.requires_grad]
-        factory, config = self.optimizer_factory, self.update_config
-        # Lightning's mixed-precision plugins refuse to clip the gradients of an optimizer that unscales them itself
-        # (as torch's fused AdamW declares it does). Where the step clips through Lightning (a loss scaler, sharded
-        # gradients: see Updater.clips_in_place) this project's factory then builds the unfused kernel; under bf16-mixed
-        # the step clips in place and keeps the fused one (several times faster at 0.5B: docs/performance.md).
-        trainer = self._trainer  # None outside a Trainer (the `trainer` property raises then)
-        mixed = trainer is not None and isinstance(trainer.precision_plugin, MixedPrecision)
-        ours = getattr(factory, "func", None) is build_optimizer
-        if mixed and config.max_grad_norm and ours and not self.updater.clips_in_place():
-            factory = partial(factory, fused=False)
-        optimizer = factory(params)
-        total = trainer.max_steps if trainer is not None and trainer.max_steps > 0 else 0
-        scheduler = torch.optim.lr_scheduler.LambdaLR(
-            optimizer, partial(lr_factor, schedule=config.lr_schedule, warmup=config.warmup_steps, total=total,
-                               floor=config.min_lr_ratio))
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+        return optimizer_and_schedule(params, self.optimizer_factory, self.update_config, self._trainer,
+                                      self.updater.clips_in_place)
 
     def _sampling_generator(self) -> torch.Generator:
         if self._generator is None or self._generator.device != self.device:
@@ -393,48 +365,15 @@ class PolicyOptimizationModule(L.LightningModule):
         return save_policy(self.policy, self.tokenizer, out_dir, merge=merge, overwrite=overwrite)
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        from .export import CHECKPOINT_KEY, hf_metadata
-
-        if self._hf_metadata is None:  # the config and tokenizer do not change during training: gathered once
-            self._hf_metadata = hf_metadata(self.policy, self.tokenizer)
-        checkpoint[CHECKPOINT_KEY] = {
-            "reward_weights": self.rewards.weights.tolist(),
-            # every process's random states, in rank order: each process samples with its own generator
-            "rng": all_gather_objects(rng_state(self._sampling_generator())),
-            "extra_draws": self._extra_draws,
-            "anchor": self.anchor.state_dict() if self.anchor is not None else None,
-            "entropy": self.updater.entropy.state_dict(),  # the adaptive entropy coefficient
-            # what `polopt-export CKPT OUT` needs to rebuild a Hugging Face folder from this file alone
-            "hf": self._hf_metadata,
-        }
+        save_state(self, checkpoint)  # the training state beyond the weights (resume.py)
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False):
         """``nn.Module.load_state_dict``, except that the frozen part of a quantized base is checked against the base
-        this module holds instead of loaded (see :func:`~polopt_lightning.models.frozen_quantized_state`)."""
-        frozen = frozen_quantized_state(self, state_dict)
-        if not frozen:
-            return super().load_state_dict(state_dict, strict=strict, assign=assign)
-        result = super().load_state_dict({k: v for k, v in state_dict.items() if k not in frozen}, strict=False,
-                                         assign=assign)
-        missing = [k for k in result.missing_keys if k not in frozen]
-        if strict and (missing or result.unexpected_keys):
-            raise RuntimeError(f"Error(s) in loading state_dict for {type(self).__name__}: missing keys {missing[:5]}, "
-                               f"unexpected keys {result.unexpected_keys[:5]}")
-        return result
+        this module holds instead of loaded (:func:`~polopt_lightning.resume.load_weights`)."""
+        return load_weights(self, super().load_state_dict, state_dict, strict, assign)
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        state = checkpoint.get("polopt")
-        if state:
-            self.rewards.set_weights(state["reward_weights"])
-            self._extra_draws = int(state.get("extra_draws", 0))
-            if self.anchor is not None and state.get("anchor"):
-                self.anchor.load_state_dict(state["anchor"])
-            if state.get("entropy"):
-                self.updater.entropy.load_state_dict(state["entropy"])
-            if "rng" in state:
-                self._pending_rng = state["rng"]
-            else:  # checkpoints of version 0.1.0: the sampler's generator and torch's state of rank 0
-                self._pending_rng = [{"sampling_generator": state["sampling_generator"], "torch": state["torch_rng"]}]
+        restore_state(self, checkpoint)
 
     def configure_callbacks(self) -> list[L.Callback]:
         """The anchor's scheduler, when this module has an anchor and the trainer has none of its own; the CPU fast

@@ -85,3 +85,30 @@ def build_optimizer(
     cls = {"adamw_8bit": bnb.optim.AdamW8bit, "paged_adamw": bnb.optim.PagedAdamW,
            "paged_adamw_8bit": bnb.optim.PagedAdamW8bit}[name]
     return cls(params, **kwargs)
+
+
+def optimizer_and_schedule(params: list[torch.nn.Parameter], factory: Callable[..., torch.optim.Optimizer],
+                           config: Any, trainer: Any, clips_in_place: Callable[[], bool]) -> dict[str, Any]:
+    """What the module's ``configure_optimizers`` returns: ``factory(params)`` and the learning-rate schedule of the
+    ``update`` settings ``config`` (:func:`~polopt_lightning.step.update.lr_factor`, warm-up then decay over the
+    ``trainer``'s ``max_steps``, stepped every optimizer step).
+
+    Lightning's mixed-precision plugins refuse to clip the gradients of an optimizer that unscales them itself (as
+    torch's fused AdamW declares it does). Where the step clips through Lightning (a loss scaler, sharded gradients:
+    ``clips_in_place()`` is false) this project's factory then builds the unfused kernel; under bf16-mixed the step
+    clips in place and keeps the fused one (several times faster at 0.5B: docs/performance.md).
+    """
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    from .step.update import lr_factor
+
+    mixed = trainer is not None and isinstance(trainer.precision_plugin, MixedPrecision)
+    ours = getattr(factory, "func", None) is build_optimizer
+    if mixed and config.max_grad_norm and ours and not clips_in_place():
+        factory = partial(factory, fused=False)
+    optimizer = factory(params)
+    total = trainer.max_steps if trainer is not None and trainer.max_steps > 0 else 0
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, partial(lr_factor, schedule=config.lr_schedule, warmup=config.warmup_steps, total=total,
+                           floor=config.min_lr_ratio))
+    return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}

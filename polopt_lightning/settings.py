@@ -204,3 +204,16 @@ def with_moved(concerns: dict[str, Any], moved: Mapping[str, Any], table: Mappin
             given = asdict(given)
         out[concern] = {**(given or {}), name: value}
     return out
+
+
+# old keyword arguments of the module -> (their concern's argument, their name there); accepted with a FutureWarning
+MOVED_ARGUMENTS = {
+    **{k: ("experience", k) for k in ("num_generations", "advantage_scale", "dynamic_sampling", "max_extra_draws",
+                                      "mask_truncated_completions")},
+    **{k: ("update", k) for k in ("num_iterations", "mini_batches", "lr_schedule", "warmup_steps", "min_lr_ratio",
+                                  "max_grad_norm", "micro_batch_tokens", "gradient_checkpointing", "share_prompt",
+                                  "pack_groups", "reuse_sampling_logprobs", "disable_dropout")},
+    "ref_dtype": ("reference", "dtype"), "ref_quantization": ("reference", "quantization"),
+    "track_kl": ("reference", "track_kl"),
+    **{k: ("optimizer", k) for k in ("lr", "weight_decay", "betas")},
+}
