@@ -96,6 +96,7 @@ def test_recipes_python_blocks_run(tmp_path, monkeypatch, capsys):
     assert namespace["exact_chat"](completions=[[{"role": "assistant", "content": " 5"}]], answer=["5"],
                                    trainer_state=None) == [1.0]
     assert len(namespace["gsm_train"]) == 16 and namespace["gsm_train"][0]["answer"].isdigit()
+    assert namespace["loop"].global_step == 2 and float(namespace["metrics"]["grad_norm"]) > 0  # the loop of your own
 
 
 def test_multitask_python_block_runs(tmp_path, monkeypatch, capsys):
