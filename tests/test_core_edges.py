@@ -61,6 +61,32 @@ def test_functions_given_alone_by_key_or_in_a_list_are_known_by_key_and_name():
         RewardComposer([scored, "x"])
 
 
+def test_the_accuracy_is_the_named_functions_column_and_place_reaches_only_functions_that_take_it():
+    class Placed:
+        def __init__(self):
+            self.devices = []
+
+        def __call__(self, prompts, completions, **kw):
+            return [0.0] * len(completions)
+
+        def place(self, device):
+            self.devices.append(device)
+
+    class Unplaced(Placed):
+        place = None  # an attribute that is not callable: left alone
+
+    placed, unplaced = Placed(), Unplaced()
+    composer = RewardComposer({"first": scored, "model": placed, "other": unplaced})
+    per_function = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
+    assert composer.accuracy(per_function).tolist() == [1.0, 4.0]  # the first function by default
+    assert composer.accuracy(per_function, {}, "model").tolist() == [2.0, 5.0]  # by key
+    assert composer.accuracy(per_function, None, "Unplaced").tolist() == [3.0, 6.0]  # by name
+    with pytest.raises(ValueError, match=r"^accuracy_reward: no reward function 'x'"):
+        composer.accuracy(per_function, None, "x")
+    composer.place("meta")
+    assert placed.devices == ["meta"] and unplaced.devices == []
+
+
 def test_weights_by_key_or_name_default_to_one_and_refuse_repeats_unknowns_and_non_finite_values():
     comp = RewardComposer({"length": scored, "judge": Judge()}, weights={"judge": 3.0})
     assert comp.weights.tolist() == [1.0, 3.0]

@@ -167,3 +167,25 @@ def test_the_metrics_of_two_pieces_combine_into_the_whole_batchs(name, options, 
         torch.testing.assert_close(combined, value, msg=f"{name} {options}: {key}")
     assert 0 < float(whole.metrics["clip_frac"]) < 1  # some tokens clipped, not all: the means are not trivial
     torch.testing.assert_close(sum(p.loss.detach() * s for p, s in zip(pieces, shares)), whole.loss.detach())
+
+
+@pytest.mark.parametrize("name, options", [("grpo", {}), ("grpo", {"aggregation": "token-mean"}),
+                                           ("dr_grpo", {"max_completion_length": 7}), ("gspo", {})])
+def test_the_normaliser_and_the_token_aggregate_are_the_losss_own(name, options):
+    """What the micro-batched update and the entropy bonus take from an objective: ``aggregate_tokens`` reduces
+    per-token values as the loss is reduced, which is that sum divided by ``normaliser``."""
+    objective = build_objective(name, **options)
+    mask = (torch.arange(5)[None] < torch.tensor([5, 2, 0, 3])[:, None]).float()
+    values = torch.arange(20.0).view(4, 5) / 7
+    tokens, sequences = float(mask.sum()), float(mask.bool().any(-1).sum())
+    normaliser = float(objective.normaliser(mask))
+    expected = {"grpo": sequences, "gspo": sequences, "dr_grpo": sequences}[name]
+    if options.get("aggregation") == "token-mean":
+        expected = tokens
+    assert normaliser == expected
+    if name == "gspo":
+        return  # GSPO takes the base's aggregate (tested above)
+    per_row = [float((values[i] * mask[i]).sum() / mask[i].sum()) for i in range(4) if mask[i].any()]
+    want = {"seq-mean-token-mean": sum(per_row) / sequences, "token-mean": float((values * mask).sum()) / tokens,
+            "seq-mean-token-sum-norm": float((values * mask).sum()) / 7 / sequences}[objective.aggregation]
+    assert float(objective.aggregate_tokens(values, mask)) == pytest.approx(want, rel=1e-6)
