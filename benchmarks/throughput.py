@@ -126,7 +126,7 @@ def module_overrides(overrides: dict | None) -> tuple[str, dict]:
     as older result files name them) and ``rollout_dtype`` is short for ``engine={"dtype":...}`` (the name older
     result files give); the module's keyword arguments of earlier releases (``ref_dtype``, ``share_prompt``, ...) go
     to their concern (``reference={"dtype":...}``, ``update={...}``); every other key is the module's."""
-    from polopt_lightning.module import MOVED_ARGUMENTS
+    from polopt_lightning.settings import MOVED_ARGUMENTS
 
     overrides = dict(overrides or {})
     precision = overrides.pop("precision", "32-true")

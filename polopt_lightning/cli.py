@@ -438,7 +438,8 @@ def _override_key(override: str) -> str:
 
 
 # keys that moved, old -> new: a command line or a saved run that uses the old name still works (renamed, said once);
-# the module's old arguments (settings.MOVED_ARGUMENTS) under `module.`, and the rollout's and the fast path's
+# the module's old arguments (settings.MOVED_ARGUMENTS) under `module.` (`module.ref_quantization` never was a key: it
+# goes where it would have), and the rollout's and the fast path's
 MOVED_KEYS = {
     "module.rollout_dtype": "rollout.dtype", "module.compile_rollout": "rollout.compile",
     "module.onednn_linear": "accel.onednn_linear", "module.keep_host_memory": "accel.keep_host_memory",

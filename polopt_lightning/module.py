@@ -293,10 +293,11 @@ class PolicyOptimizationModule(L.LightningModule):
             G = self.experience.num_generations
             return self.experience.make(batch, lambda prompts: self.rollout(prompts, self.sampling, G),
                                         self._next_prompts, self.device, self.trainer_state(),
-                                        reference=self.reference_logprobs)
+                                        reference=self.scorer.reference)
 
     def reference_logprobs(self, exp: Experience) -> Tensor:
-        """Log-probs ``[N, T]`` of the rollout's completions under the KL reference (:meth:`.logprobs.Scorer.reference`)."""
+        """Log-probs ``[N, T]`` of the rollout's completions under the KL reference: :meth:`.logprobs.Scorer.reference`,
+        which the step itself calls (the KL reward penalty and the update)."""
         return self.scorer.reference(exp)
 
     def training_step(self, batch: Mapping[str, Any], batch_idx: int) -> None:

@@ -42,7 +42,6 @@ def gradients(module, exp, rows, **settings):
     module = copy.deepcopy(module)
     for key, value in settings.items():  # the update's settings
         setattr(module.update_config, key, value)
-    module.manual_backward = lambda loss: loss.backward()
     metrics = module.accumulate_gradients(exp, rows)
     return metrics, {n: p.grad.clone() for n, p in module.policy.named_parameters() if p.grad is not None}
 
@@ -266,7 +265,6 @@ def test_gradient_checkpointing_recomputes_the_layers_and_keeps_the_gradient():
     calls = []
     # a pre-hook: the recomputation stops as soon as the saved tensors are back, before the MLP returns
     ckpt.policy.model.layers[0].mlp.register_forward_pre_hook(lambda *args: calls.append(torch.is_grad_enabled()))
-    ckpt.manual_backward = lambda loss: loss.backward()
     metrics = ckpt.accumulate_gradients(exp, rows)
     assert calls == [True, True]  # the forward, then its recomputation in the backward pass
     torch.testing.assert_close(metrics["loss"], plain_metrics["loss"], atol=1e-6, rtol=1e-5)
@@ -291,7 +289,6 @@ def test_a_later_mini_batch_under_autocast_sees_the_updated_weights():
     of each trainable weight from its first use. After the first mini-batch's update the second one's forward must
     run on the new weights, not on that cached copy from before the update."""
     module, exp = experience({"name": "grpo", "beta": 0.04}, mini_batches=2)
-    module.manual_backward = lambda loss: loss.backward()
     optimizer = torch.optim.AdamW(module.policy.parameters(), lr=0.05)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
     first, second = torch.arange(0, 6), torch.arange(6, 12)

@@ -136,7 +136,8 @@ class LightningLoop:
 
 class TorchLoop:
     """A :class:`TrainingLoop` in plain PyTorch on one process: ``loss.backward()``, ``clip_grad_norm_``, a step
-    counter of its own (from ``global_step``) and an optional ``max_steps``."""
+    counter of its own (from ``global_step``) and an optional ``max_steps``. ``device``: the policy's (where the
+    update puts the rollout's row indices and its metrics)."""
 
     def __init__(self, device: torch.device | str = "cpu", global_step: int = 0, max_steps: int | None = None) -> None:
         self.device = torch.device(device)

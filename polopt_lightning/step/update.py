@@ -1,7 +1,7 @@
 """The update: its settings (:class:`UpdateConfig`), the order of a rollout's rows over mini-batches, the split of a
 mini-batch into micro-batches (as many on every process), gradient accumulation without a reduction until the last
-piece, the global gradient norm and clipping by it, and the learning-rate schedule. The module's training step
-(:meth:`~polopt_lightning.PolicyOptimizationModule.accumulate_gradients`) puts them together."""
+piece, the global gradient norm and clipping by it, and the learning-rate schedule; :class:`Updater` puts them together
+over a :class:`~polopt_lightning.step.loop.TrainingLoop`."""
 
 from __future__ import annotations
 
