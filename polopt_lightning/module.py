@@ -8,7 +8,6 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -21,9 +20,9 @@ from . import accel as accelerators
 from .distributed import all_reduce, world_size
 from .models import disable_dropout as _disable_dropout
 from .models import enable_gradient_checkpointing, prepare_tokenizer, prepare_trainable
-from .objectives import Objective, SupervisedAnchor, build_objective
+from .objectives import Objective, SupervisedAnchor, as_objective
 from .optim import optimizer_and_schedule, optimizer_factory
-from .resume import load_weights, restore_state, save_state
+from .resume import load_weights, restore_state, save_state, settings_record
 from .rewards import MixtureRewards, RewardComposer, RewardOutput, TrainerState, build_rewards
 from .rng import restore_rng
 from .rollout import RolloutBatch, RolloutEngine, SamplingConfig, build_engine
@@ -127,13 +126,7 @@ class PolicyOptimizationModule(L.LightningModule):
         # sampler and validation put it in eval mode for their own passes.
         model.train()
         self.tokenizer = prepare_tokenizer(tokenizer)
-        if isinstance(objective, str):
-            objective = build_objective(objective)
-        elif isinstance(objective, Mapping):
-            objective = build_objective(**objective)
-        if not isinstance(objective, Objective):
-            raise TypeError(f"objective must be an Objective, a registry key or a dict, got {type(objective).__name__}")
-        self.objective = objective
+        self.objective = objective = as_objective(objective)
         self.rewards, self.accuracy_reward = build_rewards(reward_fns, reward_weights, reward_on_error, accuracy_reward)
         # a mixture's tasks: each has its own accuracy function, reward and signal metrics
         self.tasks = list(self.rewards.tasks) if isinstance(self.rewards, MixtureRewards) else []
@@ -177,15 +170,7 @@ class PolicyOptimizationModule(L.LightningModule):
         self.save_hyperparameters(ignore=["model", "tokenizer", "objective", "reward_fns", "ref_model", "moved",
                                           "rollout_engine", "accel", "optimizer", "anchor", "experience", "update",
                                           "reference"])
-        self.hparams["experience"] = asdict(self.experience_config)
-        self.hparams["update"] = asdict(config)
-        self.hparams["reference"] = {**asdict(self.reference_config), "quantization": ref_quant.mode}
-        self.hparams["reference"]["dtype"] = str(self.reference_config.dtype) if self.reference_config.dtype else None
-        # the factory's settings (a partial's keywords)
-        keywords = getattr(self.optimizer_factory, "keywords", None) or {}
-        self.hparams["optimizer"] = {k: list(v) if isinstance(v, tuple) else v for k, v in keywords.items()
-                                     if isinstance(v, (bool, int, float, str, list, tuple))}
-        self.hparams["anchor"] = None if anchor is None else {k: v for k, v in vars(anchor).items() if k != "value"}
+        self.hparams.update(settings_record(self, ref_quant.mode))
 
     # ------------------------------------------------------------------------------------------------------------
     @property
@@ -253,13 +238,7 @@ class PolicyOptimizationModule(L.LightningModule):
 
     def trainer_state(self) -> TrainerState:
         """Where training stands, as TRL's reward functions read it from their ``trainer_state`` argument."""
-        trainer = self._trainer
-        if trainer is None:
-            return TrainerState(stage="none")
-        return TrainerState(global_step=trainer.global_step, epoch=float(trainer.current_epoch),
-                            max_steps=trainer.max_steps, num_train_epochs=trainer.max_epochs,
-                            stage="train" if trainer.training else "validate",
-                            is_world_process_zero=trainer.is_global_zero)
+        return TrainerState.of(self._trainer)
 
     def _next_prompts(self) -> Mapping[str, Any]:
         """Another batch of prompts for dynamic sampling.

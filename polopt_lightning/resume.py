@@ -6,12 +6,28 @@ and ``load_state_dict``)."""
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from dataclasses import asdict
 from typing import Any
 
 from .distributed import all_gather_objects
 from .export import CHECKPOINT_KEY, hf_metadata
 from .models import frozen_quantized_state
 from .rng import rng_state
+
+
+def settings_record(module: Any, ref_quantization: str) -> dict[str, Any]:
+    """The module's settings as its saved hyperparameters hold them: the ``experience``, ``update``, ``reference``
+    (with the quantization the reference got) and ``optimizer`` (a partial's keywords) dicts, and the ``anchor``'s
+    (without its current value, which is training state)."""
+    reference = {**asdict(module.reference_config), "quantization": ref_quantization}
+    reference["dtype"] = str(module.reference_config.dtype) if module.reference_config.dtype else None
+    keywords = getattr(module.optimizer_factory, "keywords", None) or {}
+    anchor = module.anchor
+    return {"experience": asdict(module.experience_config), "update": asdict(module.update_config),
+            "reference": reference,
+            "optimizer": {k: list(v) if isinstance(v, tuple) else v for k, v in keywords.items()
+                          if isinstance(v, (bool, int, float, str, list, tuple))},
+            "anchor": None if anchor is None else {k: v for k, v in vars(anchor).items() if k != "value"}}
 
 
 def save_state(module: Any, checkpoint: dict[str, Any]) -> None:

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -244,6 +245,18 @@ def build_objective(name: str, **kwargs) -> Objective:
     if name not in _REGISTRY:
         raise KeyError(f"unknown objective {name!r}; known objectives: {', '.join(available_objectives())}")
     return _REGISTRY[name](**kwargs)
+
+
+def as_objective(value: Any) -> Objective:
+    """The module's ``objective`` argument as an :class:`Objective`: one as it is, a registry key, or a dict with
+    ``name`` and its arguments (:func:`build_objective`)."""
+    if isinstance(value, str):
+        value = build_objective(value)
+    elif isinstance(value, Mapping):
+        value = build_objective(**value)
+    if not isinstance(value, Objective):
+        raise TypeError(f"objective must be an Objective, a registry key or a dict, got {type(value).__name__}")
+    return value
 
 
 # where build_objective's keywords go, for the CLI's check of their types (polopt_lightning.cli.check_config)

@@ -53,6 +53,15 @@ class TrainerState:
     stage: str = "train"
     is_world_process_zero: bool = True
 
+    @classmethod
+    def of(cls, trainer: Any) -> TrainerState:
+        """Where ``trainer`` (a Lightning Trainer) stands; ``stage="none"`` without one."""
+        if trainer is None:
+            return cls(stage="none")
+        return cls(global_step=trainer.global_step, epoch=float(trainer.current_epoch), max_steps=trainer.max_steps,
+                   num_train_epochs=trainer.max_epochs, stage="train" if trainer.training else "validate",
+                   is_world_process_zero=trainer.is_global_zero)
+
 
 class RewardError(RuntimeError):
     """A reward function failed or returned something unusable; the message names the function and sample."""
