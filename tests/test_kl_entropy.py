@@ -17,6 +17,7 @@ from polopt_lightning.step.logprobs import completion_logprobs, selective_log_so
 from polopt_lightning.step.update import UpdateConfig
 
 from .helpers import make, trainer
+from .helpers.step import tiny_rollout, varied
 
 LP = [[-1.2, -0.4, -2.0], [-0.3, -1.7, -0.9]]
 REF = [[-1.0, -0.9, -1.1], [-0.3, -2.5, -0.2]]
@@ -168,22 +169,9 @@ def test_adaptive_entropy_coefficient_follows_trls_rule_and_survives_a_checkpoin
 
 
 # --- in the update: exact against a hand-written loss, and under micro-batching ----------------------------------------
-def varied(prompts, completions, **kw):
-    return [float(sum(map(ord, c)) % 5) for c in completions]
-
-
 def experience(update, objective="grpo", adapter=None, **kwargs):
-    model, tok = build_tiny_model(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64, seed=1)
-    if adapter is not None:
-        model = apply_adapter(model, adapter)
-    module = PolicyOptimizationModule(model, tok, objective=objective, reward_fns=[varied],
-                                      experience={"num_generations": 4}, update={"mini_batches": 1, **update},
-                                      generation={"max_new_tokens": 6}, seed=3, **kwargs)
-    enc = tok(["12+34=", "5+6=", "100+200+3="], padding=True, return_tensors="pt")
-    batch = {"prompt_ids": enc.input_ids, "prompt_mask": enc.attention_mask, "prompts": ["12+34=", "5+6=", "100+200+3="],
-             "columns": {}}
-    exp, metrics = module.make_experience(batch)
-    return module, exp, metrics
+    return tiny_rollout(objective, None if adapter is None else (lambda model: apply_adapter(model, adapter)),
+                        update={"mini_batches": 1, **update}, **kwargs)
 
 
 def gradients(module, exp, rows, **settings):

@@ -17,19 +17,11 @@ from polopt_lightning.step.logprobs import (
 )
 from polopt_lightning.step.update import mini_batch_order
 
-
-def varied(prompts, completions, **kw):
-    return [float(sum(map(ord, c)) % 5) for c in completions]
+from .helpers.step import tiny_rollout, varied
 
 
 def experience(objective, mini_batches=1, num_iterations=1):
-    model, tok = build_tiny_model(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64, seed=1)
-    module = PolicyOptimizationModule(model, tok, objective=objective, reward_fns=[varied], experience={"num_generations": 4},
-                                      update={"mini_batches": mini_batches, "num_iterations": num_iterations}, generation={"max_new_tokens": 6}, seed=3)
-    enc = tok(["12+34=", "5+6=", "100+200+3="], padding=True, return_tensors="pt")
-    batch = {"prompt_ids": enc.input_ids, "prompt_mask": enc.attention_mask, "prompts": ["12+34=", "5+6=", "100+200+3="],
-             "columns": {}}
-    exp, _ = module.make_experience(batch)
+    module, exp, _ = tiny_rollout(objective, update={"mini_batches": mini_batches, "num_iterations": num_iterations})
     with torch.no_grad():
         if module.off_policy:
             exp.old_logprobs = exp.sampling_logprobs + 0.05 * torch.randn_like(exp.sampling_logprobs)

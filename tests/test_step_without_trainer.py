@@ -9,27 +9,19 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from polopt_lightning import PolicyOptimizationModule
 from polopt_lightning.models import build_tiny_model
 from polopt_lightning.step.loop import TorchLoop
 from polopt_lightning.step.update import Updater, lr_factor, mini_batch_order, sampler_weights
 
-
-def varied(prompts, completions, **kw):
-    return [float(sum(map(ord, c)) % 5) for c in completions]
+from .helpers.step import ANSWERS, tiny_rollout
 
 
 def module_and_experience(objective=None, reference=None, anchor=None, equal_lengths=True, ref_model=None, **update):
     """A module (no Trainer) and one rollout of 3 prompts x 4 completions of up to 6 tokens. ``equal_lengths``: every
     completion counted at the full 6 tokens (random tokens in place of the EOS and the padding after it)."""
-    model, tok = build_tiny_model(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64, seed=1)
-    module = PolicyOptimizationModule(model, tok, objective=objective or {"name": "grpo"}, reward_fns=[varied],
-                                      experience={"num_generations": 4}, update=update, reference=reference,
-                                      anchor=anchor, generation={"max_new_tokens": 6}, seed=3, ref_model=ref_model)
-    prompts = ["12+34=", "5+6=", "100+200+3="]
-    enc = tok(prompts, padding=True, return_tensors="pt")
-    exp, _ = module.make_experience({"prompt_ids": enc.input_ids, "prompt_mask": enc.attention_mask,
-                                     "prompts": prompts, "columns": {"answer": ["46", "11", "303"]}})
+    module, exp, _ = tiny_rollout(objective or {"name": "grpo"}, columns={"answer": ANSWERS}, update=update,
+                                  reference=reference, anchor=anchor, ref_model=ref_model)
+    tok = module.tokenizer
     assert exp.advantages.abs().sum() > 0
     if equal_lengths:  # random tokens in place of the EOS and the padding after it, the sampler's log-probs of them
         ended = exp.completion_mask == 0
