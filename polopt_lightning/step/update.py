@@ -17,7 +17,7 @@ from ..distributed import all_reduce, world_size
 from ..objectives.base import kl_estimate, masked_max, masked_mean
 from ..settings import Settings
 from .entropy import EntropyControl
-from .logprobs import completion_logprobs
+from .logprobs import completion_logprobs, group_rows
 from .loop import TrainingLoop
 
 if TYPE_CHECKING:
@@ -525,9 +525,7 @@ class Updater:
         processes the strategy averages over. With ``lambda = 0`` the NLL is measured without a backward."""
         anchor, policy, loop = self.anchor, self.policy, self.loop
         groups = torch.unique(exp.group_index[rows])
-        every = torch.arange(exp.group_index.numel(), device=exp.group_index.device)
-        first = torch.full((int(exp.group_index.max()) + 1,), every.numel(), device=every.device).scatter_reduce(
-            0, exp.group_index, every, reduce="amin")[groups]  # each group's first row: its prompt
+        first = group_rows(exp.group_index)[2][groups]  # each group's first row: its prompt (groups are 0 .. P-1)
         mask = exp.anchor_mask[groups]
         width = max(int(mask.sum(-1).max()), 1)
         mask, ids = mask[:, :width], exp.anchor_ids[groups, :width]
