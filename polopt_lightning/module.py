@@ -6,8 +6,7 @@ It orchestrates; the algorithms are the pure pieces it calls: rollout -> rewards
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +16,7 @@ from torch import Tensor, nn
 from torchmetrics import MeanMetric
 
 from . import accel as accelerators
+from .data.datamodule import ExtraPrompts, batch_rows
 from .distributed import all_reduce, world_size
 from .models import disable_dropout as _disable_dropout
 from .models import enable_gradient_checkpointing, prepare_tokenizer, prepare_trainable
@@ -32,6 +32,7 @@ from .step.logprobs import Scorer
 from .step.loop import LightningLoop
 from .step.reference import ReferenceConfig, build_reference
 from .step.update import UpdateConfig, Updater
+from .strategies import WholeParameters
 
 # Lightning's own pytree helper calls a torch API deprecated in torch 2.9 at every fit: nothing a user of this module
 # (or of Lightning) can act on. Only that message, only from that Lightning module, is silenced.
@@ -162,11 +163,11 @@ class PolicyOptimizationModule(L.LightningModule):
         self.val_metrics = nn.ModuleDict({k: MeanMetric(nan_strategy="ignore")
                                           for k in ("accuracy", "reward", *(f"{t}/accuracy" for t in self.tasks))})
         self._generator: torch.Generator | None = None
-        self._prompt_iter: Iterator | None = None
+        self.extra_prompts = ExtraPrompts()  # dynamic sampling's draws: their position survives a resume
         self._hf_metadata: dict[str, Any] | None = None
         self._pending_rng: list[dict[str, Any]] | None = None
-        self._gathered = False  # the sharded policy is gathered whole (see _whole_parameters)
-        self._extra_draws = 0  # prompt batches drawn by dynamic sampling so far: their position survives a resume
+        # the sharded policy gathered whole for sampling, once per step (make_experience) or validation batch (rollout)
+        self.whole_parameters = WholeParameters(model)
         self.save_hyperparameters(ignore=["model", "tokenizer", "objective", "reward_fns", "ref_model", "moved",
                                           "rollout_engine", "accel", "optimizer", "anchor", "experience", "update",
                                           "reference"])
@@ -193,7 +194,7 @@ class PolicyOptimizationModule(L.LightningModule):
     def rollout(self, batch: Mapping[str, Any], sampling: SamplingConfig, num_generations: int) -> RolloutBatch:
         # a multi-turn engine starts each completion's environment from its dataset row
         rows = {"rows": batch_rows(batch)} if getattr(self.engine, "takes_rows", False) else {}
-        with self._whole_parameters():
+        with self.whole_parameters(getattr(self._trainer, "strategy", None)):
             return self.engine.generate(
                 self.policy, batch["prompt_ids"], batch["prompt_mask"], num_generations, sampling,
                 self.tokenizer.eos_token_id, self.tokenizer.pad_token_id, generator=self._sampling_generator(), **rows,
@@ -216,22 +217,6 @@ class PolicyOptimizationModule(L.LightningModule):
         if self.ref_model is not None:
             shard_fully(self.ref_model, mesh["data_parallel"], reshard)
 
-    @contextmanager
-    def _whole_parameters(self) -> Iterator[None]:
-        """The policy gathered whole for sampling under a sharded strategy (:func:`strategies.gathered_for_sampling`),
-        once per step: entered by ``make_experience`` for all its draws, and by ``rollout`` for validation."""
-        if self._gathered:
-            yield
-            return
-        from .strategies import gathered_for_sampling
-
-        with gathered_for_sampling(self.policy, self.trainer.strategy if self._trainer is not None else None):
-            self._gathered = True
-            try:
-                yield
-            finally:
-                self._gathered = False
-
     def score(self, batch: Mapping[str, Any], rollout: RolloutBatch) -> RewardOutput:
         """Decode completions and run the reward functions (:meth:`ExperienceMaker.score`)."""
         return self.experience.score(batch, rollout, self.trainer_state())
@@ -240,27 +225,6 @@ class PolicyOptimizationModule(L.LightningModule):
         """Where training stands, as TRL's reward functions read it from their ``trainer_state`` argument."""
         return TrainerState.of(self._trainer)
 
-    def _next_prompts(self) -> Mapping[str, Any]:
-        """Another batch of prompts for dynamic sampling.
-
-        From :meth:`PromptDataModule.extra_batch` when the data comes from one: the ``n``-th extra batch of this
-        process, the same after a resume (the count is in the checkpoint) and another share on each process.
-        Otherwise from a second pass over the training loader.
-        """
-        dm = getattr(self.trainer, "datamodule", None)
-        if hasattr(dm, "extra_batch"):
-            batch = dm.extra_batch(self._extra_draws)
-            self._extra_draws += 1
-        else:
-            if self._prompt_iter is None:
-                self._prompt_iter = iter(self.trainer.train_dataloader)
-            try:
-                batch = next(self._prompt_iter)
-            except StopIteration:
-                self._prompt_iter = None
-                return self._next_prompts()
-        return {k: (v.to(self.device) if isinstance(v, Tensor) else v) for k, v in batch.items()}
-
     def make_experience(self, batch: Mapping[str, Any]) -> tuple[Experience, dict[str, Tensor]]:
         """Rollout, rewards and advantages for one training batch (:meth:`ExperienceMaker.make`, with DAPO dynamic
         sampling if enabled).
@@ -268,10 +232,11 @@ class PolicyOptimizationModule(L.LightningModule):
         Under a sharded strategy the policy is gathered once for all the step's draws: gathering is collective, and
         dynamic sampling may draw more often on one process than on another.
         """
-        with self._whole_parameters():
+        with self.whole_parameters(getattr(self._trainer, "strategy", None)):
             G = self.experience.num_generations
             return self.experience.make(batch, lambda prompts: self.rollout(prompts, self.sampling, G),
-                                        self._next_prompts, self.device, self.trainer_state(),
+                                        lambda: self.extra_prompts.next(self.trainer, self.device), self.device,
+                                        self.trainer_state(),
                                         reference=self.scorer.reference)
 
     def reference_logprobs(self, exp: Experience) -> Tensor:
@@ -377,8 +342,3 @@ class PolicyOptimizationModule(L.LightningModule):
         if pending is not None:
             restore_rng(pending, self.global_rank, world_size(), self._sampling_generator())
 
-
-def batch_rows(batch: Mapping[str, Any]) -> list[dict[str, Any]]:
-    """The batch's prompts as dataset rows: ``prompt`` (as the dataset holds it) and every extra column."""
-    columns = batch.get("columns", {})
-    return [{"prompt": prompt, **{k: v[i] for k, v in columns.items()}} for i, prompt in enumerate(batch["prompts"])]

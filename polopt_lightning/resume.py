@@ -39,7 +39,7 @@ def save_state(module: Any, checkpoint: dict[str, Any]) -> None:
         "reward_weights": module.rewards.weights.tolist(),
         # every process's random states, in rank order: each process samples with its own generator
         "rng": all_gather_objects(rng_state(module._sampling_generator())),
-        "extra_draws": module._extra_draws,
+        "extra_draws": module.extra_prompts.draws,
         "anchor": module.anchor.state_dict() if module.anchor is not None else None,
         "entropy": module.updater.entropy.state_dict(),  # the adaptive entropy coefficient
         # what `polopt-export CKPT OUT` needs to rebuild a Hugging Face folder from this file alone
@@ -54,7 +54,7 @@ def restore_state(module: Any, checkpoint: Mapping[str, Any]) -> None:
     if not state:
         return
     module.rewards.set_weights(state["reward_weights"])
-    module._extra_draws = int(state.get("extra_draws", 0))
+    module.extra_prompts.draws = int(state.get("extra_draws", 0))
     if module.anchor is not None and state.get("anchor"):
         module.anchor.load_state_dict(state["anchor"])
     if state.get("entropy"):

@@ -108,6 +108,26 @@ def deepspeed(model: nn.Module | None = None, **kwargs: Any):
     return DeepSpeedStrategy(**kwargs)
 
 
+class WholeParameters:
+    """:func:`gathered_for_sampling` that a block nested in another enters for free: ``with whole(strategy):`` gathers
+    the policy unless an outer block holds it gathered already (a step's draws all run inside one gathering)."""
+
+    def __init__(self, policy: nn.Module) -> None:
+        self.policy, self.gathered = policy, False
+
+    @contextmanager
+    def __call__(self, strategy: Any | None) -> Iterator[None]:
+        if self.gathered:
+            yield
+            return
+        with gathered_for_sampling(self.policy, strategy):
+            self.gathered = True
+            try:
+                yield
+            finally:
+                self.gathered = False
+
+
 @contextmanager
 def gathered_for_sampling(policy: nn.Module, strategy: Any | None) -> Iterator[None]:
     """The whole policy gathered on every process while the block runs (a rollout), then sharded again.

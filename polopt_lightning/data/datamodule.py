@@ -300,3 +300,37 @@ class PromptDataModule(L.LightningDataModule):
         rows = _Rows(self.val_rows)
         return DataLoader(rows, batch_size=self.val_batch_size, sampler=ShardSampler(rows, world, rank),
                           collate_fn=self.collate, num_workers=self.num_workers)
+
+
+class ExtraPrompts:
+    """More batches of prompts for dynamic sampling, one per :meth:`next`.
+
+    From :meth:`PromptDataModule.extra_batch` when the trainer's data comes from one: the ``draws``-th extra batch of
+    this process, the same after a resume (``draws`` is in the checkpoint) and another share on each process.
+    Otherwise from a second pass over the training loader.
+    """
+
+    def __init__(self) -> None:
+        self.draws = 0  # batches drawn from the data module so far
+        self._loader: Any = None
+
+    def next(self, trainer: Any, device: torch.device) -> dict[str, Any]:
+        dm = getattr(trainer, "datamodule", None)
+        if hasattr(dm, "extra_batch"):
+            batch = dm.extra_batch(self.draws)
+            self.draws += 1
+        else:
+            if self._loader is None:
+                self._loader = iter(trainer.train_dataloader)
+            try:
+                batch = next(self._loader)
+            except StopIteration:
+                self._loader = None
+                return self.next(trainer, device)
+        return {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
+
+
+def batch_rows(batch: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The batch's prompts as dataset rows: ``prompt`` (as the dataset holds it) and every extra column."""
+    columns = batch.get("columns", {})
+    return [{"prompt": prompt, **{k: v[i] for k, v in columns.items()}} for i, prompt in enumerate(batch["prompts"])]
