@@ -13,6 +13,7 @@ from omegaconf import OmegaConf
 from torch.nn import functional as F
 
 from polopt_lightning import PolicyOptimizationModule, PromptDataModule, lean_step
+from polopt_lightning.accel import trace
 from polopt_lightning.accel.cpu import decode as cpu_decode
 from polopt_lightning.accel.cpu import linear as cpu_linear
 from polopt_lightning.rewards import ExactMatchReward
@@ -23,22 +24,15 @@ from .helpers import close, greedy_on_the_modules, one_decoding_step, onednn_mod
 pytestmark = run_if("onednn")
 
 
-def _counting(monkeypatch, kernel: bool = False):
-    """The weight shapes of the mode's oneDNN products from here on (``kernel``: and of its few-row kernel's)."""
-    calls = []
-    product = cpu_linear._product
-    monkeypatch.setattr(cpu_linear, "_product", lambda *a: calls.append(a[1].shape) or product(*a))
-    if kernel:
-        from polopt_lightning.accel.cpu import rowdot
-
-        few_rows = rowdot.linear
-        monkeypatch.setattr(rowdot, "linear", lambda *a: calls.append(a[1].shape) or few_rows(*a))
-    return calls
+def _products(ran, kernel: bool = False) -> list:
+    """The weight shapes of the mode's oneDNN products in a :func:`trace.routes` record (``kernel``: and of its
+    few-row kernel's)."""
+    return ran["onednn_product"] + (ran["kernel_product"] if kernel else [])
 
 
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("frozen", [False, True])
-def test_values_and_gradients_match_f_linear(monkeypatch, bias, frozen):
+def test_values_and_gradients_match_f_linear(bias, frozen):
     torch.manual_seed(0)
     layer = torch.nn.Linear(512, 640, bias=bias)  # 327,680 weight elements: above the threshold
     layer.requires_grad_(not frozen)
@@ -48,38 +42,37 @@ def test_values_and_gradients_match_f_linear(monkeypatch, bias, frozen):
     want = [out.detach(), x.grad.clone()] + ([] if frozen else [p.grad.clone() for p in layer.parameters()])
     x.grad = None
     layer.zero_grad(set_to_none=True)
-    calls = _counting(monkeypatch)
-    with cpu_linear.OneDNNLinear():
+    with cpu_linear.OneDNNLinear(), trace.routes() as ran:
         out = layer(x)
         (out.square() * torch.linspace(-1, 1, 640)).sum().backward()
     got = [out.detach(), x.grad] + ([] if frozen else [p.grad for p in layer.parameters()])
-    assert len(calls) == (2 if frozen else 3)  # forward, input gradient (and the weight's: none when frozen)
+    assert len(_products(ran)) == (2 if frozen else 3)  # forward, input gradient (and the weight's: none when frozen)
     assert all(close(g, w) for g, w in zip(got, want))
     if frozen:
         assert layer.weight.grad is None
 
 
 @pytest.mark.parametrize("rows, kernel", [(4, True), (16, True), (4, False), (17, True)])
-def test_without_gradient_it_is_one_product_few_rows_on_the_kernel(monkeypatch, rows, kernel):
+def test_without_gradient_it_is_one_product_few_rows_on_the_kernel(rows, kernel):
     """No gradient wanted: one oneDNN product, or for at most 16 rows one call of the few-row kernel where it runs
     here, unless ``few_row_kernel(False)`` (the rollout's ``decode_kernel=False``)."""
     from polopt_lightning.accel.cpu import rowdot
 
     layer = torch.nn.Linear(512, 640)
     x = torch.randn(rows, 1, 512)
-    calls, on_kernel = _counting(monkeypatch), []
-    kernel_linear = rowdot.linear
-    monkeypatch.setattr(rowdot, "linear", lambda *a: on_kernel.append(a[1].shape) or kernel_linear(*a))
-    with cpu_linear.OneDNNLinear(), torch.inference_mode(), cpu_linear.few_row_kernel(kernel):
-        out = layer(x)
-    takes = kernel and rows <= rowdot.MAX_ROWS and rowdot.load() is not None
-    assert (on_kernel, calls) == (([(640, 512)], []) if takes else ([], [(640, 512)]))
-    assert out.shape == (rows, 1, 640) and close(out, F.linear(x, layer.weight, layer.bias))
-    assert getattr(cpu_linear._kernel, "on", True)  # the switch is back after the context
+    with cpu_linear.OneDNNLinear(), torch.inference_mode(), trace.routes() as ran:
+        with cpu_linear.few_row_kernel(kernel):
+            out = layer(x)
+        fits = rows <= rowdot.MAX_ROWS and rowdot.load() is not None
+        takes = kernel and fits
+        assert (ran["kernel_product"], ran["onednn_product"]) == (([(640, 512)], []) if takes else ([], [(640, 512)]))
+        assert out.shape == (rows, 1, 640) and close(out, F.linear(x, layer.weight, layer.bias))
+        layer(x)  # after the context the switch is back: the kernel where it fits
+        assert len(ran["kernel_product"]) == takes + fits
 
 
 @pytest.mark.parametrize("case", ["small", "bfloat16", "autocast", "vector", "double"])
-def test_everything_else_runs_as_without_the_mode(monkeypatch, case):
+def test_everything_else_runs_as_without_the_mode(case):
     torch.manual_seed(0)
     layer = torch.nn.Linear(64, 32) if case == "small" else torch.nn.Linear(512, 640)
     x = torch.randn(4, layer.in_features)
@@ -92,10 +85,9 @@ def test_everything_else_runs_as_without_the_mode(monkeypatch, case):
     context = torch.autocast("cpu", dtype=torch.bfloat16) if case == "autocast" else nullcontext()
     with context:
         want = layer(x)
-    calls = _counting(monkeypatch)
-    with cpu_linear.OneDNNLinear(), context:
+    with cpu_linear.OneDNNLinear(), context, trace.routes() as ran:
         got = layer(x)
-    assert calls == [] and torch.equal(got, want)
+    assert _products(ran, kernel=True) == [] and torch.equal(got, want)
 
 
 def _rows():
@@ -173,22 +165,13 @@ def test_a_training_step_gives_the_same_loss_and_gradients(monkeypatch):
         assert close(g1[name], g0[name], rel=1e-4), name
 
 
-def test_decoding_under_the_mode_packs_the_body_in_onednns_layout_and_keeps_the_head(monkeypatch):
+def test_decoding_under_the_mode_packs_the_body_in_onednns_layout_and_keeps_the_head():
     """Inside the mode, with the few-row kernel off (no AVX-512 or no compiler, or ``decode_kernel=False``), a float32
     model decodes on a copy of its body in oneDNN's blocked layout (one per weight, no MKL packing, no concatenation)
     and on its head as it is, with the plain decoding's tokens and log-probs."""
     model, tok, ids, mask, sampling, want = greedy_on_the_modules()
     base = lean_step.llama_like(model)
-    reordered, mkl = [], []
-    init = cpu_decode._Packed.__init__
-
-    def packing(self, linears, rows, onednn=False):
-        init(self, linears, rows, onednn)
-        (reordered if self.weight is None else mkl).append([tuple(m.weight.shape) for m in linears])
-
-    monkeypatch.setattr(cpu_decode._Packed, "__init__", packing)
-    calls = _counting(monkeypatch)
-    with cpu_linear.OneDNNLinear():
+    with cpu_linear.OneDNNLinear(), trace.routes() as ran:
         assert cpu_decode.PackedProjections.supported(base) and cpu_decode.PackedProjections.onednn_float32(base)
         got = HFRolloutEngine(cpu={"decode_kernel": False}).generate(model, ids, mask, 2, sampling, tok.eos_token_id,
                                                             tok.pad_token_id)
@@ -198,10 +181,11 @@ def test_decoding_under_the_mode_packs_the_body_in_onednns_layout_and_keeps_the_
     shapes = [tuple(m.weight.shape) for m in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj,
                                                layer.self_attn.o_proj, layer.mlp.gate_proj, layer.mlp.up_proj,
                                                layer.mlp.down_proj)]
+    reordered = [weights for layout, weights in ran["prepack"] if layout == "onednn"]
     assert reordered[:7] == [[shape] for shape in shapes] and [tuple(model.lm_head.weight.shape)] not in reordered
-    assert not mkl
+    assert all(layout == "onednn" for layout, _ in ran["prepack"])  # no MKL packing
     assert proj.packed_head is None
-    assert calls  # the products that are not packed (prefill, the head where it is large) went through the mode
+    assert _products(ran)  # the products that are not packed (prefill, the head where it is large) went through the mode
     assert torch.equal(got.completion_ids, want.completion_ids)
     assert close(got.sampling_logprobs, want.sampling_logprobs, rel=1e-4)
     # one decoding step's logits from the same cache: blocked layout against the modules
@@ -210,7 +194,7 @@ def test_decoding_under_the_mode_packs_the_body_in_onednns_layout_and_keeps_the_
     assert close(blocked, plain, rel=1e-5)
 
 
-def test_under_autocast_the_fp32_policy_samples_itself_through_onednn(monkeypatch):
+def test_under_autocast_the_fp32_policy_samples_itself_through_onednn():
     """A bf16-mixed step on the CPU: inside the mode the policy samples in fp32 with autocast off (as fast as a bf16
     copy at 0.5B, without its memory); outside the mode, or for the default tiny model, it still gets the bf16
     copy."""
@@ -222,11 +206,10 @@ def test_under_autocast_the_fp32_policy_samples_itself_through_onednn(monkeypatc
     engine = HFRolloutEngine()
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert engine.sampling_dtype(model) == torch.bfloat16  # no mode: the bf16 copy, as before
-        calls = _counting(monkeypatch, kernel=True)
-        with cpu_linear.OneDNNLinear():
+        with cpu_linear.OneDNNLinear(), trace.routes() as ran:
             assert engine.sampling_dtype(model) == torch.float32 and engine.sampling_model(model) is model
             assert not engine.logprobs_match(model)  # the training pass computes in bf16
             got = engine.generate(model, ids, mask, 2, sampling, tok.eos_token_id, tok.pad_token_id)
-    assert calls and engine.sampling_copy is None  # through the mode (oneDNN, the few-row kernel), and no copy was made
+    assert _products(ran, kernel=True) and engine.sampling_copy is None  # through the mode (oneDNN, the few-row kernel), and no copy was made
     assert torch.equal(got.completion_ids, plain.completion_ids)
     assert close(got.sampling_logprobs, plain.sampling_logprobs, rel=1e-4)

@@ -192,3 +192,27 @@ def test_generic_code_reaches_the_cpu_fast_path_only_through_the_accel_plugins()
     assert type(accel.decoding(None)) is cpu.CPUDecoding
     with pytest.raises(ValueError, match=r"no accel plugin 'tpu'; registered: \['cpu'\]"):
         accel.plugin("tpu")
+
+
+def test_the_tests_reach_the_fast_path_through_its_public_names():
+    """No test imports a private name of ``accel/`` or reads one off a module of it (``cpu_linear._product``): the
+    kernel tests observe which route ran through :mod:`polopt_lightning.accel.trace`, so the plugin's insides can
+    change without its tests being rewritten."""
+    reached = []
+    for path in sorted((ROOT.parent / "tests").rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        modules = set()  # local names bound to a module of accel/ (lean_step also by its old top-level name)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith(("polopt_lightning.accel",
+                                                                                   "polopt_lightning")):
+                in_accel = node.module.startswith("polopt_lightning.accel")
+                for alias in node.names:
+                    if in_accel and alias.name.startswith("_"):
+                        reached.append(f"{path.name}:{node.lineno} imports {node.module}.{alias.name}")
+                    if in_accel or alias.name == "lean_step":
+                        modules.add(alias.asname or alias.name)
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in modules
+                    and node.attr.startswith("_") and not node.attr.startswith("__")):
+                reached.append(f"{path.name}:{node.lineno} reads {node.value.id}.{node.attr}")
+    assert not reached, reached

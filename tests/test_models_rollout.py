@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from polopt_lightning._hf import cache_argument, preallocated_cache
+from polopt_lightning.accel import trace
 from polopt_lightning.models import build_tiny_model, char_tokenizer, load_pretrained, prepare_tokenizer
 from polopt_lightning.rollout import HFRolloutEngine, SamplingConfig
 from polopt_lightning.step.logprobs import completion_logprobs, selective_log_softmax
@@ -255,7 +256,7 @@ def test_shared_prompt_kv_is_chosen_where_it_measured_faster():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32-mkl", "bf16-onednn"])
 @pytest.mark.parametrize("architecture,heads,kv_heads", [("qwen2", 2, 2), ("llama", 4, 2)])
-def test_packed_decode_weights_give_the_modules_results(architecture, heads, kv_heads, dtype, monkeypatch):
+def test_packed_decode_weights_give_the_modules_results(architecture, heads, kv_heads, dtype):
     """Prepacked products (q/k/v and gate/up fused; Qwen2's q/k/v biases concatenated) against the modules' own."""
     from polopt_lightning.accel.cpu import decode as cpu_decode
 
@@ -264,15 +265,14 @@ def test_packed_decode_weights_give_the_modules_results(architecture, heads, kv_
     model = model.to(dtype)
     if not cpu_decode.PackedProjections.supported(model):
         pytest.skip(f"this PyTorch build or CPU cannot prepack {dtype} weights (MKL / oneDNN bf16 missing)")
-    calls = []
-    call = cpu_decode._Packed.__call__
-    monkeypatch.setattr(cpu_decode._Packed, "__call__", lambda self, x: calls.append(1) or call(self, x))
     ids, mask = _prompts(tok, ["12+34=", "5+6=", "1+100+2="])
     sampling = SamplingConfig(max_new_tokens=6, min_new_tokens=6)
-    out = {packed: HFRolloutEngine(shared_prompt_kv=False, cpu={"packed_weights": packed}).generate(
-        model, ids, mask, 3, sampling, tok.eos_token_id, tok.pad_token_id, torch.Generator().manual_seed(1))
-        for packed in (True, False)}
-    assert len(calls) == 5 * (2 * 4 + 1)  # 5 decoding steps x (2 layers x 4 products + head): the packed path ran
+    with trace.routes() as ran:
+        out = {packed: HFRolloutEngine(shared_prompt_kv=False, cpu={"packed_weights": packed}).generate(
+            model, ids, mask, 3, sampling, tok.eos_token_id, tok.pad_token_id, torch.Generator().manual_seed(1))
+            for packed in (True, False)}
+    # 5 decoding steps x (2 layers x 4 products + head): the packed path ran (and only with packed_weights)
+    assert len(ran["prepacked_product"]) == 5 * (2 * 4 + 1)
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=0.05, rtol=0.05)
     if dtype == torch.float32:
         assert torch.equal(out[True].completion_ids, out[False].completion_ids)

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from polopt_lightning import PolicyOptimizationModule, PromptDataModule
+from polopt_lightning.accel import trace
 from polopt_lightning.data import ArithmeticTask
 from polopt_lightning.models import (
     Adapter,
@@ -141,24 +142,24 @@ def test_the_modules_cpu_context_takes_the_four_bit_input_gradients_the_lora_gra
             if "lora_B" in name:
                 p.normal_(0, 0.1)
     module = module_for(policy, tok, accel={"onednn_linear": True})
-    ran = []
-    backward = cpu_linear._FourBitLinear.backward
-    monkeypatch.setattr(cpu_linear._FourBitLinear, "backward", lambda ctx, g: ran.append(1) or backward(ctx, g))
     ids = tok(["1+2=", "3+4="], return_tensors="pt", padding=True)
     completions = torch.randint(3, 40, (2, 5))
-    grads = []
+    grads, ran = [], []
     for context in (lambda: module.accel.compute(module.policy, module.device), lambda: torch.enable_grad()):
         policy.zero_grad(set_to_none=True)
-        with context():
+        with context(), trace.routes() as routes:
             logprobs = completion_logprobs(policy, ids["input_ids"], ids["attention_mask"], completions,
                                            torch.ones_like(completions))[0]
             logprobs.sum().backward()
+        ran.append(routes["four_bit_input_grad"])
         grads.append({n: p.grad.clone() for n, p in policy.named_parameters() if p.grad is not None})
     import bitsandbytes as bnb
 
     layers = [m for m in policy.modules() if isinstance(m, bnb.nn.Linear4bit)]
-    assert len(layers) == 14 and all(cpu_linear._frozen_four_bit(m) for m in layers)
-    assert len(ran) == len(layers) - 3  # all but the first block's q/k/v, whose input wants no gradient
+    assert len(layers) == 14 and not any(p.requires_grad for m in layers for p in m.parameters())
+    # inside the fast path: every frozen 4-bit layer's input gradient through oneDNN but the first block's q/k/v,
+    # whose input wants none; outside it: bitsandbytes' own backward
+    assert len(ran[0]) == len(layers) - 3 and ran[1] == []
     assert not any("forward" in vars(m) for m in layers)
     assert grads[0].keys() == grads[1].keys() and all("lora_" in n for n in grads[0])
     for name, grad in grads[1].items():

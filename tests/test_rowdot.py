@@ -7,6 +7,7 @@ import torch
 from torch.nn import functional as F
 
 from polopt_lightning import lean_step
+from polopt_lightning.accel import trace
 from polopt_lightning.accel.cpu import decode as cpu_decode
 from polopt_lightning.accel.cpu import linear as cpu_linear
 from polopt_lightning.accel.cpu import rowdot
@@ -14,6 +15,7 @@ from polopt_lightning.models import build_tiny_model
 from polopt_lightning.rollout import HFRolloutEngine, SamplingConfig
 
 from .helpers import close, greedy_on_the_modules, one_decoding_step, onednn_model
+from .helpers.kernel import dispatched_in_lean_step
 from .helpers.kernel import needs_kernel as _needs_kernel  # skips where the machine cannot, fails where it should
 
 
@@ -54,24 +56,18 @@ def test_decoding_runs_on_the_kernel_with_the_modules_tokens_and_logprobs(monkey
     included), the tokens and log-probs of decoding on the modules, one step's logits within float tolerance."""
     _needs_kernel()
     model, tok, ids, mask, sampling, want = greedy_on_the_modules()
-    packed, kernel_calls = [], []
-    monkeypatch.setattr(cpu_decode._Packed, "__init__", lambda self, *a, **k: packed.append(a))
+    kernel_calls = []
     call = rowdot.RowDot.__call__
     monkeypatch.setattr(rowdot.RowDot, "__call__", lambda self, x: kernel_calls.append(x.shape) or call(self, x))
-    consulted, in_step = [], []  # the mode's dispatch inside the lean step: none (its products are prepacked)
-    dispatch, layers = cpu_linear.OneDNNLinear.__torch_function__, lean_step._layers
-    monkeypatch.setattr(cpu_linear.OneDNNLinear, "__torch_function__",
-                        lambda self, *a, **k: (in_step and consulted.append(a[0])) or dispatch(self, *a, **k))
-    monkeypatch.setattr(lean_step, "_layers",
-                        lambda *a: in_step.append(1) or (layers(*a), in_step.pop())[0])
     base = lean_step.llama_like(model)
-    with cpu_linear.OneDNNLinear():
+    with cpu_linear.OneDNNLinear(), trace.routes() as ran:
         got = HFRolloutEngine(cpu={"fused_step": False}).generate(model, ids, mask, 2, sampling, tok.eos_token_id,
                                                          tok.pad_token_id)
-        assert in_step == [] and not consulted
+        # the lean step ran, and the mode's dispatch saw nothing inside it (its products are prepacked)
+        assert ran["lean_step"] and not dispatched_in_lean_step(ran)
         proj = cpu_decode.PackedProjections(base, 4)
         kernel, plain = (one_decoding_step(model, ids, packed=p, fused=False) for p in (True, False))
-    assert proj.kernel and isinstance(proj.packed_head, rowdot.RowDot) and not packed
+    assert proj.kernel and isinstance(proj.packed_head, rowdot.RowDot) and not ran["prepack"]
     assert proj.packed_qkv[0].weights[0] is not None and proj.packed_qkv[0].weights[0].data_ptr() == \
         model.model.layers[0].self_attn.q_proj.weight.data_ptr()  # the weight itself, no copy
     # per decoded token (2 of the 3 come from the lean step): q/k/v, o, gate/up, down per layer, then the head
@@ -163,15 +159,11 @@ def test_adapter_decoding_runs_its_frozen_base_products_on_the_kernel(monkeypatc
                         lambda self, *a: built.append(self) or init(self, *a))
     call = rowdot.RowDot.__call__
     monkeypatch.setattr(rowdot.RowDot, "__call__", lambda self, x: read.append(self.weights) or call(self, x))
-    consulted, in_step = [], []
-    dispatch, layers = cpu_linear.OneDNNLinear.__torch_function__, lean_step._layers
-    monkeypatch.setattr(cpu_linear.OneDNNLinear, "__torch_function__",
-                        lambda self, *a, **k: (in_step and consulted.append(a[0])) or dispatch(self, *a, **k))
-    monkeypatch.setattr(lean_step, "_layers", lambda *a: in_step.append(1) or (layers(*a), in_step.pop())[0])
     with cpu_linear.OneDNNLinear():
-        got = HFRolloutEngine(cpu={"fused_step": False}).generate(policy, ids, mask, 2, sampling, tok.eos_token_id,
-                                                         tok.pad_token_id)
-        assert len(built) == 1 and read and not consulted
+        with trace.routes() as ran:
+            got = HFRolloutEngine(cpu={"fused_step": False}).generate(policy, ids, mask, 2, sampling,
+                                                                      tok.eos_token_id, tok.pad_token_id)
+        assert len(built) == 1 and read and ran["lean_step"] and not dispatched_in_lean_step(ran)
         off = HFRolloutEngine(cpu={"decode_kernel": False}).generate(policy, ids, mask, 2, sampling, tok.eos_token_id,
                                                             tok.pad_token_id)
         assert len(built) == 1  # decode_kernel=False: peft's modules
@@ -300,7 +292,7 @@ def test_the_fused_step_leaves_several_adapters_or_a_biased_b_to_the_step_in_pyt
     policy.eval()  # the new adapter's dropout (an identity) comes in training mode
     q = base.model.layers[0].self_attn.q_proj
     q.set_adapter(["default", "second"])
-    assert len(cpu_decode._lora_parts(q)[1]) == 2 and not cpu_decode.FusedStep.fits(base)
+    assert len(q.active_adapters) == 2 and not cpu_decode.FusedStep.fits(base)
     q.set_adapter("default")
     assert cpu_decode.FusedStep.fits(base)
     q.lora_B["default"].bias = torch.nn.Parameter(torch.zeros(q.out_features))
@@ -440,7 +432,7 @@ def test_the_fused_step_takes_four_bit_bases_of_one_block_size_and_float32_compu
 
 
 @pytest.mark.parametrize("quant_type, nested", [("nf4", True), ("nf4", False), ("fp4", True)])
-def test_a_prefills_four_bit_products_run_on_the_kernel_inside_the_mode(monkeypatch, quant_type, nested):
+def test_a_prefills_four_bit_products_run_on_the_kernel_inside_the_mode(quant_type, nested):
     """Inside :class:`cpu_linear.OneDNNLinear` bitsandbytes' 4-bit product without gradient (its ``gemm_4bit`` op)
     of at most 64 rows runs on the 4-bit kernel: the layers' outputs outside the mode within float32 tolerance. More
     rows or ``few_row_kernel(False)``: bitsandbytes' dequantization with oneDNN's product in place of MKL's (weights of
@@ -448,31 +440,25 @@ def test_a_prefills_four_bit_products_run_on_the_kernel_inside_the_mode(monkeypa
     forward (on the kernel) and dequantizes for its backward: the same gradient."""
     _needs_kernel()
     layers = _four_bit_layers(quant_type, nested)
-    ran, onednn = [], []
-    call = rowdot._four_bit_call
-    monkeypatch.setattr(rowdot, "_four_bit_call", lambda fn, x, *a: ran.append(x.shape[0]) or call(fn, x, *a))
-    product = cpu_linear._four_bit_on_onednn
-    monkeypatch.setattr(cpu_linear, "_four_bit_on_onednn",
-                        lambda A, *a, **k: (lambda out: onednn.append(A.shape[0]) if out is not None else None)(
-                            out := product(A, *a, **k)) or out)
     torch.manual_seed(0)
-    for rows in (3, 64, 65):
-        x = torch.randn(rows, 512)
-        with torch.no_grad():
-            want = [layer(x) for layer in layers]
-            with cpu_linear.OneDNNLinear():
-                got = [layer(x) for layer in layers]
-                with cpu_linear.few_row_kernel(False):
-                    [layer(x) for layer in layers]
-        for y, w in zip(got, want):
-            torch.testing.assert_close(y, w, rtol=1e-5, atol=1e-5)
-    assert ran == [3] * len(layers) + [64] * len(layers)
-    # the 640 x 512 weight (the mode's size) under few_row_kernel(False) and at 65 rows: oneDNN's product
-    assert onednn == [3, 64, 65, 65]
-    x = torch.randn(4, 512, requires_grad=True)
-    with cpu_linear.OneDNNLinear():
-        y = layers[0](x)
-    assert len(ran) == 2 * len(layers) + 1
+    with trace.routes() as ran:
+        for rows in (3, 64, 65):
+            x = torch.randn(rows, 512)
+            with torch.no_grad():
+                want = [layer(x) for layer in layers]
+                with cpu_linear.OneDNNLinear():
+                    got = [layer(x) for layer in layers]
+                    with cpu_linear.few_row_kernel(False):
+                        [layer(x) for layer in layers]
+            for y, w in zip(got, want):
+                torch.testing.assert_close(y, w, rtol=1e-5, atol=1e-5)
+        assert ran["four_bit_kernel"] == [3] * len(layers) + [64] * len(layers)
+        # the 640 x 512 weight (the mode's size) under few_row_kernel(False) and at 65 rows: oneDNN's product
+        assert ran["four_bit_onednn"] == [3, 64, 65, 65]
+        x = torch.randn(4, 512, requires_grad=True)
+        with cpu_linear.OneDNNLinear():
+            y = layers[0](x)
+        assert len(ran["four_bit_kernel"]) == 2 * len(layers) + 1
     y.sum().backward()
     inside, x.grad = x.grad, None
     layers[0](x).sum().backward()
@@ -480,8 +466,7 @@ def test_a_prefills_four_bit_products_run_on_the_kernel_inside_the_mode(monkeypa
 
 
 @pytest.mark.parametrize("quant_type, nested", [("nf4", True), ("fp4", False)])
-def test_frozen_four_bit_layers_take_their_input_gradients_through_onednn_for_the_modes_model(monkeypatch, quant_type,
-                                                                                               nested):
+def test_frozen_four_bit_layers_take_their_input_gradients_through_onednn_for_the_modes_model(quant_type, nested):
     """``OneDNNLinear(model)``: the frozen 4-bit layers of ``model`` of the mode's size compute ``grad @ W`` through
     oneDNN instead of bitsandbytes' backward (MKL, where no mode reaches): the outputs and input gradients of the
     layers outside the mode within float32 tolerance. A trainable bias, bfloat16 compute, a layer below the mode's
@@ -495,10 +480,6 @@ def test_frozen_four_bit_layers_take_their_input_gradients_through_onednn_for_th
     bf16.compute_dtype = torch.bfloat16
     other.requires_grad_(False)
     model = torch.nn.ModuleList(layers + [trainable, bf16])
-    backward = cpu_linear._FourBitLinear.backward
-    ran = []
-    monkeypatch.setattr(cpu_linear._FourBitLinear, "backward",
-                        lambda ctx, grad: ran.append(tuple(ctx.layer.weight.quant_state.shape)) or backward(ctx, grad))
     torch.manual_seed(0)
     x = torch.randn(3, 5, 512, requires_grad=True)
 
@@ -508,13 +489,14 @@ def test_frozen_four_bit_layers_take_their_input_gradients_through_onednn_for_th
         grad, x.grad = x.grad, None
         return y.detach().float(), grad
 
-    for layer in [*model, other]:
-        want = run(layer)
-        with cpu_linear.OneDNNLinear(model):
-            got = run(layer)
-        for g, w in zip(got, want):
-            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
-    assert ran == [(640, 512)]
+    with trace.routes() as ran:
+        for layer in [*model, other]:
+            want = run(layer)
+            with cpu_linear.OneDNNLinear(model):
+                got = run(layer)
+            for g, w in zip(got, want):
+                torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+    assert ran["four_bit_input_grad"] == [(640, 512)]
     assert not any("forward" in vars(layer) for layer in [*model, other])
 
 

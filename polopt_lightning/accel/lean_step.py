@@ -19,6 +19,8 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
+from . import trace
+
 SUPPORTED = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
 
 
@@ -188,7 +190,7 @@ def _step(base: nn.Module, attends: list, token: Tensor, position: Tensor,
     proj = projections or Projections(base)
     # prepacked products need no torch-function handling: skip the mode's Python dispatch (oneDNN's, for one) on each
     # of the step's ~1,300 operations (the same tokens)
-    with _without_torch_function() if proj.prepacked else nullcontext():
+    with _without_torch_function() if proj.prepacked else nullcontext(), trace.span("lean_step"):
         return _layers(base, proj, attends, token, position)
 
 

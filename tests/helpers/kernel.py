@@ -74,3 +74,9 @@ def needs_kernel() -> None:
         pytest.skip(f"the few-row kernel cannot run here: {cannot}")
     pytest.fail("the few-row kernel should run here (x86-64 Linux, AVX-512, a C compiler that builds AVX-512/OpenMP "
                 f"code) and did not load: {rowdot.why_not()}", pytrace=False)
+
+
+def dispatched_in_lean_step(ran) -> list:
+    """The torch functions that oneDNN's mode dispatched inside a lean decoding step, from an
+    :func:`polopt_lightning.accel.trace.routes` record (none where the step's products are prepacked)."""
+    return [detail for route, detail, within in ran.events if route == "mode_dispatch" and "lean_step" in within]

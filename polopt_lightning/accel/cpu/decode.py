@@ -26,6 +26,7 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from ...settings import settings_of
+from .. import trace
 from ..lean_step import Projections, _head_dim, _norm_eps, _without_torch_function
 from . import linear as cpu_linear
 from . import rowdot
@@ -171,8 +172,12 @@ class _Packed:
             self.weight, self.packed = weight, torch.ops.mkl._mkl_reorder_linear_weight(weight, rows)
         else:  # oneDNN's blocked layout (bfloat16, or float32 where oneDNN computes the model's products)
             self.weight, self.packed = None, torch.ops.mkldnn._reorder_linear_weight(weight, rows)
+        if trace.OPEN:
+            trace.note("prepack", ("onednn" if self.weight is None else "mkl", [tuple(m.weight.shape) for m in linears]))
 
     def __call__(self, x: Tensor) -> Tensor | tuple[Tensor, ...]:
+        if trace.OPEN:
+            trace.note("prepacked_product", tuple(x.shape))
         if self.weight is not None:
             y = torch.ops.mkl._mkl_linear(x, self.packed, self.weight, self.bias, self.rows)
         else:

@@ -31,6 +31,7 @@ from torch.autograd.function import once_differentiable
 from torch.nn import functional as F
 from torch.overrides import TorchFunctionMode
 
+from .. import trace
 from . import rowdot
 from .four_bit import four_bit_state
 
@@ -47,6 +48,8 @@ def available() -> bool:
 
 def _product(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """``x @ weight.T + bias`` through oneDNN (``weight`` ``[out, in]``, any strides)."""
+    if trace.OPEN:
+        trace.note("onednn_product", tuple(weight.shape))
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
@@ -148,6 +151,8 @@ class OneDNNLinear(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if trace.OPEN:
+            trace.note("mode_dispatch", func)
         if func is F.linear:
             x, weight = args[0] if args else kwargs["input"], args[1] if len(args) > 1 else kwargs["weight"]
             bias = args[2] if len(args) > 2 else kwargs.get("bias")
@@ -176,6 +181,8 @@ def _four_bit_on_onednn(A: Tensor, B: Tensor, shapeB, absmax: Tensor, blocksize:
         return None
     absmax = rowdot.four_bit_scales(absmax, absmax_8bit, absmax_code, absmax_offset)
     weight = torch.ops.bitsandbytes.dequantize_4bit.default(B, absmax, blocksize, quant_type, shapeB, A.dtype)
+    if trace.OPEN:
+        trace.note("four_bit_onednn", A.shape[0])
     return _product(A, weight, bias)
 
 
@@ -204,6 +211,8 @@ class _FourBitLinear(torch.autograd.Function):
         from bitsandbytes.functional import dequantize_4bit
 
         weight = ctx.layer.weight
+        if trace.OPEN:
+            trace.note("four_bit_input_grad", tuple(weight.quant_state.shape))
         dense = dequantize_4bit(weight.data, weight.quant_state).to(torch.float32)  # [out, in]
         g = grad.reshape(-1, grad.shape[-1]).contiguous()
         return _product(g, dense.t()).reshape(*grad.shape[:-1], dense.shape[1]), None

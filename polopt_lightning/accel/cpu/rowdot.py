@@ -28,6 +28,7 @@ import torch
 from torch import Tensor, nn
 
 from ..._cache import cache_root
+from .. import trace
 from .four_bit import four_bit_state
 
 log = logging.getLogger(__name__)
@@ -232,6 +233,8 @@ def takes(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> bool:
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """``F.linear(x, weight, bias)`` on the kernel, without autograd (check :func:`takes` first)."""
+    if trace.OPEN:
+        trace.note("kernel_product", tuple(weight.shape))
     return _run(load(), x, pointers([weight]), pointers([bias]), [weight.shape[0]])[0]
 
 
@@ -336,6 +339,8 @@ class FourBitRowDot:
 
 def _four_bit_call(fn, x: Tensor, arrays: list, blocksize: int, outs: list[int]) -> tuple[Tensor, ...]:
     """One call of ``polopt_rowdot_4bit``: ``arrays`` the pointer arrays of the codes, scales, tables and biases."""
+    if trace.OPEN:
+        trace.note("four_bit_kernel", x.shape[0])
     K = x.shape[-1]
     stride = four_bit_scratch(K)
     scratch = torch.empty(torch.get_num_threads() * stride)
