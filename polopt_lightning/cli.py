@@ -16,23 +16,12 @@ from typing import Any
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
+from .confschema import PLAIN_BLOCKS as _PLAIN_BLOCKS
+from .confschema import code_default, config_dir
 from .console import configure_console
 from .settings import MOVED_ARGUMENTS
 
 log = logging.getLogger("polopt_lightning")
-
-
-def config_dir() -> str:
-    """The shipped configs: ``polopt_lightning.conf`` in a wheel, or ``conf/`` beside the package in a checkout."""
-    import importlib.util
-
-    source = Path(__file__).resolve().parents[1] / "conf"
-    if (source / "train.yaml").is_file():
-        return str(source)
-    spec = importlib.util.find_spec("polopt_lightning.conf")
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError("polopt_lightning.conf is missing: reinstall polopt-lightning")
-    return str(Path(list(spec.submodule_search_locations)[0]))
 
 
 def _run_dir(cfg: DictConfig) -> Path:
@@ -146,9 +135,6 @@ def _warm_start(cfg: DictConfig, model: Any, tokenizer: Any, datamodule: Any, qu
 
 
 # blocks without a _target_, and the settings class each becomes (its annotations type their keys)
-_PLAIN_BLOCKS = {"generation": "polopt_lightning.rollout.base.SamplingConfig",
-                 "data": "polopt_lightning.data.PromptDataModule", "warm_start": "polopt_lightning.warmstart.WarmStartConfig",
-                 "quantization": "polopt_lightning.models.Quantization", "adapter": "polopt_lightning.models.Adapter"}
 # train.yaml's own keys
 _TOP_LEVEL_TYPES = {"seed": int, "num_threads": int | None, "validate_before": bool, "verbose": bool}
 
@@ -623,13 +609,18 @@ def config_differences(saved: DictConfig, overrides: list[str], now: set[str]) -
     # a moved key's saved value wins over what its new place held then (optimizer.lr was ${module.lr})
     before = {**{k: v for k, v in flat.items() if k not in MOVED_KEYS},
               **{MOVED_KEYS[k]: v for k, v in flat.items() if k in MOVED_KEYS}}
-    after = _flatten(OmegaConf.to_container(composed, resolve=False))
+    composed_plain = OmegaConf.to_container(composed, resolve=False)
+    after = _flatten(composed_plain)
 
     def set_now(key: str) -> bool:
         return any(key == k or key.startswith(k + ".") for k in now)
 
     def added_since(key: str) -> bool:
-        return key not in before and key.split(".")[0] in NEW_GROUPS
+        """A key the saved run's configuration did not hold: a group added since, or a setting whose default the code
+        gives (conf/_schema) that it holds now unchanged."""
+        if key in before:
+            return False
+        return key.split(".")[0] in NEW_GROUPS or code_default(composed_plain, key) == (True, after.get(key))
 
     keys = sorted(k for k in set(before) | set(after)
                   if not set_now(k) and not added_since(k) and before.get(k) != after.get(k))

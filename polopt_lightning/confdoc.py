@@ -13,6 +13,8 @@ from pathlib import Path
 
 from .cli import config_dir
 
+_SCHEMA = re.compile(r"^\s*-\s*/_schema/(?P<name>\w+)@(?P<at>[\w.]+)\s*$")
+_DOCUMENTED = re.compile(r"^(?P<indent>\s*)#\|\s*(?P<key>[A-Za-z_]\w*)\s*$")  # a key the schema gives, documented
 _KEY = re.compile(r"^(?P<indent>\s*)(?P<key>[A-Za-z_][\w.]*|'[^']+'|\"[^\"]+\"):(?:\s+(?P<value>.*))?$")
 _DEFAULT = re.compile(r"^\s*-\s*(?:override\s+)?(?P<group>[\w/]+):\s*(?P<value>\S+)\s*$")
 
@@ -25,8 +27,10 @@ and a key that a file does not have is added with `+key=value`. Values in `${...
 """
 
 
-def _entries(text: str, prefix: str) -> tuple[str, list[str], list[tuple[str, str, str]]]:
-    """(file description, its defaults list, [(dotted key, value, comment)]) of one YAML file."""
+def _entries(text: str, prefix: str, schema: dict[str, str] | None = None
+             ) -> tuple[str, list[str], list[tuple[str, str, str]]]:
+    """(file description, its defaults list, [(dotted key, value, comment)]) of one YAML file; a ``#| key`` line (a
+    key whose default the code gives) takes its value from ``schema`` (dotted key -> value)."""
     lines = text.splitlines()
     description: list[str] = []
     i = 0
@@ -45,6 +49,15 @@ def _entries(text: str, prefix: str) -> tuple[str, list[str], list[tuple[str, st
     for line in lines[i:]:
         stripped = line.strip()
         if not stripped:
+            comment = []
+            continue
+        documented = _DOCUMENTED.match(line)
+        if documented:
+            indent, key = len(documented["indent"]), documented["key"]
+            while stack and stack[-1][0] >= indent:
+                stack.pop()
+            path = ".".join([p for p in (prefix, *[k for _, k in stack], key) if p])
+            entries.append((path, (schema or {}).get(path, ""), " ".join(comment)))
             comment = []
             continue
         if stripped.startswith("#"):
@@ -77,6 +90,53 @@ def _entries(text: str, prefix: str) -> tuple[str, list[str], list[tuple[str, st
     return " ".join(description), defaults, entries
 
 
+def _schema_values(root: Path, text: str, prefix: str) -> tuple[dict[str, str], dict[str, str]]:
+    """The values the file's ``/_schema/...`` includes give (dotted key -> value as YAML writes it) and the
+    descriptions of their callables' docstrings (dotted key -> text)."""
+    import yaml
+
+    from .confschema import arg_docs, flow
+
+    values: dict[str, str] = {}
+    docs: dict[str, str] = {}
+    for line in text.splitlines():
+        match = _SCHEMA.match(line)
+        if not match:
+            continue
+        schema = root / "_schema" / f"{match['name']}.yaml"
+        where = "" if match["at"] == "_here_" else match["at"]
+        base = ".".join(p for p in (prefix, where) if p)
+        head = re.search(r"The defaults of (\S+),", schema.read_text())
+        described = arg_docs(head[1]) if head else {}
+        for key, value in (yaml.safe_load(schema.read_text()) or {}).items():
+            path = f"{base}.{key}" if base else key
+            values[path] = flow(value)
+            docs[path] = described.get(key, "")
+    return values, docs
+
+
+def _with_schema(root: Path, text: str, prefix: str, group_docs: dict[str, str] | None = None
+                 ) -> tuple[str, list[str], list[tuple[str, str, str]]]:
+    """:func:`_entries` with the schema's values filled in and its keys the file does not mention added, described by
+    the comment another option of the group has for that key (``group_docs``), else by the callable's docstring."""
+    values, docs = _schema_values(root, text, prefix)
+    description, defaults, entries = _entries(text, prefix, values)
+    named = {key for key, _, _ in entries}
+    entries += [(key, value, (group_docs or {}).get(key) or docs[key])
+                for key, value in values.items() if key not in named]
+    return description, defaults, entries
+
+
+def _group_docs(root: Path, options: list[Path], prefix: str) -> dict[str, str]:
+    """Each key's comment in the group's options (the first option that has one)."""
+    out: dict[str, str] = {}
+    for path in options:
+        for key, _, comment in _entries(path.read_text(), prefix)[2]:
+            if comment:
+                out.setdefault(key, comment)
+    return out
+
+
 def _table(entries: list[tuple[str, str, str]]) -> list[str]:
     if not entries:
         return ["(no keys)", ""]
@@ -91,20 +151,21 @@ def render(conf: str | Path | None = None) -> str:
     """The configuration reference as Markdown."""
     root = Path(conf or config_dir())
     primary = (root / "train.yaml").read_text()
-    description, defaults, entries = _entries(primary, "")
+    description, defaults, entries = _with_schema(root, primary, "")
     chosen = dict(d.split(": ", 1) for d in defaults)
     out = [HEADER, "## The primary config (`conf/train.yaml`)", "", description, "",
            "Defaults list (one option per group): " + ", ".join(f"`{d.replace(': ', '=')}`" for d in defaults), "",
            *_table(entries)]
-    for group in sorted(p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith("_")):
+    for group in sorted(p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith(("_", "."))):
         options = sorted((root / group).glob("*.yaml"))
         if not options:
             continue
         out += [f"## `{group}`", ""]
+        group_docs = _group_docs(root, options, group)
         for path in options:
             text = path.read_text()
             is_global = "@package _global_" in text
-            description, option_defaults, entries = _entries(text, "" if is_global else group)
+            description, option_defaults, entries = _with_schema(root, text, "" if is_global else group, group_docs)
             mark = " (default)" if chosen.get(group) == path.stem else ""
             out += [f"### `{group}={path.stem}`{mark}", "", description, ""]
             if option_defaults:

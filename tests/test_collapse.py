@@ -146,12 +146,9 @@ def test_monitor_state_round_trips_through_a_checkpoint(tmp_path):
 
 
 def test_every_rule_has_a_default_action_in_the_shipped_config():
-    from omegaconf import OmegaConf
+    from polopt_lightning.confschema import option
 
-    from polopt_lightning.cli import config_dir
-
-    cfg = OmegaConf.load(f"{config_dir()}/callbacks/default.yaml")
-    assert set(cfg.collapse.actions) == set(RULES)
+    assert set(option("callbacks", "default").collapse.actions) == set(RULES)
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -4,18 +4,17 @@ float32 tolerance, only where they apply, and the module's rule for turning them
 import copy
 import dataclasses
 from contextlib import nullcontext
-from pathlib import Path
 
 import pytest
 import torch
 from hydra.utils import instantiate
-from omegaconf import OmegaConf
 from torch.nn import functional as F
 
 from polopt_lightning import PolicyOptimizationModule, PromptDataModule, lean_step
 from polopt_lightning.accel import trace
 from polopt_lightning.accel.cpu import decode as cpu_decode
 from polopt_lightning.accel.cpu import linear as cpu_linear
+from polopt_lightning.confschema import option
 from polopt_lightning.rewards import ExactMatchReward
 from polopt_lightning.rollout import HFRolloutEngine, SamplingConfig
 
@@ -119,8 +118,7 @@ def test_module_turns_it_on_only_for_models_with_large_cpu_weights():
         module = PolicyOptimizationModule(model, tok, reward_fns=[ExactMatchReward()], **kw)
         return module.accel.compute(module.policy, module.device)
 
-    config = OmegaConf.load(Path(__file__).parents[1] / "conf" / "model" / "tiny.yaml")
-    model, tok = instantiate(config, seed=0)  # the default job's model: every weight below 2**18 elements
+    model, tok = instantiate(option("model", "tiny"), seed=0)  # the default job's model: every weight below 2**18 elements
     assert isinstance(mode(model, tok), nullcontext)
     assert isinstance(mode(model, tok, accel={"onednn_linear": True}), cpu_linear.OneDNNLinear)
     big, tok = onednn_model()

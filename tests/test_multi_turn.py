@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from polopt_lightning import PolicyOptimizationModule, PromptDataModule
+from polopt_lightning.confschema import option
 from polopt_lightning.models import build_tiny_model, char_tokenizer
 from polopt_lightning.rollout import RolloutBatch, RolloutEngine, SamplingConfig
 from polopt_lightning.rollout.environments import GuessingGame, calculator, environment_reward
@@ -54,14 +55,10 @@ def test_a_tool_is_a_typed_documented_function_and_its_calls_are_parsed():
 def test_the_shipped_pythonic_format_parses_one_call_several_and_refuses_malformed_ones():
     """conf/rollout/tools.yaml's ``format: pythonic`` (``[add(a=1, b=2)]``): the first list of calls in the message,
     keyword arguments as literals; a list that does not parse is one error the model is told, never a raise."""
-    from omegaconf import OmegaConf
-
     from polopt_lightning.rollout.environments import add
     from polopt_lightning.rollout.multi_turn import TOOL_CALL_FORMATS, parse_pythonic_tool_calls
 
-    from .helpers import CONF
-
-    shipped = OmegaConf.load(CONF / "rollout" / "tools.yaml")
+    shipped = option("rollout", "tools")
     assert TOOL_CALL_FORMATS[shipped.format] is parse_pythonic_tool_calls
     parse = parse_pythonic_tool_calls
     assert parse("so I call [add(a=12, b=34)] now") == [{"name": "add", "arguments": {"a": 12, "b": 34}}]

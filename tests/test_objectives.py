@@ -9,6 +9,7 @@ import torch
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 
+from polopt_lightning.confschema import option
 from polopt_lightning.objectives import (
     GRPO,
     GSPO,
@@ -364,9 +365,7 @@ def test_registry_and_presets():
     ],
 )
 def test_shipped_objective_configs(key, cls, attrs):
-    with initialize_config_dir(config_dir=str(CONF / "objective"), version_base="1.3"):
-        cfg = compose(config_name=key)
-    obj = instantiate(cfg)
+    obj = instantiate(option("objective", key))
     assert type(obj) is cls
     for name, value in attrs.items():
         assert getattr(obj, name) == pytest.approx(value) if isinstance(value, float) else getattr(obj, name) == value

@@ -5,6 +5,7 @@ vLLM is installed (its CPU build: docs/vllm.md); elsewhere one test checks the m
 import pytest
 import torch
 
+from polopt_lightning.confschema import option
 from polopt_lightning.models import build_tiny_model
 from polopt_lightning.rollout import SamplingConfig, build_engine
 from polopt_lightning.rollout.vllm import INSTALL, vllm_available
@@ -37,11 +38,8 @@ def test_pytest_m_vllm_fails_where_vllm_is_missing():
 def engine():
     """The engine as `polopt-train rollout=vllm` builds it: conf/rollout/vllm.yaml's shipped settings, none changed."""
     from hydra.utils import instantiate
-    from omegaconf import OmegaConf
 
-    from .helpers import CONF
-
-    return instantiate(OmegaConf.load(CONF / "rollout" / "vllm.yaml"))
+    return instantiate(option("rollout", "vllm"))
 
 
 def test_the_kv_cache_size_is_a_whole_number_of_gib_named_by_its_key():
@@ -66,9 +64,7 @@ def test_the_drop_in_engine_has_the_command_lines_settings():
 
     from polopt_lightning.rollout.vllm import VLLMRolloutEngine
 
-    from .helpers import CONF
-
-    shipped = OmegaConf.to_container(OmegaConf.load(CONF / "rollout" / "vllm.yaml"))
+    shipped = OmegaConf.to_container(option("rollout", "vllm"))
     defaults = {k: p.default for k, p in inspect.signature(VLLMRolloutEngine).parameters.items()
                 if p.default is not inspect.Parameter.empty}
     assert {k: v for k, v in shipped.items() if k != "_target_"} == defaults

@@ -16,17 +16,15 @@ Lightning relaunches this script for rank 1 (its ``popen`` launcher), as it does
 import sys
 import zlib
 from functools import partial
-from pathlib import Path
 
 import lightning as L
 import torch
 from hydra.utils import instantiate
-from omegaconf import OmegaConf
 
 from polopt_lightning import PolicyOptimizationModule, PromptDataModule
 from polopt_lightning import update as update_module
 from polopt_lightning.accel.cpu.linear import OneDNNLinear
-from polopt_lightning.cli import config_dir
+from polopt_lightning.confschema import option
 from polopt_lightning.data import ArithmeticTask
 from polopt_lightning.distributed import all_gather_objects, close_process_group
 from polopt_lightning.models import build_tiny_model
@@ -90,7 +88,7 @@ def main() -> None:
         # which one process with all 4 prompts in order takes too
         update_module.mini_batch_order = lambda group_index, seed, share_prompt: torch.arange(group_index.numel())
     if options.get("optimizer") == "adamw":  # the shipped optimizer (AdamW, torch's fused kernel) and its settings
-        optimizer = instantiate(OmegaConf.load(Path(config_dir()) / "optimizer" / "adamw.yaml"))
+        optimizer = instantiate(option("optimizer", "adamw"))
     else:  # plain SGD: the update is the gradient itself (Adam's first step would hide a wrong gradient scale)
         optimizer = partial(torch.optim.SGD, lr=0.5)
     torch.manual_seed(0)
