@@ -433,6 +433,10 @@ MOVED_KEYS = {
 }
 # groups added since runs were first saved: a saved run without them took their defaults
 NEW_GROUPS = ("rollout", "accel", "experience", "update", "reference")
+# values a saved run wrote that mean what the shipped config now writes otherwise: key -> {saved: now}
+# (Dr. GRPO's normaliser fell back to 256 when no generation block existed; generation is now a group, always there)
+REWRITTEN_VALUES = {"objective.max_completion_length": {"${oc.select:generation.max_new_tokens,256}":
+                                                        "${generation.max_new_tokens}"}}
 
 
 def renamed(overrides: list[str], said: list[str] | None = None) -> list[str]:
@@ -609,6 +613,7 @@ def config_differences(saved: DictConfig, overrides: list[str], now: set[str]) -
     # a moved key's saved value wins over what its new place held then (optimizer.lr was ${module.lr})
     before = {**{k: v for k, v in flat.items() if k not in MOVED_KEYS},
               **{MOVED_KEYS[k]: v for k, v in flat.items() if k in MOVED_KEYS}}
+    before = {k: REWRITTEN_VALUES.get(k, {}).get(v, v) if isinstance(v, str) else v for k, v in before.items()}
     composed_plain = OmegaConf.to_container(composed, resolve=False)
     after = _flatten(composed_plain)
 

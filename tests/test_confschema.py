@@ -92,3 +92,16 @@ def test_a_run_saved_before_the_schemas_resumes_and_a_changed_default_is_still_r
         saved["update"]["entropy_coef_min"] = change
     differ = config_differences(OmegaConf.create(saved), [], set())
     assert differ == ([] if change is None else ["update.entropy_coef_min: saved 0.5, now 0.0"])
+
+
+def test_a_dr_grpo_run_saved_with_the_old_length_fallback_resumes():
+    """Dr. GRPO's normaliser was ``${oc.select:generation.max_new_tokens,256}`` (a second default, 256, for a
+    configuration without a generation block); it is ``${generation.max_new_tokens}`` now that generation is a group.
+    A run saved with the old text is no difference; another value still is."""
+    saved = OmegaConf.to_container(_composed(["objective=dr_grpo"]), resolve=False)
+    assert saved["objective"]["max_completion_length"] == "${generation.max_new_tokens}"
+    saved["objective"]["max_completion_length"] = "${oc.select:generation.max_new_tokens,256}"
+    assert config_differences(OmegaConf.create(saved), ["objective=dr_grpo"], set()) == []
+    saved["objective"]["max_completion_length"] = 64
+    assert config_differences(OmegaConf.create(saved), ["objective=dr_grpo"], set()) == [
+        "objective.max_completion_length: saved 64, now '${generation.max_new_tokens}'"]

@@ -194,6 +194,16 @@ def test_generic_code_reaches_the_cpu_fast_path_only_through_the_accel_plugins()
         accel.plugin("tpu")
 
 
+def test_the_objectives_stand_below_the_step():
+    """The step (experience, advantages, update) uses the objectives; the objectives import nothing of the step, nor of
+    the module, the rollouts or the CLI: a loss is pure tensor arithmetic (issue 50: the advantage scale's names moved
+    from ``step.advantages`` to ``objectives.base``, whose objectives name the scale they want)."""
+    above = ("polopt_lightning.step", "polopt_lightning.module", "polopt_lightning.rollout", "polopt_lightning.cli")
+    reach = {m: sorted(t for t in targets if t.startswith(above))
+             for m, targets in imports(ROOT).items() if m.startswith("polopt_lightning.objectives")}
+    assert not any(reach.values()), reach
+
+
 def test_the_tests_reach_the_fast_path_through_its_public_names():
     """No test imports a private name of ``accel/`` or reads one off a module of it (``cpu_linear._product``): the
     kernel tests observe which route ran through :mod:`polopt_lightning.accel.trace`, so the plugin's insides can

@@ -9,11 +9,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..step.advantages import ADVANTAGE_SCALES
-
 # Log-ratios beyond this are clamped before exp(): exp(20) ~ 5e8 is far outside any clip range, so values in the
 # normal range are untouched while a stale or corrupted old log-prob cannot overflow to inf (verl clamps at 20 too).
 LOG_RATIO_LIMIT = 20.0
+
+# how group-relative advantages may be scaled: an objective names the one it wants (GRPO: group, Dr. GRPO: none)
+ADVANTAGE_SCALES = ("group", "batch", "none")
 
 
 @dataclass

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-ADVANTAGE_SCALES = ("group", "batch", "none")
+from ..objectives.base import ADVANTAGE_SCALES
+
 # A group whose valid rewards spread less than this has no learning signal: its advantages are exactly 0, not
 # (r - mean) / tiny amplified rounding noise.
 ZERO_STD_TOLERANCE = 1e-6

@@ -66,12 +66,17 @@ class ExperienceConfig(Settings):
         "max_extra_draws": (lambda v: v >= 0, ">= 0"),
     }
 
+    def scale(self, objective_scale: str | None = None) -> str | None:
+        """The advantage scale a step uses, settled here alone: ``advantage_scale``, else the estimator's own
+        (``rloo``: none, ``reinforce_pp``: batch), else the objective's (``objective_scale``: GRPO group, Dr. GRPO
+        none)."""
+        return self.advantage_scale or get_estimator(self.advantage_estimator).default_scale or objective_scale
+
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.whitening == "token":
-            estimator = get_estimator(self.advantage_estimator)
-            scale = self.advantage_scale or estimator.default_scale
-            if not estimator.whiten or scale != "batch":
+            scale = self.scale()
+            if not get_estimator(self.advantage_estimator).whiten or scale != "batch":
                 raise ValueError(f"experience.whitening=token weighs REINFORCE++'s batch whitening by tokens, and "
                                  f"experience.advantage_estimator={self.advantage_estimator} with advantage_scale="
                                  f"{scale} does not whiten: use reinforce_pp or reinforce_pp_baseline (advantage_scale "
@@ -133,8 +138,7 @@ class ExperienceMaker:
         self.config = config = ExperienceConfig.of(config)
         self.tokenizer, self.rewards, self.num_generations = tokenizer, rewards, config.num_generations
         self.estimator = config.advantage_estimator
-        own = get_estimator(self.estimator).default_scale
-        self.advantage_scale = config.advantage_scale or own or advantage_scale
+        self.advantage_scale = config.scale(advantage_scale)
         estimate_advantages(torch.zeros(2), 2, self.estimator, self.advantage_scale)  # validates the names now
         self.dynamic_sampling, self.max_extra_draws = config.dynamic_sampling, config.max_extra_draws
         self.mask_truncated_completions = config.mask_truncated_completions
