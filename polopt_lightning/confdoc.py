@@ -23,7 +23,9 @@ HEADER = """# Configuration reference
 Generated from the shipped configs (`conf/`) by `python -m polopt_lightning.confdoc > docs/configuration.md`;
 a test fails when this page and the configs disagree. Every key can be overridden on the command line
 (`polopt-train optimizer.lr=1e-5`), a group option is chosen with `group=option` (`polopt-train objective=gspo`),
-and a key that a file does not have is added with `+key=value`. Values in `${...}` are Hydra interpolations.
+and a key that is in no table (a new reward function, a task of a mixture) is added with `+key=value`. Values in
+`${...}` are Hydra interpolations. Each default shown is the code's (the settings class or the callable a `_target_`
+names, rendered under `conf/_schema/`) unless the option sets its own: an option's file holds only what it changes.
 """
 
 

@@ -111,3 +111,13 @@ def test_multitask_python_block_runs(tmp_path, monkeypatch, capsys):
     assert len(blocks) == 1
     exec(compile(blocks[0][0], "docs/multitask.md", "exec"), {})
     assert "'sort':" in capsys.readouterr().out
+
+
+def test_the_architecture_page_places_every_file():
+    """docs/architecture.md names every module of the package (issue 50: every file on a part)."""
+    page = (ROOT / "docs" / "architecture.md").read_text()
+    package = ROOT / "polopt_lightning"
+    files = [p for p in sorted(package.rglob("*.py")) if p.name != "__init__.py"] + sorted(package.rglob("*.c"))
+    unplaced = [str(p.relative_to(package)) for p in files if f"`{p.name}`" not in page
+                and f"`{p.relative_to(package).as_posix()}`" not in page]
+    assert not unplaced, f"files docs/architecture.md does not place: {unplaced}"
