@@ -589,7 +589,29 @@ def resume_overrides(argv: list[str]) -> list[str]:
     _RESUME.update(note=f"{picked}resuming the run in {source} with its saved configuration ({len(replayed)} overrides "
                         f"it was started with, replayed); given now: {', '.join(now) or 'nothing'}")
     extra = [] if run_dir else [f"hydra.run.dir={source}"]
-    return [*replayed, *argv, *extra]
+    flags, given_now = _flags_apart(argv)  # Hydra takes its flags (--cfg job) before the overrides, not among them
+    return [*flags, *replayed, *given_now, *extra]
+
+
+# Hydra's flags that take a value (`--cfg job`, `-p PACKAGE`); `--info` may take one
+_VALUED_FLAGS = {"--cfg", "-c", "--package", "-p", "--config-path", "-cp", "--config-name", "-cn", "--config-dir",
+                 "-cd", "--experimental-rerun", "--shell-completion", "-sc", "--info", "-i"}
+
+
+def _flags_apart(argv: list[str]) -> tuple[list[str], list[str]]:
+    """``argv`` as (Hydra's flags with their values, the overrides), each in its order."""
+    flags: list[str] = []
+    overrides: list[str] = []
+    expect_value = False
+    for arg in argv:
+        if expect_value and not arg.startswith("-") and "=" not in arg:
+            flags.append(arg)
+        elif arg.startswith("-"):
+            flags.append(arg)
+        else:
+            overrides.append(arg)
+        expect_value = arg in _VALUED_FLAGS
+    return flags, overrides
 
 
 def _flatten(node: Any, prefix: str = "") -> dict[str, Any]:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from .cli import config_dir
 
+CODE = "\x00"  # marks a value that is the code's default (a `#| key` line), shown as `value` (code)
 _SCHEMA = re.compile(r"^\s*-\s*/_schema/(?P<name>\w+)@(?P<at>[\w.]+)\s*$")
 _DOCUMENTED = re.compile(r"^(?P<indent>\s*)#\|\s*(?P<key>[A-Za-z_]\w*)\s*$")  # a key the schema gives, documented
 _KEY = re.compile(r"^(?P<indent>\s*)(?P<key>[A-Za-z_][\w.]*|'[^']+'|\"[^\"]+\"):(?:\s+(?P<value>.*))?$")
@@ -24,8 +25,14 @@ Generated from the shipped configs (`conf/`) by `python -m polopt_lightning.conf
 a test fails when this page and the configs disagree. Every key can be overridden on the command line
 (`polopt-train optimizer.lr=1e-5`), a group option is chosen with `group=option` (`polopt-train objective=gspo`),
 and a key that is in no table (a new reward function, a task of a mixture) is added with `+key=value`. Values in
-`${...}` are Hydra interpolations. Each default shown is the code's (the settings class or the callable a `_target_`
-names, rendered under `conf/_schema/`) unless the option sets its own: an option's file holds only what it changes.
+`${...}` are Hydra interpolations.
+
+An option's file sets only what its recipe changes; every other setting of what it builds keeps the code's default
+(the settings class, or the callable its `_target_` names), shown below as `value` (code) and written in the file as
+a `#| key` line under its comment. `conf/_schema/` holds those defaults as Hydra reads them, generated from the code
+(`python -m polopt_lightning.confschema`). So a value without "(code)" is the command line's recipe: a
+`PolicyOptimizationModule` built in Python starts from the code's defaults instead (`update.mini_batches` 1, not 2).
+One option as the command line composes it, in Python: `polopt_lightning.confschema.option("objective", "dr_grpo")`.
 """
 
 
@@ -92,51 +99,28 @@ def _entries(text: str, prefix: str, schema: dict[str, str] | None = None
     return " ".join(description), defaults, entries
 
 
-def _schema_values(root: Path, text: str, prefix: str) -> tuple[dict[str, str], dict[str, str]]:
-    """The values the file's ``/_schema/...`` includes give (dotted key -> value as YAML writes it) and the
-    descriptions of their callables' docstrings (dotted key -> text)."""
+def _schema_values(root: Path, text: str, prefix: str) -> dict[str, str]:
+    """The values the file's ``/_schema/...`` includes give: dotted key -> the value as YAML writes it."""
     import yaml
 
-    from .confschema import arg_docs, flow
+    from .confschema import flow
 
     values: dict[str, str] = {}
-    docs: dict[str, str] = {}
     for line in text.splitlines():
         match = _SCHEMA.match(line)
-        if not match:
-            continue
-        schema = root / "_schema" / f"{match['name']}.yaml"
-        where = "" if match["at"] == "_here_" else match["at"]
-        base = ".".join(p for p in (prefix, where) if p)
-        head = re.search(r"The defaults of (\S+),", schema.read_text())
-        described = arg_docs(head[1]) if head else {}
-        for key, value in (yaml.safe_load(schema.read_text()) or {}).items():
-            path = f"{base}.{key}" if base else key
-            values[path] = flow(value)
-            docs[path] = described.get(key, "")
-    return values, docs
+        if match:
+            where = "" if match["at"] == "_here_" else match["at"]
+            base = ".".join(p for p in (prefix, where) if p)
+            schema = yaml.safe_load((root / "_schema" / f"{match['name']}.yaml").read_text()) or {}
+            values.update({f"{base}.{key}" if base else key: flow(value) for key, value in schema.items()})
+    return values
 
 
-def _with_schema(root: Path, text: str, prefix: str, group_docs: dict[str, str] | None = None
-                 ) -> tuple[str, list[str], list[tuple[str, str, str]]]:
-    """:func:`_entries` with the schema's values filled in and its keys the file does not mention added, described by
-    the comment another option of the group has for that key (``group_docs``), else by the callable's docstring."""
-    values, docs = _schema_values(root, text, prefix)
-    description, defaults, entries = _entries(text, prefix, values)
-    named = {key for key, _, _ in entries}
-    entries += [(key, value, (group_docs or {}).get(key) or docs[key])
-                for key, value in values.items() if key not in named]
-    return description, defaults, entries
-
-
-def _group_docs(root: Path, options: list[Path], prefix: str) -> dict[str, str]:
-    """Each key's comment in the group's options (the first option that has one)."""
-    out: dict[str, str] = {}
-    for path in options:
-        for key, _, comment in _entries(path.read_text(), prefix)[2]:
-            if comment:
-                out.setdefault(key, comment)
-    return out
+def _with_schema(root: Path, text: str, prefix: str) -> tuple[str, list[str], list[tuple[str, str, str]]]:
+    """:func:`_entries` with the code's defaults (the schemas the file includes) as the values of its ``#| key``
+    lines, marked as the code's."""
+    values = _schema_values(root, text, prefix)
+    return _entries(text, prefix, {key: CODE + value for key, value in values.items()})
 
 
 def _table(entries: list[tuple[str, str, str]]) -> list[str]:
@@ -144,7 +128,7 @@ def _table(entries: list[tuple[str, str, str]]) -> list[str]:
         return ["(no keys)", ""]
     rows = ["| key | default | what it does |", "|---|---|---|"]
     for key, value, comment in entries:
-        shown = f"`{value}`" if value else ""
+        shown = f"`{value.lstrip(CODE)}` (code)" if value.startswith(CODE) else f"`{value}`" if value else ""
         rows.append(f"| `{key}` | {shown.replace('|', '&#124;')} | {comment.replace('|', '&#124;')} |")
     return [*rows, ""]
 
@@ -163,11 +147,10 @@ def render(conf: str | Path | None = None) -> str:
         if not options:
             continue
         out += [f"## `{group}`", ""]
-        group_docs = _group_docs(root, options, group)
         for path in options:
             text = path.read_text()
             is_global = "@package _global_" in text
-            description, option_defaults, entries = _with_schema(root, text, "" if is_global else group, group_docs)
+            description, option_defaults, entries = _with_schema(root, text, "" if is_global else group)
             mark = " (default)" if chosen.get(group) == path.stem else ""
             out += [f"### `{group}={path.stem}`{mark}", "", description, ""]
             if option_defaults:

@@ -23,7 +23,6 @@ import dataclasses
 import importlib.util
 import inspect
 import json
-import re
 import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -65,9 +64,14 @@ def config_dir() -> str:
 def option(group: str, name: str, overrides: Sequence[str] = ()) -> Any:
     """A group option as ``polopt-train`` composes it (``DictConfig``): its schemas included, its interpolations
     resolving against the rest of ``train.yaml`` (``option("objective", "dr_grpo")``, ``option("rollout", "vllm")``).
-    Loading the option's file alone gives only what it changes, and its ``defaults`` list."""
+    Loading the option's file alone gives only what it changes, and its ``defaults`` list. A few keys are the CLI's
+    to take apart before it builds (``task.rewards``, ``warm_start.enabled``); an experiment changes several groups:
+    compose ``train`` with ``experiment=NAME`` for it."""
     from hydra import compose, initialize_config_dir
 
+    if group == "experiment":
+        raise ValueError(f"experiment={name} changes several groups: compose train.yaml with experiment={name} "
+                         "(hydra.compose(config_name='train', overrides=['experiment=...'])), not one option")
     with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
         return compose(config_name="train", overrides=[f"{group}={name}", *overrides])[group]
 
@@ -137,42 +141,6 @@ def code_defaults(target: Any) -> dict[str, Any]:
     return {k: v for k, v in out.items() if k not in skip}
 
 
-def arg_docs(target: Any) -> dict[str, str]:
-    """Each parameter's description in ``target``'s docstring (its ``Args:`` section; a class's or its
-    ``__init__``'s), continuation lines joined. ``target`` may be a dotted path."""
-    from hydra.utils import get_object
-
-    if isinstance(target, str):
-        try:
-            target = get_object(target)
-        except Exception:
-            return {}
-    texts = [inspect.getdoc(target) or ""]
-    if isinstance(target, type) and "__init__" in vars(target):
-        texts.append(inspect.getdoc(target.__init__) or "")
-    out: dict[str, str] = {}
-    for text in texts:
-        lines = text.splitlines()
-        if "Args:" not in [line.strip() for line in lines]:
-            continue
-        start = [line.strip() for line in lines].index("Args:") + 1
-        indent, name = None, None
-        for line in lines[start:]:
-            if not line.strip():
-                continue
-            depth = len(line) - len(line.lstrip())
-            indent = depth if indent is None else indent
-            if depth < indent:
-                break
-            entry = re.match(r"^(\w+)(?: \(.*?\))?:\s*(.*)$", line.strip()) if depth == indent else None
-            if entry:
-                name = entry[1]
-                out[name] = entry[2]
-            elif name is not None and depth > indent:
-                out[name] += " " + line.strip()
-    return out
-
-
 def code_default(config: Any, key: str) -> tuple[bool, Any]:
     """``(True, default)`` where the dotted ``key`` of a composed configuration (a plain container) is a setting whose
     default the code gives (a parameter of the callable its node builds), else ``(False, None)``."""
@@ -197,10 +165,11 @@ def schema_name(target: Any) -> str:
 
 
 def option_files(conf: Path) -> Iterator[Path]:
-    """The group options whose defaults the schemas give (experiments, which change a recipe, left out)."""
+    """The group options whose defaults the schemas give: not experiments (they change a recipe) nor an option
+    ``none`` (it turns its concern off: there is nothing to set)."""
     for path in sorted(conf.rglob("*.yaml")):
         rel = path.relative_to(conf)
-        if rel.parts[0] not in (SCHEMA_DIR, "experiment"):
+        if rel.parts[0] not in (SCHEMA_DIR, "experiment") and path.name != "none.yaml":
             yield path
 
 

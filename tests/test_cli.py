@@ -408,6 +408,12 @@ def test_resume_takes_the_runs_own_configuration_and_refuses_before_writing(tmp_
     assert proc.returncode != 0 and "generation.top_k: saved 7, now 0" in proc.stderr, proc.stderr[-2000:]
     assert _listing(run) == before
     (run / ".hydra" / "config.yaml").write_text(saved)
+    # the resume's configuration previewed (Hydra's flags among the overrides): printed, nothing written
+    before = _listing(run)
+    proc = run_cli([f"ckpt_path={last}", "--cfg", "job", "trainer.max_steps=5"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    shown = OmegaConf.create(proc.stdout[proc.stdout.index("model:"):])
+    assert shown.trainer.max_steps == 5 and shown.model.hidden_size == 16 and _listing(run) == before
     # no overrides but the new length: the run's own (tiny) settings, in its own folder
     proc = run_cli([f"ckpt_path={last}", "trainer.max_steps=5", "trainer.enable_progress_bar=false"], tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -49,16 +49,20 @@ def test_no_setting_has_its_default_written_twice():
     assert not twice, "settings whose default is written in the YAML and in the code:\n" + "\n".join(twice)
 
 
-def test_each_built_callable_includes_its_schema_and_documents_only_its_settings():
+def test_each_built_callable_includes_its_schema_and_names_every_setting():
     """Every node that builds a callable of this package includes that callable's schema (so each of its settings is
-    in the composed configuration and overridden without ``+``), and each ``#| key`` names one of its settings."""
+    in the composed configuration and overridden without ``+``), names each of its settings (a value, or ``#| key``
+    under a comment: a reader of the file finds every key) and each ``#| key`` names one of its settings."""
     problems = []
     for path in option_files(CONF):
         text = path.read_text()
-        for where, _node, target in file_nodes(path, CONF):
+        documented = {m[1] for line in text.splitlines() if (m := _DOCUMENTED.match(line))}
+        for where, node, target in file_nodes(path, CONF):
             entry = f"/_schema/{schema_name(target)}@{where or '_here_'}"
             if entry not in text:
                 problems.append(f"{path.relative_to(CONF)}: no `- {entry}` in its defaults")
+            problems += [f"{path.relative_to(CONF)}: {'.'.join(p for p in (where, k) if p)} is not in the file"
+                         for k in code_defaults(target) if k not in node and k not in documented]
         settings = set().union(*[code_defaults(t) for _, _, t in file_nodes(path, CONF)] or [set()])
         problems += [f"{path.relative_to(CONF)}: `#| {m[1]}` is no setting of what the file builds"
                      for line in text.splitlines() if (m := _DOCUMENTED.match(line)) and m[1] not in settings]

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import inspect
+from collections.abc import Callable
+from typing import Any
+
 import torch
 from torch import Tensor
 
@@ -170,11 +174,26 @@ def dr_grpo(
     return GRPO(clip_low, clip_high, beta, aggregation, max_completion_length, advantage_scale, dual_clip, kl_estimator)
 
 
-@register_objective("bnpo")
-def bnpo(**kwargs) -> GRPO:
-    """TRL's ``loss_type="bnpo"``: GRPO's symmetric clip with the loss averaged over every token of the batch
+def _grpo_variant(name: str, doc: str, **defaults: Any) -> Callable[..., GRPO]:
+    """A registered factory of :class:`GRPO` with other defaults: GRPO's parameters, so the configuration's schema,
+    its type checks and ``help()`` see them (no second copy of the signature to keep in step)."""
+    signature = inspect.signature(GRPO.__init__)
+    params = [p.replace(default=defaults.get(p.name, p.default)) for p in list(signature.parameters.values())[1:]]
+
+    def factory(*args: Any, **kwargs: Any) -> GRPO:
+        bound = factory.__signature__.bind(*args, **kwargs)
+        bound.apply_defaults()
+        return GRPO(**bound.arguments)
+
+    factory.__signature__ = signature.replace(parameters=params, return_annotation="GRPO")
+    factory.__annotations__ = {k: v for k, v in GRPO.__init__.__annotations__.items() if k != "return"}
+    factory.__name__ = factory.__qualname__ = name
+    factory.__doc__ = doc
+    return register_objective(name)(factory)
+
+
+bnpo = _grpo_variant("bnpo", """TRL's ``loss_type="bnpo"``: GRPO's symmetric clip with the loss averaged over every token of the batch
     (token-mean) instead of per sequence. TRL divides by the tokens of each device's local batch, so its loss changes
     with ``per_device_train_batch_size``; here the batch is the mini-batch on every process (micro-batching and the
     number of processes do not change it), which is TRL's ``bnpo`` with the mini-batch on one device, and DAPO's
-    normaliser without DAPO's clip-higher. Takes :class:`GRPO`'s keyword arguments."""
-    return GRPO(**{"aggregation": "token-mean", **kwargs})
+    normaliser without DAPO's clip-higher. :class:`GRPO`'s arguments, token-mean by default.""", aggregation="token-mean")
