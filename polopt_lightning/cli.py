@@ -16,8 +16,7 @@ from typing import Any
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from .confschema import PLAIN_BLOCKS as _PLAIN_BLOCKS
-from .confschema import code_default, config_dir
+from .confschema import code_default, config_dir, target_of
 from .console import configure_console
 from .settings import MOVED_ARGUMENTS
 
@@ -134,7 +133,6 @@ def _warm_start(cfg: DictConfig, model: Any, tokenizer: Any, datamodule: Any, qu
     return {"ran": True, **supervised_warm_start(model, tokenizer, rows, WarmStartConfig(**settings))}
 
 
-# blocks without a _target_, and the settings class each becomes (its annotations type their keys)
 # train.yaml's own keys
 _TOP_LEVEL_TYPES = {"seed": int, "num_threads": int | None, "validate_before": bool, "verbose": bool}
 
@@ -150,8 +148,6 @@ def check_config(cfg: DictConfig) -> None:
 
     A factory that passes its keywords on by name (``build_objective``) names the real callable with a
     ``target_for(values)`` attribute."""
-    from hydra.utils import get_object
-
     from .settings import accepted_names, annotations_of, check_names, check_types
 
     missing = sorted(OmegaConf.missing_keys(OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"])))
@@ -160,23 +156,19 @@ def check_config(cfg: DictConfig) -> None:
                          f"({missing[0]}=...)" + (f"; also missing: {', '.join(missing[1:])}" if missing[1:] else ""))
     check_types({k: cfg.get(k) for k in _TOP_LEVEL_TYPES if k in cfg}, _TOP_LEVEL_TYPES, "")
 
-    def walk(node: Any, key: str, plain: str | None = None) -> None:
+    def walk(node: Any, key: str) -> None:
         if isinstance(node, list):
             for i, item in enumerate(node):
                 walk(item, f"{key}.{i}")
             return
         if not isinstance(node, dict):
             return
-        target: Any = None
-        registry_key: set[str] = set()  # a registry's factory takes the registered name beside the class's settings
         try:
-            target = get_object(node["_target_"]) if isinstance(node.get("_target_"), str) else (
-                get_object(plain) if plain else None)
-            if target is not None and hasattr(target, "target_for"):
-                registered = target.target_for(node)
-                target, registry_key = (registered, {"name"}) if registered else (target, set())
+            target, registered = target_of(node, key)
         except Exception:  # an unknown target: instantiating it says so
-            target = None
+            target, registered = None, False
+        # a registry's factory takes the registered name beside the class's settings
+        registry_key = {"name"} if registered else set()
         if target is not None:
             values = {k: v for k, v in node.items() if not str(k).startswith("_") and (key, k) not in _TAKEN_APART}
             accepted = accepted_names(target)
@@ -192,7 +184,7 @@ def check_config(cfg: DictConfig) -> None:
             values = OmegaConf.to_container(cfg[group], resolve=True)
         except Exception:  # an interpolation that cannot resolve here: building it says what is wrong
             continue
-        walk(values, str(group), _PLAIN_BLOCKS.get(str(group)))
+        walk(values, str(group))
 
 
 def _built_early(cfg: DictConfig, group: str) -> Any:

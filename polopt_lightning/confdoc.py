@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from .cli import config_dir
+from .confschema import config_dir
 
 CODE = "\x00"  # marks a value that is the code's default (a `#| key` line), shown as `value` (code)
 _SCHEMA = re.compile(r"^\s*-\s*/_schema/(?P<name>\w+)@(?P<at>[\w.]+)\s*$")

@@ -94,19 +94,28 @@ def _plain(value: Any) -> Any:
     return value
 
 
-def resolve(node: dict[str, Any] | None, plain: str | None = None) -> Any:
-    """The callable whose defaults a config node takes: its ``_target_`` (a registry's factory's ``target_for``, e.g.
-    ``build_objective`` with ``name: gspo`` -> ``GSPO``), or ``plain`` for a block without one; ``None`` where that is
-    not of this package."""
+def target_of(node: dict[str, Any], where: str = "") -> tuple[Any, bool]:
+    """``(the callable a config node builds, whether a registry named it)``: its ``_target_`` (through a registry's
+    factory's ``target_for``, e.g. ``build_objective`` with ``name: gspo`` -> ``GSPO``: the node then also holds the
+    registered ``name``), or, for a top-level block without one (``where`` its dotted path: ``generation``), the
+    settings class it is read into (:data:`PLAIN_BLOCKS`); ``(None, False)`` for neither."""
     from hydra.utils import get_object
 
-    path = node.get("_target_") if node else None
-    path = path if isinstance(path, str) else plain
-    if not path or not path.startswith(PACKAGE):
-        return None
+    path = node.get("_target_")
+    path = path if isinstance(path, str) else PLAIN_BLOCKS.get(where)
+    if not path:
+        return None, False
     target = get_object(path)
-    registered = target.target_for(node) if node and hasattr(target, "target_for") else None
-    return registered or target
+    registered = target.target_for(node) if hasattr(target, "target_for") else None
+    return (registered, True) if registered else (target, False)
+
+
+def resolve(node: dict[str, Any], where: str = "") -> Any:
+    """The callable of this package whose defaults a config node takes (:func:`target_of`), else ``None``."""
+    path = node.get("_target_")
+    if not (path if isinstance(path, str) else PLAIN_BLOCKS.get(where, "")).startswith(PACKAGE):
+        return None
+    return target_of(node, where)[0]
 
 
 def code_defaults(target: Any) -> dict[str, Any]:
@@ -153,7 +162,7 @@ def code_default(config: Any, key: str) -> tuple[bool, Any]:
     if not isinstance(node, dict):
         return False, None
     try:
-        target = resolve(node, PLAIN_BLOCKS.get(parents[0]) if len(parents) == 1 else None)
+        target = resolve(node, ".".join(parents))
     except Exception:
         return False, None
     defaults = code_defaults(target) if target is not None else {}
@@ -176,7 +185,7 @@ def option_files(conf: Path) -> Iterator[Path]:
 def target_nodes(data: Any, path: str = "") -> Iterator[tuple[str, dict[str, Any], Any]]:
     """``(path inside the file, node, callable)`` for every node of ``data`` that builds a callable of this package."""
     if isinstance(data, dict):
-        target = resolve(data, PLAIN_BLOCKS.get(path) if path and "." not in path else None)
+        target = resolve(data, path)
         if target is not None:
             yield path, data, target
         for key, value in data.items():
@@ -186,12 +195,13 @@ def target_nodes(data: Any, path: str = "") -> Iterator[tuple[str, dict[str, Any
 def file_nodes(path: Path, conf: Path) -> list[tuple[str, dict[str, Any], Any]]:
     """:func:`target_nodes` of an option file, paths from the top of its package (a file of group ``g`` is read at
     ``g``; the primary config at the root)."""
-    data = yaml.safe_load(path.read_text()) or {}
+    text = path.read_text()
+    data = yaml.safe_load(text) or {}
     data.pop("defaults", None)
     group = path.parent.relative_to(conf).as_posix()
     if group == ".":
         return list(target_nodes(data))
-    if "@package _global_" in path.read_text():
+    if "@package _global_" in text:
         return []
     # the group's own node (e.g. quantization, a plain block) is checked under the group's name
     nodes = list(target_nodes({group: data}))

@@ -26,7 +26,7 @@ Routes (each noted where it runs, only while a ``routes()`` block is open; other
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 #: the open ``routes()`` records; callers on hot paths check ``if trace.OPEN:`` before calling :func:`note`
@@ -53,12 +53,16 @@ def note(route: str, detail: Any = None) -> None:
         ran.events.append((route, detail, within))
 
 
-@contextmanager
-def span(route: str) -> Iterator[None]:
+_NOTHING = nullcontext()  # reusable: what span() gives while no block is open (hot paths create nothing)
+
+
+def span(route: str) -> AbstractContextManager[None]:
     """Note ``route`` and mark the notes made inside the block as within it (nothing when no block is open)."""
-    if not OPEN:
-        yield
-        return
+    return _spanning(route) if OPEN else _NOTHING
+
+
+@contextmanager
+def _spanning(route: str) -> Iterator[None]:
     note(route)
     _within.append(route)
     try:

@@ -144,21 +144,6 @@ class GRPO(Objective):
         return ObjectiveOutput(loss=loss, metrics=metrics, counts=counts)
 
 
-@register_objective("dapo")
-def dapo(
-    clip_low: float = 0.2,
-    clip_high: float | None = 0.28,
-    beta: float = 0.0,
-    aggregation: str = "token-mean",
-    max_completion_length: int | None = None,
-    advantage_scale: str = "group",
-    dual_clip: float | None = None,
-    kl_estimator: str = "k3",
-) -> GRPO:
-    """DAPO (Yu et al. 2025): GRPO with clip-higher (0.2 / 0.28) and token-mean aggregation."""
-    return GRPO(clip_low, clip_high, beta, aggregation, max_completion_length, advantage_scale, dual_clip, kl_estimator)
-
-
 @register_objective("dr_grpo")
 def dr_grpo(
     max_completion_length: int | None = None,
@@ -197,3 +182,5 @@ bnpo = _grpo_variant("bnpo", """TRL's ``loss_type="bnpo"``: GRPO's symmetric cli
     with ``per_device_train_batch_size``; here the batch is the mini-batch on every process (micro-batching and the
     number of processes do not change it), which is TRL's ``bnpo`` with the mini-batch on one device, and DAPO's
     normaliser without DAPO's clip-higher. :class:`GRPO`'s arguments, token-mean by default.""", aggregation="token-mean")
+dapo = _grpo_variant("dapo", """DAPO (Yu et al. 2025): GRPO with clip-higher (0.2 / 0.28) and token-mean aggregation.""",
+                     clip_high=0.28, aggregation="token-mean")
