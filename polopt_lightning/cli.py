@@ -428,7 +428,9 @@ NEW_GROUPS = ("rollout", "accel", "experience", "update", "reference")
 # values a saved run wrote that mean what the shipped config now writes otherwise: key -> {saved: now}
 # (Dr. GRPO's normaliser fell back to 256 when no generation block existed; generation is now a group, always there)
 REWRITTEN_VALUES = {"objective.max_completion_length": {"${oc.select:generation.max_new_tokens,256}":
-                                                        "${generation.max_new_tokens}"}}
+                                                        "${generation.max_new_tokens}"},
+                    # the old default: the same weights for every objective it could run with (GSPO refused it)
+                    "update.is_mode": {"token_truncate": None}}
 
 
 def renamed(overrides: list[str], said: list[str] | None = None) -> list[str]:

@@ -30,20 +30,24 @@ for group in "${groups[@]}"; do
       files=(polopt_lightning/step/advantages.py)
       tests=(tests/test_advantages.py tests/test_advantages_edges.py tests/test_estimators.py)
       ;;
-    update)  # the step's update: the sampler correction, mini- and micro-batches, the schedule
-      files=(polopt_lightning/step/update.py)
+    update)  # the step's update: the sampler correction and the top-entropy mask on the advantages, mini- and
+      # micro-batches, the schedule
+      files=(polopt_lightning/step/update.py polopt_lightning/step/terms.py)
       tests=(tests/test_update.py tests/test_performance_equivalence.py tests/test_kl_entropy.py tests/test_core_edges.py)
-      names=("polopt_lightning.step.update.x_sampler_weights__*" "polopt_lightning.step.update.x_mini_batch_order__*"
+      names=("polopt_lightning.step.terms.x_sampler_weights__*" "polopt_lightning.step.update.x_mini_batch_order__*"
              "polopt_lightning.step.update.x_micro_batches__*" "polopt_lightning.step.update.x_lr_factor__*"
-             "polopt_lightning.step.update.xǁUpdaterǁadvantages__*"
-             "polopt_lightning.step.update.xǁUpdaterǁweighted_advantages__*" "polopt_lightning.step.update.xǁUpdaterǁcorrects__*")
+             "polopt_lightning.step.terms.xǁSamplerCorrectionǁ*" "polopt_lightning.step.terms.xǁTopEntropyMaskǁadvantages__*")
       deselect="$deselect and not train_from_a_fit and not in_the_checkpoint and not adapter_disabled"
       ;;
-    step)  # the update's loop: mini-batches, micro-batches and their weights, skipped steps, clipping, max_steps
-      files=(polopt_lightning/step/update.py)
+    step)  # the update's loop (mini-batches, micro-batches and their weights, skipped steps, clipping, max_steps) and
+      # the loss terms it runs (the entropy bonus, the top-entropy mask's tokens, the KL watch, the anchor)
+      files=(polopt_lightning/step/update.py polopt_lightning/step/terms.py)
       tests=(tests/test_step_without_trainer.py)
       names=("polopt_lightning.step.update.xǁUpdaterǁrun__*" "polopt_lightning.step.update.xǁUpdaterǁstep__*"
-             "polopt_lightning.step.update.xǁUpdaterǁaccumulate__*")
+             "polopt_lightning.step.update.xǁUpdaterǁaccumulate__*" "polopt_lightning.step.terms.x_build_terms__*"
+             "polopt_lightning.step.terms.xǁEntropyBonusǁ*" "polopt_lightning.step.terms.xǁTopEntropyMaskǁbegin__*"
+             "polopt_lightning.step.terms.xǁTopEntropyMaskǁend__*" "polopt_lightning.step.terms.xǁKLWatchǁloss__*"
+             "polopt_lightning.step.terms.xǁAnchorTermǁbegin__*")
       deselect="$deselect and not train_from_a_fit and not in_the_checkpoint and not adapter_disabled and not memory"
       ;;
     experience)

@@ -109,3 +109,15 @@ def test_a_dr_grpo_run_saved_with_the_old_length_fallback_resumes():
     saved["objective"]["max_completion_length"] = 64
     assert config_differences(OmegaConf.create(saved), ["objective=dr_grpo"], set()) == [
         "objective.max_completion_length: saved 64, now '${generation.max_new_tokens}'"]
+
+
+def test_a_run_saved_with_the_old_sampler_correction_mode_resumes():
+    """``update.is_mode`` was ``token_truncate`` for every objective (GSPO refused it); it is ``None`` now (a weight a
+    token for token-level objectives, one a sequence for GSPO): a run saved with the old default is no difference;
+    another mode still is."""
+    saved = OmegaConf.to_container(_composed(), resolve=False)
+    assert saved["update"]["is_mode"] is None
+    saved["update"]["is_mode"] = "token_truncate"
+    assert config_differences(OmegaConf.create(saved), [], set()) == []
+    saved["update"]["is_mode"] = "token_mask"
+    assert config_differences(OmegaConf.create(saved), [], set()) == ["update.is_mode: saved 'token_mask', now None"]

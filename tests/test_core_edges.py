@@ -13,6 +13,8 @@ import torch
 from polopt_lightning.rewards import RewardComposer, RewardError
 from polopt_lightning.rewards.composer import reward_name
 
+from .helpers.step import term_advantages
+
 PROMPTS = ["1+1=", "2+2=", "3+3="]
 COMPLETIONS = ["2", "5", "6"]
 
@@ -239,7 +241,7 @@ def updater(objective=None, engine=None, **config):
 
 
 def test_a_weight_is_capped_at_e_to_the_20_before_its_metrics_and_a_weight_at_the_cap_is_not_beyond_it():
-    from polopt_lightning.step.update import sampler_weights
+    from polopt_lightning.step.terms import sampler_weights
 
     old, sampler, mask = torch.tensor([[0.0, 25.0]]), torch.tensor([[0.0, 0.0]]), torch.ones(1, 2)
     weights, metrics = sampler_weights(old, sampler, mask, "token_truncate", cap=1e12)
@@ -255,10 +257,13 @@ def test_a_weight_is_capped_at_e_to_the_20_before_its_metrics_and_a_weight_at_th
 def test_the_correction_follows_the_backend_unless_set():
     from types import SimpleNamespace
 
+    def corrects(**kw):
+        return [term.name for term in updater(**kw).terms if term.name == "sampler_correction"] == ["sampler_correction"]
+
     asks, silent = SimpleNamespace(corrects_sampler=True), SimpleNamespace()
-    assert updater(engine=asks).corrects() is True and updater(engine=silent).corrects() is False
-    assert updater(engine=asks, is_correction=False).corrects() is False
-    assert updater(engine=silent, is_correction=True).corrects() is True
+    assert corrects(engine=asks) is True and corrects(engine=silent) is False
+    assert corrects(engine=asks, is_correction=False) is False
+    assert corrects(engine=silent, is_correction=True) is True
 
 
 def test_token_level_advantages_take_sequence_weights_and_the_top_entropy_mask_per_row():
@@ -270,8 +275,8 @@ def test_token_level_advantages_take_sequence_weights_and_the_top_entropy_mask_p
     mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
     exp = SimpleNamespace(advantages=advantages, sampling_logprobs=sampler)
     keep = torch.tensor([[True, False, True], [False, True, True]])
-    out, _ = updater(is_correction=True, is_mode="sequence_truncate", is_cap=10.0).advantages(
-        exp, torch.arange(2), old, mask, keep)
+    out, _ = term_advantages(updater(is_correction=True, is_mode="sequence_truncate", is_cap=10.0,
+                                     top_entropy_quantile=0.5), exp, torch.arange(2), old, mask, keep)
     w = math.exp(0.5)  # the first row's sequence weight; the second's is 1
     torch.testing.assert_close(out, torch.tensor([[w, 0.0, 3 * w], [0.0, -2.0, -3.0]]))
 
@@ -284,8 +289,8 @@ def test_token_level_advantages_take_token_weights_one_a_token():
     sampler = torch.tensor([[0.0, -2.0, -1.0], [-0.5, 0.0, 0.0]])
     mask = torch.tensor([[1, 1, 1], [1, 0, 0]])
     exp = SimpleNamespace(advantages=advantages, sampling_logprobs=sampler)
-    out, _ = updater(is_correction=True, is_mode="token_truncate", is_cap=2.0).advantages(exp, torch.arange(2), old,
-                                                                                          mask)
+    out, _ = term_advantages(updater(is_correction=True, is_mode="token_truncate", is_cap=2.0), exp, torch.arange(2),
+                             old, mask)
     torch.testing.assert_close(out, torch.tensor([[1.0, 4.0, 3 / math.e], [-1.0, -2.0, -3.0]]))  # e capped at 2
 
 
@@ -294,8 +299,10 @@ def test_a_duck_typed_objective_without_token_advantages_refuses_token_weights()
 
     exp = SimpleNamespace(advantages=torch.tensor([1.0]), sampling_logprobs=torch.zeros(1, 2))
     with pytest.raises(ValueError, match="update.is_mode=token_truncate: SimpleNamespace takes one advantage a sequence"):
-        updater(objective=SimpleNamespace(), is_correction=True).advantages(exp, torch.arange(1), torch.zeros(1, 2),
-                                                                             torch.ones(1, 2))
+        updater(objective=SimpleNamespace(), is_correction=True, is_mode="token_truncate")
+    sequence = updater(objective=SimpleNamespace(), is_correction=True)  # the default mode: one weight a sequence
+    out, _ = term_advantages(sequence, exp, torch.arange(1), torch.zeros(1, 2), torch.ones(1, 2))
+    torch.testing.assert_close(out, exp.advantages)
 
 
 @pytest.mark.parametrize("schedule", ["constant", "linear", "cosine"])

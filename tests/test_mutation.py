@@ -1,8 +1,8 @@
-"""Mutation testing as a (slow) test: the sampler correction (``update.sampler_weights``, ``Updater.advantages``,
-``weighted_advantages``, ``corrects``) and the learning-rate schedule (``lr_factor``) mutated one operator at a time by
-tests/mutation.sh; every mutant is killed by the fast tests or is an equivalent survivor listed, with the reason no
-input tells it apart, in tests/mutation_equivalent.txt (docs/testing.md). A change to these functions renumbers their
-mutants: re-run, and list only what is truly equivalent."""
+"""Mutation testing as a (slow) test: the sampler correction (``terms.sampler_weights``, the ``SamplerCorrection``
+term: its check, ``wanted`` and ``advantages``) and the learning-rate schedule (``lr_factor``) mutated one operator at
+a time by tests/mutation.sh; every mutant is killed by the fast tests or is an equivalent survivor listed, with the
+reason no input tells it apart, in tests/mutation_equivalent.txt (docs/testing.md). A change to these functions
+renumbers their mutants: re-run, and list only what is truly equivalent."""
 
 import importlib.util
 import os
@@ -14,8 +14,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-CHECKED = ("polopt_lightning.step.update.x_sampler_weights__* polopt_lightning.step.update.xǁUpdaterǁadvantages__* "
-           "polopt_lightning.step.update.xǁUpdaterǁweighted_advantages__* polopt_lightning.step.update.xǁUpdaterǁcorrects__* "
+CHECKED = ("polopt_lightning.step.terms.x_sampler_weights__* polopt_lightning.step.terms.xǁSamplerCorrectionǁ* "
            "polopt_lightning.step.update.x_lr_factor__*")
 
 
@@ -45,8 +44,10 @@ def test_every_mutant_of_the_sampler_correction_is_killed_or_listed_as_equivalen
     proc = subprocess.run(["bash", str(ROOT / "tests" / "mutation.sh"), "update"], env=env, capture_output=True,
                           text=True, timeout=2400)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert re.search(r"polopt_lightning\.step\.update: \d+ mutants", proc.stdout), proc.stdout[-3000:]
+    for module in ("update", "terms"):
+        assert re.search(rf"polopt_lightning\.step\.{module}: \d+ mutants", proc.stdout), proc.stdout[-3000:]
     survivors = set(re.findall(r"^\s*(\S+__mutmut_\d+): (?:survived|no tests|suspicious)", proc.stdout, re.M))
-    listed = {name for name in equivalents() if name.startswith("polopt_lightning.step.update.")}
+    listed = {name for name in equivalents() if name.startswith(("polopt_lightning.step.update.",
+                                                                  "polopt_lightning.step.terms."))}
     assert not survivors - listed, f"mutants no test kills (add a test that does): {sorted(survivors - listed)}"
     print(proc.stdout)

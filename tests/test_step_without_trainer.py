@@ -3,6 +3,7 @@
 
 import copy
 import math
+import re
 from functools import partial
 from types import SimpleNamespace
 
@@ -11,7 +12,8 @@ import torch
 
 from polopt_lightning.models import build_tiny_model
 from polopt_lightning.step.loop import TorchLoop
-from polopt_lightning.step.update import Updater, lr_factor, mini_batch_order, sampler_weights
+from polopt_lightning.step.terms import TERMS, LossTerm, register_term, sampler_weights
+from polopt_lightning.step.update import Updater, lr_factor, mini_batch_order
 
 from .helpers.step import ANSWERS, tiny_rollout
 
@@ -88,7 +90,9 @@ def by_hand(module, exp, global_step=0, steps=None, old_logprobs=None):
         advantages, keep = exp.advantages[rows], mask.bool()
         step = {}
         if config.is_correction:  # the sampler correction: advantages times the sampler's importance weights
-            weights, step = sampler_weights(old, exp.sampling_logprobs[rows], mask, config.is_mode, config.is_cap)
+            # the mode's default: a weight a token for a token-level objective, one a sequence for GSPO
+            mode = config.is_mode or ("token_truncate" if objective.accepts_token_advantages else "sequence_truncate")
+            weights, step = sampler_weights(old, exp.sampling_logprobs[rows], mask, mode, config.is_cap)
             advantages = advantages[:, None] * weights if weights.shape[-1] > 1 else advantages * weights[:, 0]
         if config.top_entropy_quantile < 1:  # the policy gradient on the mini-batch's most uncertain tokens only
             keep = keep & (start_entropy[rows] >= torch.quantile(start_entropy[rows][keep],
@@ -409,3 +413,88 @@ def test_the_adaptive_entropy_coefficient_follows_each_steps_bonus_tokens(target
     assert control.last == pytest.approx(steps_by_hand[-1]["_observed"], rel=1e-5)
     moves = sum(1 if step["_observed"] <= target else -1 for step in steps_by_hand)
     assert control.coef == pytest.approx(min(max(0.02 + 0.01 * moves, 0.0), 1.0))
+
+
+class MeanLogProb(LossTerm):
+    """A term of a user's own: ``- coef x`` the mean log-prob of the mini-batch's completion tokens (every process's),
+    with its token count taken in ``begin`` and its value logged in ``end``."""
+
+    def __init__(self, coef):
+        self.coef = coef
+
+    def begin(self, batch):
+        self.tokens, self.total = batch.exp.completion_mask[batch.rows].sum(), 0.0
+        return {}
+
+    def loss(self, batch, piece, out):
+        value = (piece.logprobs * piece.mask).sum() / self.tokens
+        self.total += float(value.detach())
+        return -self.coef * batch.world * value
+
+    def end(self, batch):
+        return {"mean_logprob": torch.tensor(self.total)}
+
+
+def test_the_loss_terms_by_their_settings_in_the_order_they_act():
+    module, _ = module_and_experience({"name": "grpo", "beta": 0.04}, anchor={"coef": 0.5, "column": "answer"},
+                                      is_correction=True, top_entropy_quantile=0.5, entropy_coef=0.01)
+    assert [term.name for term in module.updater.terms] == [
+        "sampler_correction", "top_entropy_mask", "entropy_bonus", "kl_watch", "anchor"]
+    assert list(TERMS)[:5] == [term.name for term in module.updater.terms]
+    plain, _ = module_and_experience()
+    assert [term.name for term in plain.updater.terms] == ["kl_watch"]  # measures the KL only where a reference is
+    with pytest.raises(ValueError, match="a loss term is already registered as 'anchor': AnchorTerm"):
+        register_term("anchor")(MeanLogProb)
+
+
+def test_a_loss_term_of_ones_own_adds_its_gradient_exactly_under_micro_batching():
+    """``Updater(terms=[...])``: the built-in terms and one more; the gradient is the objective's plus the term's, as
+    written by hand over the whole mini-batch, whatever the micro-batches; its metric comes out with the step's. A term
+    registered (``register_term``) is built into every update its ``build`` accepts."""
+    module, exp = module_and_experience(equal_lengths=False, micro_batch_tokens=30)
+    rows = torch.arange(exp.num_rows)
+
+    def gradients(terms):
+        policy = copy.deepcopy(module.policy)
+        updater = Updater(policy, module.objective, module.scorer, module.engine, module.update_config, TorchLoop(),
+                          terms=terms)
+        metrics = updater.accumulate(exp, rows)
+        return metrics, {n: p.grad.clone() for n, p in policy.named_parameters() if p.grad is not None}, policy
+
+    _, plain, _ = gradients(None)
+    metrics, with_term, _ = gradients([*module.updater.terms, MeanLogProb(0.3)])
+    assert len(exp.completion_mask.sum(-1).unique()) > 1  # uneven lengths: the pieces' shares differ
+    hand = copy.deepcopy(module.policy)
+    logprobs = scores(hand, exp, rows)[0]
+    (-(0.3 * (logprobs * exp.completion_mask).sum() / exp.completion_mask.sum())).backward()
+    for name, p in hand.named_parameters():
+        if p.grad is not None:
+            torch.testing.assert_close(with_term[name] - plain[name], p.grad, atol=2e-6, rtol=1e-4, msg=name)
+    mean = float((logprobs.detach() * exp.completion_mask).sum() / exp.completion_mask.sum())
+    assert float(metrics["mean_logprob"]) == pytest.approx(mean, rel=1e-5)
+    register_term("mean_logprob")(MeanLogProb)
+    try:
+        MeanLogProb.build = classmethod(lambda cls, updater: cls(0.3) if updater.config.micro_batch_tokens else None)
+        registered, by_registry, _ = gradients(None)
+        assert [t.name for t in module.updater.terms] == ["kl_watch"]  # built before the registration
+        for name in with_term:
+            torch.testing.assert_close(by_registry[name], with_term[name], msg=name)
+        assert float(registered["mean_logprob"]) == pytest.approx(mean, rel=1e-5)
+    finally:
+        del TERMS["mean_logprob"]
+
+
+def test_the_update_itself_names_no_piece_of_the_algorithm():
+    """The update runs micro-batches -> objective and terms -> backward -> reduce: the sampler's weights, the entropy
+    terms, the KL's tracking and the anchor live in step/terms.py alone."""
+    import ast
+    import inspect
+    import textwrap
+
+    names = set()
+    for method in (Updater.accumulate, Updater.step):
+        for node in ast.walk(ast.parse(textwrap.dedent(inspect.getsource(method)))):
+            names.add(node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) else "")
+    assert {"objective", "terms", "backward", "all_reduce"} <= names  # the walk sees the update's own names
+    pieces = [name for name in names if re.search("sampler|is_|entropy_coef|coef|top_mask|keep|kl|anchor|bonus", name)]
+    assert not pieces

@@ -6,9 +6,10 @@ import math
 import pytest
 import torch
 
-from polopt_lightning.step.update import sampler_weights
+from polopt_lightning.step.terms import sampler_weights
 
 from .helpers import make, trainer
+from .helpers.step import term_advantages
 
 
 def test_token_weights_by_hand():
@@ -41,7 +42,7 @@ def test_sequence_weights_are_the_product_of_the_tokens():
 
 @pytest.mark.parametrize("mode", ["token_truncate", "sequence_truncate"])
 def test_the_update_multiplies_each_advantage_by_its_sampler_weight(mode):
-    """What the update trains on (Updater.advantages) with the correction on: each advantage times its token's (or
+    """What the update trains on (its loss terms' advantages) with the correction on: each advantage times its token's (or
     sequence's) weight, by hand, for a sampler far from the trainer (weights of 2, 1/e, 3, e^0.2); off, unchanged."""
     from types import SimpleNamespace
 
@@ -64,7 +65,8 @@ def test_the_update_multiplies_each_advantage_by_its_sampler_weight(mode):
     rows = torch.arange(2)
     for on in (True, False):
         config = UpdateConfig(is_correction=on, is_mode=mode, is_cap=3.0 if mode.startswith("sequence") else 2.0)
-        advantages, metrics = Updater(None, GRPO(), None, None, config, TorchLoop()).advantages(exp, rows, old, mask)
+        advantages, metrics = term_advantages(Updater(None, GRPO(), None, None, config, TorchLoop()), exp, rows, old,
+                                              mask)
         if on:
             torch.testing.assert_close(advantages, want)
             assert "is_weight_mean" in metrics
@@ -132,6 +134,14 @@ def test_with_the_trainers_own_sampler_the_correction_changes_nothing(tmp_path, 
 
 
 def test_token_weights_need_an_objective_that_takes_token_advantages(tmp_path, tiny, arithmetic_rows):
-    module, dm = make(tiny, arithmetic_rows, objective="gspo", update={"is_correction": True, "mini_batches": 1})
+    """Refused when the module is built, before any rollout; by default (``is_mode=None``) GSPO takes a weight a
+    sequence, GRPO one a token."""
     with pytest.raises(ValueError, match="update.is_mode=token_truncate: GSPO takes one advantage a sequence"):
-        trainer(tmp_path, steps=1, limit_val_batches=0).fit(module, datamodule=dm)
+        make(tiny, arithmetic_rows, objective="gspo",
+             update={"is_correction": True, "is_mode": "token_truncate", "mini_batches": 1})
+    module, dm = make(tiny, arithmetic_rows, objective="gspo", update={"is_correction": True, "mini_batches": 1})
+    assert [(t.name, t.mode) for t in module.updater.terms[:1]] == [("sampler_correction", "sequence_truncate")]
+    trainer(tmp_path, steps=1, limit_val_batches=0).fit(module, datamodule=dm)
+    assert module.trainer.global_step == 1 and 0 < module.trainer.logged_metrics["train/is_weight_mean"] < 2
+    grpo, _ = make(tiny, arithmetic_rows, objective="grpo", update={"is_correction": True})
+    assert grpo.updater.terms[0].mode == "token_truncate"

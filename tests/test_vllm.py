@@ -203,11 +203,15 @@ def test_a_head_size_vllms_cpu_attention_lacks_is_refused_before_loading(tiny):
 
 @pytest.mark.vllm
 @run_if("vllm")
-def test_a_drop_in_fit_samples_with_vllm(tmp_path, arithmetic_rows):
-    """Two optimizer steps of one rollout: the engine made at the rollout, the policy moved by both steps."""
+@pytest.mark.parametrize("objective", ["grpo", "gspo"])
+def test_a_drop_in_fit_samples_with_vllm(tmp_path, arithmetic_rows, objective):
+    """Two optimizer steps of one rollout: the engine made at the rollout, the policy moved by both steps. The sampler
+    correction's default weights each token for GRPO, each sequence for GSPO (one advantage a sequence)."""
     policy = build_tiny_model(hidden_size=128, num_layers=2, num_heads=2, intermediate_size=256, seed=5)
-    module, dm = make(policy, arithmetic_rows, rollout_engine={"name": "vllm", "kv_cache_gib": 1},
+    module, dm = make(policy, arithmetic_rows, objective=objective, rollout_engine={"name": "vllm", "kv_cache_gib": 1},
                       update={"mini_batches": 2})
+    mode = {"grpo": "token_truncate", "gspo": "sequence_truncate"}[objective]
+    assert [(term.name, term.mode) for term in module.updater.terms[:1]] == [("sampler_correction", mode)]
     before = [p.detach().clone() for p in module.policy.parameters()]
     t = trainer(tmp_path, steps=2, limit_val_batches=0)
     t.fit(module, datamodule=dm)

@@ -14,11 +14,10 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
 
 from ..distributed import all_reduce, world_size
-from ..objectives.base import kl_estimate, masked_max, masked_mean
 from ..settings import Settings
 from .entropy import EntropyControl
-from .logprobs import completion_logprobs, group_rows
 from .loop import TrainingLoop
+from .terms import LossTerm, MiniBatch, Piece, build_terms
 
 if TYPE_CHECKING:
     from .experience import Experience
@@ -62,6 +61,8 @@ class UpdateConfig(Settings):
             transformers backend samples with the trainer's numerics.
         is_mode: ``"token_truncate"``, ``"token_mask"``, ``"sequence_truncate"`` or ``"sequence_mask"`` (a
             sequence's weight is the product of its tokens'; ``mask`` drops what exceeds the cap instead of capping it).
+            ``None``: ``token_truncate`` for objectives that take an advantage a token, ``sequence_truncate`` for those
+            that take one a sequence (GSPO).
         is_cap: the largest weight kept.
         entropy_coef: an entropy bonus, ``loss - entropy_coef x H`` with ``H`` the policy's mean per-token entropy
             over the mini-batch (:mod:`~polopt_lightning.step.entropy`); with ``entropy_target`` it is the starting value
@@ -93,7 +94,7 @@ class UpdateConfig(Settings):
     reuse_sampling_logprobs: bool = True
     disable_dropout: bool = True
     is_correction: bool | None = None
-    is_mode: str = "token_truncate"
+    is_mode: str | None = None
     is_cap: float = 2.0
     entropy_coef: float = 0.0
     entropy_aggregation: str = "token-mean"
@@ -112,7 +113,7 @@ class UpdateConfig(Settings):
         "min_lr_ratio": (lambda v: 0 <= v <= 1, "in [0, 1]"),
         "max_grad_norm": (lambda v: v is None or v >= 0, ">= 0 or None"),
         "micro_batch_tokens": (lambda v: v is None or v >= 1, ">= 1 or None"),
-        "is_mode": (lambda v: v in IS_MODES, f"one of {IS_MODES}"),
+        "is_mode": (lambda v: v is None or v in IS_MODES, f"one of {IS_MODES} or None"),
         "is_cap": (lambda v: v >= 1, ">= 1"),
         "entropy_aggregation": (lambda v: v in ENTROPY_AGGREGATIONS, f"one of {ENTROPY_AGGREGATIONS}"),
         "entropy_target": (lambda v: v is None or v >= 0, ">= 0 or None"),
@@ -131,38 +132,6 @@ class UpdateConfig(Settings):
     def off_policy(self) -> bool:
         """Whether the policy moves between sampling and some update: then old log-probs are needed."""
         return self.num_iterations > 1 or self.mini_batches > 1
-
-
-def sampler_weights(old: Tensor, sampler: Tensor, mask: Tensor, mode: str, cap: float,
-                    ) -> tuple[Tensor, dict[str, Tensor]]:
-    """Importance weights of sampled tokens for a sampler whose numerics differ from the trainer's (truncated IS).
-
-    ``old`` are the trainer's log-probs of the tokens at sampling time, ``sampler`` the sampler's, ``mask`` the
-    completion tokens (``[B, T]`` each). The weight is ``exp(old - sampler)`` per token (``token_*``) or its product
-    over a sequence (``sequence_*``: ``[B, 1]``); ``*_truncate`` caps it at ``cap``, ``*_mask`` sets it to 0 above
-    ``cap``. Returns the weights (detached) and their metrics: ``is_weight_mean`` / ``is_weight_max`` (before the cap),
-    ``is_capped_frac`` (the share of tokens or sequences beyond it) and ``sampler_kl`` (k3 per token, the sampler's
-    distance from the trainer on its own tokens).
-    """
-    valid = mask.bool()
-    token_log_w = torch.where(valid, (old - sampler).detach(), 0.0)
-    sequence = mode.startswith("sequence")
-    units = valid.any(-1, keepdim=True) if sequence else valid
-    log_w = token_log_w.sum(-1, keepdim=True) if sequence else token_log_w
-    w = torch.exp(log_w.clamp(max=20.0))
-    beyond = (w > cap) & units
-    weights = w.clamp(max=cap) if mode.endswith("truncate") else torch.where(beyond, 0.0, w)
-    metrics = {"is_weight_mean": masked_mean(w, units), "is_weight_max": masked_max(w, units),
-               "is_capped_frac": masked_mean(beyond.float(), units),
-               "sampler_kl": masked_mean(torch.exp(token_log_w.clamp(max=20.0)) - 1 - token_log_w, valid)}
-    return weights, metrics
-
-
-def sampler_counts(mask: Tensor, mode: str) -> dict[str, Tensor]:
-    """How many tokens or sequences each mean of :func:`sampler_weights`' metrics is over (``ObjectiveOutput.counts``)."""
-    tokens = mask.bool().sum()
-    units = mask.bool().any(-1).sum() if mode.startswith("sequence") else tokens
-    return {"is_weight_mean": units, "is_capped_frac": units, "sampler_kl": tokens}
 
 
 def mini_batch_order(group_index: Tensor, seed: int, share_prompt: bool) -> Tensor:
@@ -274,8 +243,9 @@ def scale_gradients(model: nn.Module, max_norm: float, norm: Tensor) -> None:
 
 class Updater:
     """A rollout's optimizer steps (:meth:`run`): the old log-probs off-policy updates need, the reference's, the
-    mini-batches of every pass, each one's gradient accumulated over micro-batches with the objective's and the
-    anchor's backward (:meth:`accumulate`), a non-finite step skipped, clipping, the optimizer and schedule steps.
+    mini-batches of every pass, each one's gradient accumulated over micro-batches (:meth:`accumulate`: the objective
+    and the loss terms, backward, the metrics reduced), a non-finite step skipped, clipping, the optimizer and schedule
+    steps.
 
     Its collaborators are explicit: the ``policy`` it trains, the ``objective``, the ``scorer`` (log-probs, entropies
     and the reference's log-probs), the rollout ``engine`` (told of every optimizer step; it says whether its
@@ -284,22 +254,21 @@ class Updater:
     clipping, the optimizer step, gradient synchronisation, the step counter). ``reference``: whether the update needs
     the reference's log-probs (the KL term or its tracking); ``reuse_sampling_logprobs``: the sampler's log-probs may
     stand for the old ones when the engine says they match; ``seed``: the mini-batch orders are drawn from it and the
-    step counter. The module builds it with a :class:`~polopt_lightning.step.loop.LightningLoop`; without Lightning,
-    :class:`~polopt_lightning.step.loop.TorchLoop` runs it.
+    step counter; ``terms``: the loss terms (:mod:`~polopt_lightning.step.terms`) in the order they act, ``None``:
+    those the settings ask for (:func:`~polopt_lightning.step.terms.build_terms`). The module builds it with a
+    :class:`~polopt_lightning.step.loop.LightningLoop`; without Lightning, :class:`~polopt_lightning.step.loop.TorchLoop`
+    runs it.
     """
 
     def __init__(self, policy: nn.Module, objective: Any, scorer: Any, engine: Any, config: UpdateConfig,
                  loop: TrainingLoop, *, anchor: Any = None, reference: bool = False,
-                 reuse_sampling_logprobs: bool = False, seed: int = 0) -> None:
+                 reuse_sampling_logprobs: bool = False, seed: int = 0, terms: list[LossTerm] | None = None) -> None:
         self.policy, self.objective, self.scorer, self.engine = policy, objective, scorer, engine
         self.config, self.loop, self.anchor = config, loop, anchor
         self.reference, self.reuse_sampling_logprobs, self.seed = reference, reuse_sampling_logprobs, seed
-        #: the entropy bonus's coefficient (and its adaptive state) and the top-entropy mask
+        #: the entropy bonus's coefficient (and its adaptive state, saved in checkpoints) and the top-entropy mask's share
         self.entropy = EntropyControl.of(config)
-        if self.entropy.masks and not getattr(objective, "accepts_token_advantages", False):
-            raise ValueError(f"update.top_entropy_quantile={self.entropy.top_quantile} masks tokens out of the policy "
-                             f"gradient: {type(objective).__name__} takes one advantage a sequence; use a token-"
-                             "level objective (grpo, dapo, cispo, sapo, gspo_token) or top_entropy_quantile=1")
+        self.terms = build_terms(self) if terms is None else list(terms)
 
     def run(self, exp: Experience, optimizer: Any, scheduler: Any) -> dict[str, Tensor]:
         """Every optimizer step of one rollout; returns their metrics (means; ``skipped_updates`` summed)."""
@@ -313,12 +282,13 @@ class Updater:
         # the mini-batch orders of every pass, drawn up front: the first mini-batch needs no old-log-prob pass
         orders = [mini_batch_order(exp.group_index.cpu(), self.seed + loop.global_step + i * config.mini_batches,
                                    config.share_prompt) for i in range(config.num_iterations)]
+        needs_entropies = any(term.needs_entropies for term in self.terms)
         own_old = False  # whether the first update records its rows' old log-probs itself
         with torch.no_grad():
             if config.off_policy:  # on-policy, old == current log-probs detached: no pass needed
                 if self.reuse_sampling_logprobs and self.engine.logprobs_match(policy):
                     exp.old_logprobs = exp.sampling_logprobs
-                elif self.entropy.masks:  # the top-entropy mask needs every row's entropies: one pass gives both
+                elif needs_entropies:  # the top-entropy mask needs every row's entropies: one pass gives both
                     exp.old_logprobs, exp.entropies = scorer.logprobs(policy, exp, slice(None), with_entropy=True)
                 else:
                     later = orders[0][size:].to(loop.device)
@@ -326,7 +296,7 @@ class Updater:
                     if later.numel():  # none when one mini-batch holds the whole rollout (mu > 1)
                         exp.old_logprobs[later] = scorer.logprobs(policy, exp, later)[0]
                     own_old = True
-            if self.entropy.masks and exp.entropies is None:  # the sampling policy's, for every pass of the rollout
+            if needs_entropies and exp.entropies is None:  # the sampling policy's, for every pass of the rollout
                 exp.entropies = scorer.logprobs(policy, exp, slice(None), with_entropy=True)[1]
             # only the KL term (or its tracking) needs the reference; a KL reward penalty has taken it already
             if exp.ref_logprobs is None and self.reference:
@@ -392,12 +362,13 @@ class Updater:
         return self.loop.clips_in_place(self.policy)
 
     def accumulate(self, exp: Experience, rows: Tensor, record_old: bool = False) -> dict[str, Tensor]:
-        """Backward of the objective on the completions ``rows``, in micro-batches; returns the step's metrics.
+        """Backward of the objective and the loss terms (:mod:`~polopt_lightning.step.terms`) on the completions
+        ``rows``, in micro-batches; returns the step's metrics.
 
         ``record_old``: the policy has not moved since sampling, so these rows' old log-probs are their current
         ones; they are used as such and stored in ``exp.old_logprobs`` for later passes.
         """
-        objective, device, policy = self.objective, self.loop.device, self.policy
+        objective, device, policy, loop = self.objective, self.loop.device, self.policy, self.loop
         full_mask = exp.completion_mask[rows]
         # Under data parallelism each process holds its share of the mini-batch and the strategy averages the
         # gradients over the W processes: dividing by the normaliser of the whole mini-batch (summed over processes)
@@ -408,59 +379,38 @@ class Updater:
         sums: dict[str, Tensor] = {}
         counts: dict[str, Tensor] = {}  # the tokens or sequences of each mean metric (ObjectiveOutput.counts)
         entropy_sum = torch.zeros((), device=device)
-        # the tokens that carry the policy gradient (top-entropy mask) and those the entropy bonus averages over
-        control = self.entropy
-        keep = None
-        if control.masks:
-            keep = torch.zeros_like(exp.completion_mask, dtype=torch.bool)
-            keep[rows] = control.top_mask(exp.entropies[rows], full_mask)
-        coef = control.applied()
-        bonus_mask = keep if keep is not None else exp.completion_mask.bool()
-        bonus_tokens = all_reduce(bonus_mask[rows].sum().float()) if control.bonus else None
-        # with entropy_aggregation="objective": the objective's normaliser of the bonus tokens over every process
-        by_objective = control.bonus and self.config.entropy_aggregation == "objective"
-        bonus_weight = all_reduce(objective.normaliser(bonus_mask[rows])) if by_objective else None
-        bonus_sum = torch.zeros((), device=device)
         pieces = self.micro_batches(exp, rows)
-        if self.anchor is not None:
-            sums.update(self.anchor_backward(exp, rows))
+        batch = MiniBatch(exp, rows, objective, world, policy, loop)
+        for term in self.terms:
+            sums.update(term.begin(batch))
         for k, micro in enumerate(pieces):
             # trim padding past the longest completion of this piece (the objectives do not depend on the width)
             width = max(int(exp.attention_mask[micro].sum(-1).max()), 1)
             mask = exp.completion_mask[micro, :width]
-            with self.loop.no_sync(policy, last=k == len(pieces) - 1):
+            with loop.no_sync(policy, last=k == len(pieces) - 1):
                 logprobs, entropy = self.scorer.logprobs(policy, exp, micro, width, with_entropy=True)
                 if record_old:
                     exp.old_logprobs[micro, :width] = logprobs.detach()
                 old = (logprobs.detach() if record_old or exp.old_logprobs is None
                        else exp.old_logprobs[micro, :width])
                 ref = exp.ref_logprobs[micro, :width] if exp.ref_logprobs is not None else None
-                advantages, is_metrics = self.advantages(exp, micro, old, mask,
-                                                         None if keep is None else keep[micro, :width])
+                piece = Piece(micro, width, mask, logprobs, entropy, old, ref)
+                advantages = exp.advantages[micro]
+                for term in self.terms:
+                    advantages = term.advantages(batch, piece, advantages)
                 out = objective(logprobs=logprobs, old_logprobs=old, advantages=advantages, mask=mask,
                                 ref_logprobs=ref)
-                if is_metrics:
-                    out.metrics.update(is_metrics)
-                    out.counts.update(sampler_counts(mask, self.config.is_mode))
-                if ref is not None and "kl" not in out.metrics:  # watched (track_kl, kl_in_reward), not trained on
-                    valid = mask.bool()  # padding may hold -inf/NaN log-probs: zeros there, as the objectives do
-                    kl = kl_estimate(torch.where(valid, logprobs.detach(), 0.0), torch.where(valid, ref, 0.0),
-                                     objective.kl_estimator)
-                    out.metrics["kl"], out.counts["kl"] = masked_mean(kl, valid), valid.sum()
                 # The loss is a sum over the mini-batch divided by the objective's normaliser: weighting each piece
                 # by its share of that normaliser makes the accumulated gradient exactly the full mini-batch's.
                 share = objective.normaliser(mask) / total_weight.clamp(min=1e-12)
                 loss = out.loss * (share * world)
-                if bonus_tokens is not None:  # - coef x the mean entropy over every process's bonus tokens
-                    piece_mask = bonus_mask[micro, :width]
-                    piece_entropy = (entropy * piece_mask).sum()
-                    bonus_sum = bonus_sum + piece_entropy.detach()
-                    if coef and bonus_weight is not None:  # the objective's aggregate, weighted as its loss is
-                        piece_share = objective.normaliser(piece_mask) / bonus_weight.clamp(min=1e-12)
-                        loss = loss - coef * world * objective.aggregate_tokens(entropy, piece_mask) * piece_share
-                    elif coef:
-                        loss = loss - coef * world * piece_entropy / bonus_tokens.clamp(min=1)
-                self.loop.backward(loss)
+                for term in self.terms:
+                    extra = term.loss(batch, piece, out)
+                    if extra is not None:
+                        loss = loss + extra
+                out.metrics.update(piece.metrics)
+                out.counts.update(piece.counts)
+                loop.backward(loss)
             for key, value in {"loss": out.loss.detach(), **out.metrics}.items():
                 if key.endswith("_max"):
                     sums[key] = torch.maximum(sums[key], value) if key in sums else value
@@ -476,64 +426,8 @@ class Updater:
         metrics = {key: all_reduce(value, "max" if key.endswith("_max") else "sum") for key, value in sums.items()}
         for key, count in counts.items():
             metrics[key] = metrics[key] / all_reduce(count).clamp(min=1)
-        tokens = all_reduce(full_mask.sum().to(entropy_sum))
+        batch.tokens = tokens = all_reduce(full_mask.sum().to(entropy_sum))
         metrics["entropy"] = all_reduce(entropy_sum.detach()) / tokens.clamp(min=1)
-        if keep is not None:
-            metrics["top_entropy_frac"] = all_reduce(keep[rows].sum().float()) / tokens.clamp(min=1)
-        if bonus_tokens is not None:  # the coefficient this step used; an adaptive one then moves for the next
-            metrics["entropy_coef"] = torch.tensor(coef, device=device)
-            control.observe(float(all_reduce(bonus_sum) / bonus_tokens.clamp(min=1)))
+        for term in self.terms:
+            metrics.update(term.end(batch))
         return metrics
-
-    def corrects(self) -> bool:
-        """Whether the update weights the sampler's tokens (``is_correction``; ``None``: as the backend asks)."""
-        on = self.config.is_correction
-        return bool(getattr(self.engine, "corrects_sampler", False)) if on is None else on
-
-    def advantages(self, exp: Experience, rows: Tensor, old: Tensor, mask: Tensor, keep: Tensor | None = None
-                   ) -> tuple[Tensor, dict[str, Tensor]]:
-        """The advantages of ``rows`` for the objective: with the sampler correction on, times each token's (or
-        sequence's) importance weight (:func:`sampler_weights`; a surrogate linear in the advantage, so the same as
-        weighting the policy-gradient term), with its metrics; with a top-entropy mask ``keep`` ``[n, T]``, zero on
-        the tokens it leaves out (every objective's per-token policy term is ``A`` times a factor, so a zero advantage
-        removes exactly that term, as TRL's ``per_token_loss * entropy_mask`` does, and leaves the KL term)."""
-        advantages, metrics = self.weighted_advantages(exp, rows, old, mask)
-        if keep is not None:
-            advantages = (advantages.unsqueeze(-1) if advantages.dim() == 1 else advantages) * keep.to(advantages.dtype)
-        return advantages, metrics
-
-    def weighted_advantages(self, exp: Experience, rows: Tensor, old: Tensor, mask: Tensor
-                            ) -> tuple[Tensor, dict[str, Tensor]]:
-        """The advantages of ``rows``, times the sampler correction's weights when it is on (see :meth:`advantages`)."""
-        advantages = exp.advantages[rows]
-        if not self.corrects():
-            return advantages, {}
-        config, objective = self.config, self.objective
-        weights, metrics = sampler_weights(old, exp.sampling_logprobs[rows, :mask.shape[1]], mask, config.is_mode,
-                                           config.is_cap)
-        if weights.shape[-1] == 1:  # one weight a sequence
-            return advantages * weights.squeeze(-1) if advantages.dim() == 1 else advantages * weights, metrics
-        if not getattr(objective, "accepts_token_advantages", False):
-            raise ValueError(f"update.is_mode={config.is_mode}: {type(objective).__name__} takes one advantage a "
-                             "sequence; use update.is_mode=sequence_truncate or sequence_mask")
-        return (advantages.unsqueeze(-1) if advantages.dim() == 1 else advantages) * weights, metrics
-
-    def anchor_backward(self, exp: Experience, rows: Tensor) -> dict[str, Tensor]:
-        """Backward of ``lambda x NLL`` of the reference answers of the prompts that the completions ``rows`` answer
-        (one forward over those prompts; gradients accumulate with the objective's before they are reduced). The NLL is
-        the token mean over every process's prompts: each process divides its sum by the global count, times the
-        processes the strategy averages over. With ``lambda = 0`` the NLL is measured without a backward."""
-        anchor, policy, loop = self.anchor, self.policy, self.loop
-        groups = torch.unique(exp.group_index[rows])
-        first = group_rows(exp.group_index)[2][groups]  # each group's first row: its prompt (groups are 0 .. P-1)
-        mask = exp.anchor_mask[groups]
-        width = max(int(mask.sum(-1).max()), 1)
-        mask, ids = mask[:, :width], exp.anchor_ids[groups, :width]
-        tokens = all_reduce(mask.sum().float())
-        with loop.no_sync(policy, last=False), torch.set_grad_enabled(anchor.value > 0):
-            logprobs, _ = completion_logprobs(policy, exp.prompt_ids[first], exp.prompt_mask[first], ids, mask)
-            loss, nll = anchor.loss(logprobs, mask, tokens)
-            if anchor.value > 0:
-                loop.backward(loss * world_size())
-        # summed over the processes by the caller's reduction, like the objective's metrics: the global token mean
-        return {"anchor_nll": nll, "anchor_coef": torch.tensor(anchor.value / world_size(), device=loop.device)}
