@@ -648,11 +648,34 @@ def config_differences(saved: DictConfig, overrides: list[str], now: set[str]) -
     return [f"{k}: saved {before.get(k, '(absent)')!r}, now {after.get(k, '(absent)')!r}" for k in keys]
 
 
+HELP = ["hydra.help.app_name=polopt-train",
+        "hydra.help.header='polopt-train: RL post-training of language models (GRPO, GSPO and their variants) on "
+        "Lightning.\n'",
+        "hydra.help.footer='Every key, its default and what it does: docs/configuration.md. The configuration of a "
+        "run: --cfg job.'"]
+
+
+def _help_without_schemas() -> None:
+    """``--help`` lists the groups a user chooses from: not ``_schema``, the code's defaults the options include
+    (Hydra lists every folder of the config directory)."""
+    from hydra._internal.hydra import Hydra
+
+    listed = Hydra.format_config_groups
+
+    def format_config_groups(self: Any, predicate: Any, compact: bool = True) -> str:
+        return listed(self, lambda group: predicate(group) and not group.startswith("_"), compact)
+
+    Hydra.format_config_groups = format_config_groups
+
+
 def main() -> None:
     import sys
 
     said: list[str] = []
     argv = renamed(sys.argv[1:], said)
+    if "--help" in argv or "-h" in argv:
+        _help_without_schemas()
+        argv = [*argv, *HELP]
     if said:
         print(f"polopt-train: moved keys renamed: {', '.join(said)}", file=sys.stderr)
     sys.argv = [sys.argv[0], *launcher_overrides(resume_overrides(argv))]

@@ -606,3 +606,13 @@ def test_reward_settings_name_a_function_by_its_key_under_reward_functions(tmp_p
     assert "train/rewards/distinct_chars/mean" in columns and "reward_weights/distinct_chars" in columns
     state = torch.load(tmp_path / "run" / "checkpoints" / "best.ckpt", weights_only=True)["polopt"]
     assert state["reward_weights"][:2] == [1.0, 0.5] and 0 < state["reward_weights"][2] <= 0.25
+
+
+def test_help_lists_the_groups_to_choose_from_not_the_schemas(tmp_path):
+    proc = run_cli(["--help"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = proc.stdout
+    assert out.startswith("polopt-train: RL post-training") and "docs/configuration.md" in out
+    assert "\nobjective: bnpo, cispo, dapo, dr_grpo, grpo, gspo, gspo_token, sapo\n" in out
+    groups = out.split("== Configuration groups ==")[1].split("== Config ==")[0]
+    assert "_schema" not in groups and "UpdateConfig" not in groups and "is powered by Hydra" not in out

@@ -298,7 +298,8 @@ def test_a_duck_typed_objective_without_token_advantages_refuses_token_weights()
     from types import SimpleNamespace
 
     exp = SimpleNamespace(advantages=torch.tensor([1.0]), sampling_logprobs=torch.zeros(1, 2))
-    with pytest.raises(ValueError, match="update.is_mode=token_truncate: SimpleNamespace takes one advantage a sequence"):
+    with pytest.raises(ValueError, match="update.is_mode=token_truncate: SimpleNamespace takes one advantage a sequence; "
+                                         "use update.is_mode=sequence_truncate or sequence_mask$"):
         updater(objective=SimpleNamespace(), is_correction=True, is_mode="token_truncate")
     sequence = updater(objective=SimpleNamespace(), is_correction=True)  # the default mode: one weight a sequence
     out, _ = term_advantages(sequence, exp, torch.arange(1), torch.zeros(1, 2), torch.ones(1, 2))

@@ -98,14 +98,17 @@ def test_micro_batches_go_by_length_and_trim_their_own_padding(share_prompt):
 @pytest.mark.parametrize("share_prompt", [False, True])
 def test_each_micro_batch_is_as_full_as_the_budget_allows(share_prompt):
     """Greedy filling: a piece closes only when the next row would break the budget at the widened width; a completion
-    of one token (or none) counts as one, so pieces of them hold exactly ``budget // (prompt + 1)`` rows."""
+    of one token (or none) counts as one, so pieces of them hold exactly ``budget // (prompt + 1)`` rows. With
+    ``share_prompt`` the rows go group by group, each group whole, the group of the longest completion first (the last
+    case tells apart a sort key that mixes the group index into the length)."""
     module, exp = experience({"name": "grpo"})
     prompt = exp.prompt_ids.shape[1]
     module.update_config.share_prompt = share_prompt
     rows = torch.arange(12)
     for lengths, budget in [([1, 6, 2, 5, 3, 6, 1, 4, 2, 1, 3, 1], 3 * (prompt + 6) + 2),
                             ([3, 0, 5, 2, 6, 6, 1, 4, 2, 5, 3, 1], 2 * (prompt + 5)),
-                            ([1] * 12, 4 * (prompt + 1))]:
+                            ([1] * 12, 4 * (prompt + 1)),
+                            ([6, 1, 1, 1, 2, 2, 2, 2, 5, 1, 1, 1], 2 * (prompt + 6))]:
         lengths = torch.tensor(lengths)
         exp.completion_mask = (torch.arange(exp.completion_mask.shape[1])[None] < lengths[:, None]).long()
         module.update_config.micro_batch_tokens = budget
@@ -117,6 +120,12 @@ def test_each_micro_batch_is_as_full_as_the_budget_allows(share_prompt):
             assert (len(piece) + 1) * (prompt + max(width, int(counted[following[0]]))) > budget, (lengths, pieces)
         if lengths.max() == 1:
             assert [len(p) for p in pieces] == [4, 4, 4]
+        if share_prompt:
+            groups = exp.group_index[torch.cat(pieces)]
+            changes = int((groups[1:] != groups[:-1]).sum())
+            assert changes == 2, (lengths, pieces)  # three groups, each contiguous
+            longest = [int(counted[exp.group_index == g].max()) for g in groups.unique_consecutive()]
+            assert longest == sorted(longest, reverse=True), (lengths, pieces)
 
 
 @pytest.mark.parametrize("share_prompt", [False, True])
