@@ -7,6 +7,11 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # one thread a worker when pytest-xdist runs the suite on every core (README's test command): the workers fill the cores
 torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else max(1, min(2, os.cpu_count() or 1)))
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # and one for the processes a test starts (the command line, a notebook's kernel, distributed runs): OpenMP threads
+    # of one process on every core beside the other workers' spin against them (the multi-turn notebook beside one busy
+    # core: 96 s with the default threads, 25 s with one)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 @pytest.fixture
