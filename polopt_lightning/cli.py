@@ -219,6 +219,8 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     from .models import as_adapter, as_quantization, check_combination, prepare_policy, train_in_float32
     from .module import PolicyOptimizationModule
     from .optim import optimizer_factory
+    from .step.loop import TorchLoop
+    from .step.update import Updater
     from .strategies import SHARDED, check_strategy, strategy_kind
 
     start = time.perf_counter()
@@ -231,6 +233,8 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     objective, experience, update, reference, engine, accel = (
         _built_early(cfg, g) for g in ("objective", "experience", "update", "reference", "rollout", "accel"))
     anchor = _built_early(cfg, "anchor") if (cfg.get("anchor") or {}).get("_target_") else None
+    if objective is not None and update is not None:  # the update's terms check themselves against the objective
+        Updater(None, objective, None, engine, update, TorchLoop())  # (a token-level sampler correction for GSPO)
     optimizer = optimizer_factory(instantiate(cfg.optimizer) if cfg.get("optimizer") else None)
     run_dir = _run_dir(cfg)
     run_dir.mkdir(parents=True, exist_ok=True)

@@ -360,6 +360,21 @@ def test_impossible_combinations_from_the_command_line_name_their_keys(overrides
         train(cfg)
 
 
+def test_a_token_level_sampler_correction_for_gspo_is_refused_before_the_warm_start(tmp_path, monkeypatch):
+    import polopt_lightning.cli as cli
+
+    def warm_start(*args, **kwargs):
+        raise AssertionError("the warm start ran before the check")
+
+    monkeypatch.setattr(cli, "_warm_start", warm_start)
+    cfg = compose_with(FAST + ["objective=gspo", "update.is_correction=true", "update.is_mode=token_truncate",
+                               "warm_start.enabled=true"], tmp_path)
+    set_hydra(cfg)
+    with pytest.raises(ValueError, match="update.is_mode=token_truncate: GSPO takes one advantage a sequence; use "
+                                         "update.is_mode=sequence_truncate or sequence_mask"):
+        train(cfg)
+
+
 def test_a_model_loaded_quantized_refuses_the_warm_start(tmp_path):
     from polopt_lightning.models import build_tiny_model
 

@@ -12,7 +12,7 @@ import torch
 
 from polopt_lightning.models import build_tiny_model
 from polopt_lightning.step.loop import TorchLoop
-from polopt_lightning.step.terms import TERMS, LossTerm, register_term, sampler_weights
+from polopt_lightning.step.terms import TERMS, AnchorTerm, LossTerm, register_term, sampler_weights
 from polopt_lightning.step.update import Updater, lr_factor, mini_batch_order
 
 from .helpers.step import ANSWERS, tiny_rollout
@@ -436,15 +436,25 @@ class MeanLogProb(LossTerm):
 
 
 def test_the_loss_terms_by_their_settings_in_the_order_they_act():
-    module, _ = module_and_experience({"name": "grpo", "beta": 0.04}, anchor={"coef": 0.5, "column": "answer"},
-                                      is_correction=True, top_entropy_quantile=0.5, entropy_coef=0.01)
+    module, _ = module_and_experience({"name": "grpo"}, reference={"track_kl": True},
+                                      anchor={"coef": 0.5, "column": "answer"}, is_correction=True,
+                                      top_entropy_quantile=0.5, entropy_coef=0.01)
     assert [term.name for term in module.updater.terms] == [
         "sampler_correction", "top_entropy_mask", "entropy_bonus", "kl_watch", "anchor"]
     assert list(TERMS)[:5] == [term.name for term in module.updater.terms]
+    assert repr(module.updater.terms[0]) == "SamplerCorrection('sampler_correction', mode='token_truncate', cap=2.0)"
     plain, _ = module_and_experience()
-    assert [term.name for term in plain.updater.terms] == ["kl_watch"]  # measures the KL only where a reference is
+    assert plain.updater.terms == []  # no reference: no KL to watch
+    trained, _ = module_and_experience({"name": "grpo", "beta": 0.04})
+    assert trained.updater.terms == []  # the objective trains on the KL and logs it
     with pytest.raises(ValueError, match="a loss term is already registered as 'anchor': AnchorTerm"):
         register_term("anchor")(MeanLogProb)
+    again = type("AnchorTerm", (AnchorTerm,), {"__module__": AnchorTerm.__module__, "__qualname__": "AnchorTerm"})
+    try:  # the same class defined again (a notebook cell run twice) takes its place
+        assert register_term("anchor")(again) is again and TERMS["anchor"] is again
+    finally:
+        register_term("anchor")(AnchorTerm)
+    assert TERMS["anchor"] is AnchorTerm
 
 
 def test_a_loss_term_of_ones_own_adds_its_gradient_exactly_under_micro_batching():
@@ -472,11 +482,17 @@ def test_a_loss_term_of_ones_own_adds_its_gradient_exactly_under_micro_batching(
             torch.testing.assert_close(with_term[name] - plain[name], p.grad, atol=2e-6, rtol=1e-4, msg=name)
     mean = float((logprobs.detach() * exp.completion_mask).sum() / exp.completion_mask.sum())
     assert float(metrics["mean_logprob"]) == pytest.approx(mean, rel=1e-5)
+    drop_in = copy.deepcopy(module)  # a module already built takes a term into its updater's list
+    drop_in.updater.terms.append(MeanLogProb(0.3))
+    assert float(drop_in.accumulate_gradients(exp, rows)["mean_logprob"]) == pytest.approx(mean, rel=1e-5)
+    for name, p in drop_in.policy.named_parameters():
+        if p.grad is not None:
+            torch.testing.assert_close(p.grad, with_term[name], msg=name)
     register_term("mean_logprob")(MeanLogProb)
     try:
         MeanLogProb.build = classmethod(lambda cls, updater: cls(0.3) if updater.config.micro_batch_tokens else None)
         registered, by_registry, _ = gradients(None)
-        assert [t.name for t in module.updater.terms] == ["kl_watch"]  # built before the registration
+        assert module.updater.terms == []  # built before the registration
         for name in with_term:
             torch.testing.assert_close(by_registry[name], with_term[name], msg=name)
         assert float(registered["mean_logprob"]) == pytest.approx(mean, rel=1e-5)

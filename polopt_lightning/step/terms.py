@@ -53,9 +53,11 @@ class MiniBatch:
 @dataclass
 class Piece:
     """One micro-batch: its rows, its width (padding past its longest completion trimmed), the completion ``mask``,
-    the policy's ``logprobs`` and ``entropy`` (with gradient), the ``old`` and reference (``ref``) log-probs. Terms add
-    their per-piece metrics to ``metrics`` (with ``counts``: how many tokens or sequences a mean is over, as
-    :class:`~polopt_lightning.objectives.ObjectiveOutput.counts`)."""
+    the policy's ``logprobs`` and ``entropy`` (with gradient), the ``old`` and reference (``ref``) log-probs, and its
+    ``share`` of the mini-batch (its part of the objective's normaliser: the pieces' shares add up to 1 over every
+    process). Terms add their per-piece metrics to ``metrics``: a mean with its count in ``counts`` (how many tokens or
+    sequences it is over, as :class:`~polopt_lightning.objectives.ObjectiveOutput.counts`) is averaged over the
+    pieces by those counts; one without a count is summed over the pieces weighted by ``share``."""
 
     rows: Tensor
     width: int
@@ -64,12 +66,19 @@ class Piece:
     entropy: Tensor
     old: Tensor
     ref: Tensor | None
+    share: Tensor | float = 1.0
     metrics: dict[str, Tensor] = field(default_factory=dict)
     counts: dict[str, Tensor] = field(default_factory=dict)
 
 
 class LossTerm:
-    """A part of the update's loss or of its advantages. Every hook may be left as is (it does nothing).
+    """A part of the update's loss or of its advantages. Every hook but :meth:`build` may be left as is (it does
+    nothing); the inherited :meth:`build` puts the term into every update.
+
+    An update built by the module takes the registered terms its settings ask for (:func:`build_terms`); a term added
+    to a module already built goes into its list: ``module.updater.terms.append(MyTerm())``. Under data parallelism a
+    term that averages over the mini-batch divides by a count over every process
+    (:func:`~polopt_lightning.distributed.all_reduce`), as the built-in ones do.
 
     Attributes:
         name: its name in :data:`TERMS`.
@@ -82,9 +91,13 @@ class LossTerm:
 
     @classmethod
     def build(cls, updater: Any) -> LossTerm | None:
-        """The term for this update (its ``config``, ``objective``, ``engine``, ``anchor``, ``entropy``), or ``None``
-        where its settings leave it off."""
-        return None
+        """The term for this update (its ``config``, ``objective``, ``engine``, ``anchor``, ``entropy``,
+        ``reference``), or ``None`` where its settings leave it off. Here: ``cls()``, in every update."""
+        return cls()
+
+    def __repr__(self) -> str:
+        settings = {k: v for k, v in vars(self).items() if isinstance(v, (str, int, float, bool, type(None)))}
+        return f"{type(self).__name__}({self.name!r}{''.join(f', {k}={v!r}' for k, v in settings.items())})"
 
     def begin(self, batch: MiniBatch) -> dict[str, Tensor]:
         """Before the micro-batches; returns metrics summed over the processes (a term's own backward goes here)."""
@@ -95,8 +108,11 @@ class LossTerm:
         return advantages
 
     def loss(self, batch: MiniBatch, piece: Piece, out: Any) -> Tensor | None:
-        """What to add to the piece's loss, in the units of the update's (the objective's loss times the piece's share
-        of the mini-batch times the processes); ``out`` is the objective's output on the piece."""
+        """What to add to the piece's loss before its backward; ``out`` is the objective's output on the piece. The
+        update backpropagates ``out.loss x piece.share x batch.world`` for the objective (the strategy then averages
+        the gradients over the ``world`` processes): a term whose value is a mean over the whole mini-batch returns its
+        piece's sum over the mini-batch's count (over every process) times ``batch.world``, so the pieces add up to
+        it. ``train/loss`` logs the objective's loss alone; a term logs its own value (:meth:`end`)."""
         return None
 
     def end(self, batch: MiniBatch) -> dict[str, Tensor]:
@@ -109,9 +125,12 @@ TERMS: dict[str, type[LossTerm]] = {}
 
 
 def register_term(name: str) -> Callable[[type[LossTerm]], type[LossTerm]]:
-    """Register a :class:`LossTerm` under ``name``: every update built afterwards asks its :meth:`~LossTerm.build`."""
+    """Register a :class:`LossTerm` under ``name``: every update built afterwards asks its :meth:`~LossTerm.build`
+    (updates built before keep their terms). A class of the same module and name takes its place (a notebook cell run
+    again); another class under a registered name is refused."""
     def register(cls: type[LossTerm]) -> type[LossTerm]:
-        if name in TERMS and TERMS[name] is not cls:
+        known = TERMS.get(name)
+        if known is not None and (known.__module__, known.__qualname__) != (cls.__module__, cls.__qualname__):
             raise ValueError(f"a loss term is already registered as {name!r}: {TERMS[name].__qualname__}")
         cls.name = name
         TERMS[name] = cls
@@ -283,11 +302,12 @@ class EntropyBonus(LossTerm):
 @register_term("kl_watch")
 class KLWatch(LossTerm):
     """The policy's KL from the reference (the objective's estimator), measured where the objective has the reference's
-    log-probs but does not train on the KL (``track_kl``, a KL reward penalty): logged as ``kl``, nothing trained."""
+    log-probs but does not train on the KL (``track_kl``, a KL reward penalty): logged as ``kl``, nothing trained. In
+    the updates that take the reference's log-probs (``reference``) and whose objective has no KL term."""
 
     @classmethod
     def build(cls, updater: Any) -> LossTerm | None:
-        return cls()
+        return cls() if updater.reference and not getattr(updater.objective, "beta", 0) > 0 else None
 
     def loss(self, batch: MiniBatch, piece: Piece, out: Any) -> Tensor | None:
         ref = piece.ref

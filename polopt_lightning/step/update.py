@@ -394,15 +394,15 @@ class Updater:
                 old = (logprobs.detach() if record_old or exp.old_logprobs is None
                        else exp.old_logprobs[micro, :width])
                 ref = exp.ref_logprobs[micro, :width] if exp.ref_logprobs is not None else None
-                piece = Piece(micro, width, mask, logprobs, entropy, old, ref)
+                # The loss is a sum over the mini-batch divided by the objective's normaliser: weighting each piece
+                # by its share of that normaliser makes the accumulated gradient exactly the full mini-batch's.
+                share = objective.normaliser(mask) / total_weight.clamp(min=1e-12)
+                piece = Piece(micro, width, mask, logprobs, entropy, old, ref, share)
                 advantages = exp.advantages[micro]
                 for term in self.terms:
                     advantages = term.advantages(batch, piece, advantages)
                 out = objective(logprobs=logprobs, old_logprobs=old, advantages=advantages, mask=mask,
                                 ref_logprobs=ref)
-                # The loss is a sum over the mini-batch divided by the objective's normaliser: weighting each piece
-                # by its share of that normaliser makes the accumulated gradient exactly the full mini-batch's.
-                share = objective.normaliser(mask) / total_weight.clamp(min=1e-12)
                 loss = out.loss * (share * world)
                 for term in self.terms:
                     extra = term.loss(batch, piece, out)
