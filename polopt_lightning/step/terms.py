@@ -143,6 +143,14 @@ def build_terms(updater: Any) -> list[LossTerm]:
     return [term for cls in TERMS.values() if (term := cls.build(updater)) is not None]
 
 
+def advantages_for(terms: list[LossTerm], batch: MiniBatch, piece: Piece) -> Tensor:
+    """What the objective takes as the piece's advantages: the rollout's, through each term's ``advantages`` in order."""
+    advantages = batch.exp.advantages[piece.rows]
+    for term in terms:
+        advantages = term.advantages(batch, piece, advantages)
+    return advantages
+
+
 def token_level(objective: Any) -> bool:
     return bool(getattr(objective, "accepts_token_advantages", False))
 

@@ -17,7 +17,7 @@ from ..distributed import all_reduce, world_size
 from ..settings import Settings
 from .entropy import EntropyControl
 from .loop import TrainingLoop
-from .terms import LossTerm, MiniBatch, Piece, build_terms
+from .terms import LossTerm, MiniBatch, Piece, advantages_for, build_terms
 
 if TYPE_CHECKING:
     from .experience import Experience
@@ -398,9 +398,7 @@ class Updater:
                 # by its share of that normaliser makes the accumulated gradient exactly the full mini-batch's.
                 share = objective.normaliser(mask) / total_weight.clamp(min=1e-12)
                 piece = Piece(micro, width, mask, logprobs, entropy, old, ref, share)
-                advantages = exp.advantages[micro]
-                for term in self.terms:
-                    advantages = term.advantages(batch, piece, advantages)
+                advantages = advantages_for(self.terms, batch, piece)
                 out = objective(logprobs=logprobs, old_logprobs=old, advantages=advantages, mask=mask,
                                 ref_logprobs=ref)
                 loss = out.loss * (share * world)

@@ -32,12 +32,10 @@ def tiny_rollout(objective="grpo", transform=None, columns=None, **module_kwargs
 def term_advantages(updater, exp, rows, old, mask, keep=None):
     """What the update hands its objective as the advantages of ``rows`` (``old``: their old log-probs, ``mask`` their
     completion tokens; ``keep``: the top-entropy mask's tokens, as the mask term's ``begin`` leaves them): its loss
-    terms' ``advantages`` hooks in order, as ``Updater.accumulate`` runs them. Returns them and the terms' metrics."""
-    from polopt_lightning.step.terms import MiniBatch, Piece
+    terms' ``advantages`` hooks in order (``advantages_for``, as ``Updater.accumulate`` calls it). Returns them and the
+    terms' metrics."""
+    from polopt_lightning.step.terms import MiniBatch, Piece, advantages_for
 
     batch = MiniBatch(exp, rows, updater.objective, 1, updater.policy, updater.loop, keep=keep)
     piece = Piece(rows, mask.shape[1], mask, logprobs=None, entropy=None, old=old, ref=None)
-    advantages = exp.advantages[rows]
-    for term in updater.terms:
-        advantages = term.advantages(batch, piece, advantages)
-    return advantages, piece.metrics
+    return advantages_for(updater.terms, batch, piece), piece.metrics
