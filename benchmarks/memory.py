@@ -64,7 +64,7 @@ def make_model(shape: str, folder: str) -> None:
     s = SHAPES[shape]
     model, tok = build_tiny_model(hidden_size=s["hidden"], num_layers=s["layers"], num_heads=s["heads"],
                                   num_kv_heads=s["kv_heads"], intermediate_size=s["intermediate"],
-                                  vocab_size=s["vocab"], max_position_embeddings=1024, seed=0)
+                                  vocab_size=s["vocab"], max_position_embeddings=4096, seed=0)
     model.save_pretrained(folder, safe_serialization=True)
     tok.save_pretrained(folder)
 

@@ -8,6 +8,8 @@ and nf4+LoRA, with the same settings on both sides.
     python benchmarks/real_scale.py --shape small --steps 3 --trials 1 --impls polopt     # a smoke run (seconds)
     python benchmarks/real_scale.py --summarize a.json b.json@lora,nf4+lora               # runs pooled
     python benchmarks/real_scale.py --summarize a.json b.json --impls polopt trl          # only these, pooled
+    python benchmarks/real_scale.py --settings fp32 --new-tokens 512 --prompts 1 --generations 8 --steps 2 \
+        --trials 1 --impls polopt 'polopt:update={"fused_head":false}' trl      # long completions, a lever off
 
 The harness and statistics are ``throughput.py``'s: each (setting, implementation) trial runs in a fresh process;
 ``--interleave`` runs a trial's implementations side by side, taking turns step by step (step i of each ran back to
@@ -172,7 +174,7 @@ def child(impl: str, setting: str, folder: str, steps: int, threads: int, baton:
     times, load_peak = run(folder, base, steps, {**(polopt_extra if name == "polopt" else trl_extra), **overrides},
                            baton, phases, device)
     # the phases reset the high-water mark at each of them: the training peak is the highest mark they read
-    print("RESULT " + json.dumps({"impl": impl, "setting": setting, "step_s": times, "phases": phases.steps,
+    print("RESULT " + json.dumps({"impl": impl, "setting": setting, "job": JOB, "step_s": times, "phases": phases.steps,
                                   "phase_peaks": phases.peaks, "load_peak_gib": load_peak,
                                   "sample_dtype": phases.facts.get("sample_dtype"),
                                   "train_peak_gib": max(phases.overall, peak_rss_gib())}))
@@ -199,6 +201,7 @@ def measure(args) -> dict:
                f"matmul {gflops['float32']:.0f} GFLOP/s fp32, {gflops['bfloat16']:.0f} bf16; memory read "
                f"{gbps:.1f} GB/s")
     print(machine, flush=True)
+    print(f"job: {JOB}", flush=True)
     rows = []
     with tempfile.TemporaryDirectory(prefix="polopt_real_scale_") as tmp:
         folder = args.model_dir or tmp
@@ -212,7 +215,8 @@ def measure(args) -> dict:
             for trial in range(args.trials):
                 order = args.impls if trial % 2 == 0 else args.impls[::-1]  # A/B then B/A
                 cmds = [[sys.executable, __file__, "--child", impl, setting, folder, "--steps", str(args.steps),
-                         "--threads", str(args.threads), "--device", args.device] for impl in order]
+                         "--threads", str(args.threads), "--device", args.device, *job_arguments(args)]
+                        for impl in order]
                 began = time.perf_counter()
                 outputs = run_interleaved(cmds) if interleave else [run_child(cmd) for cmd in cmds]
                 print(f"  trial {trial}: {time.perf_counter() - began:.0f} s with loading", flush=True)
@@ -335,6 +339,12 @@ def print_tables(rows: list[dict], machine: str) -> None:
             print(f"| {row['setting']} | {impl} | " + " | ".join(cells) + " |")
 
 
+def job_arguments(args) -> list[str]:
+    """The job's sizes given on the command line, for the children."""
+    return [f"--{key.replace('_', '-')}={value}" for key in ("prompts", "generations", "new_tokens")
+            if (value := getattr(args, key)) is not None]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", default="qwen2.5-0.5b", choices=list(SHAPES))
@@ -350,6 +360,10 @@ def main() -> None:
                         help="where both trainers run (cuda: GPU 0; peaks stay host memory, floors use the GPU's rates)")
     parser.add_argument("--interleave", action="store_true",
                         help="run a trial's implementations side by side, step by step, where memory allows")
+    parser.add_argument("--prompts", type=int, help=f"prompts a step (default {JOB['prompts']})")
+    parser.add_argument("--generations", type=int, help=f"completions a prompt (default {JOB['generations']})")
+    parser.add_argument("--new-tokens", type=int,
+                        help=f"tokens each completion is forced to (default {JOB['new_tokens']})")
     parser.add_argument("--model-dir", help="where the model is saved (default: a temporary folder)")
     parser.add_argument("--json", help="also write the measurements to this file")
     parser.add_argument("--summarize", nargs="+", metavar="JSON",
@@ -357,6 +371,7 @@ def main() -> None:
     parser.add_argument("--child", nargs=3, metavar=("IMPL", "SETTING", "FOLDER"), help=argparse.SUPPRESS)
     parser.add_argument("--baton", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    JOB.update({k: getattr(args, k) for k in ("prompts", "generations", "new_tokens") if getattr(args, k) is not None})
     if args.child:
         return child(*args.child, args.steps, args.threads, Baton(args.baton) if args.baton else None, args.device)
     if args.summarize:

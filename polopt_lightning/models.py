@@ -475,7 +475,8 @@ def enable_gradient_checkpointing(model: nn.Module, key: str = "gradient_checkpo
     if not getattr(model, "supports_gradient_checkpointing", False) and not hasattr(model, "base_model"):
         raise ValueError(f"{key}=True: {type(model).__name__} does not support it (a transformers model with "
                          "supports_gradient_checkpointing does)")
-    kwargs = {"use_reentrant": False}
+    # the recomputation runs where the forward ran: on the CPU, inside the step's oneDNN products
+    kwargs = {"use_reentrant": False, "context_fn": accel.recompute_contexts}
     if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5 (the old name is deprecated)
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     else:

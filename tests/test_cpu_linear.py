@@ -163,6 +163,37 @@ def test_a_training_step_gives_the_same_loss_and_gradients(monkeypatch):
         assert close(g1[name], g0[name], rel=1e-4), name
 
 
+@pytest.mark.parametrize("padding_free", [False, True])
+def test_checkpointed_layers_are_recomputed_through_the_same_products(padding_free):
+    """``update.gradient_checkpointing`` on a model whose products go through oneDNN: the backward pass (where no
+    torch-function mode is active) recomputes each layer through oneDNN again, as its forward ran, so torch's
+    checkpoint finds the same saved tensors (it refused with "a different number of tensors was saved" before) and
+    the gradients are those of the layers kept whole, to the bit."""
+    from polopt_lightning.models import enable_gradient_checkpointing
+    from polopt_lightning.step.logprobs import completion_logprobs
+    from polopt_lightning.step.varlen import padding_free_logprobs
+
+    g = torch.Generator().manual_seed(0)
+    ids, c_ids = torch.randint(5, 60, (4, 6), generator=g), torch.randint(5, 60, (4, 9), generator=g)
+    mask, c_mask = torch.ones_like(ids), torch.ones_like(c_ids)
+    grads = []
+    for checkpointing in (False, True):
+        model, _ = onednn_model()
+        model.train()
+        if checkpointing:
+            enable_gradient_checkpointing(model)
+        with cpu_linear.OneDNNLinear(model), trace.routes() as ran:
+            if padding_free:
+                logp = padding_free_logprobs(model, ids, mask, c_ids, c_mask, torch.tensor([0, 0, 1, 1]))[0]
+            else:
+                logp = completion_logprobs(model, ids, mask, c_ids, c_mask)[0]
+            (logp * torch.linspace(-1, 1, 9)).sum().backward()
+        assert _products(ran)
+        grads.append({n: p.grad for n, p in model.named_parameters()})
+    for name, grad in grads[0].items():
+        assert torch.equal(grads[1][name], grad), name
+
+
 def test_decoding_under_the_mode_packs_the_body_in_onednns_layout_and_keeps_the_head():
     """Inside the mode, with the few-row kernel off (no AVX-512 or no compiler, or ``decode_kernel=False``), a float32
     model decodes on a copy of its body in oneDNN's blocked layout (one per weight, no MKL packing, no concatenation)

@@ -41,13 +41,18 @@ def _update(tmp_path, world, *args):
                                   ("cispo", "advantage_estimator=reinforce_pp_baseline"),
                                   ("grpo", "micro_batch_tokens=40", "entropy_coef=0.05", "top_entropy_quantile=0.5",
                                    "kl_in_reward=0.1", "beta=0.2", "kl_estimator=k2"),
+                                  # the fused head (update.fused_head) and padding-free passes in every pass: also
+                                  # against the padded, unfused update
+                                  ("grpo", "micro_batch_tokens=40", "entropy_coef=0.05", "beta=0.2",
+                                   "fused_head=true", "padding_free=true"),
                                   # the shipped update: clipping at 1.0, AdamW (its shipped settings), 2 mini-batches;
                                   # under FSDP2 Lightning clips the sharded gradients by their global norm
                                   ("grpo", "max_grad_norm=1.0", "optimizer=adamw", "mini_batches=2"),
                                   ("grpo", "strategy=fsdp", "max_grad_norm=1.0", "optimizer=adamw", "mini_batches=2")],
                          ids=["grpo-token-mean-micro-batches", "gspo-batch-scale-anchor", "dr_grpo-kl",
                               "fsdp-grpo-kl-anchor", "grpo-kl-onednn-linear", "cispo-reinforce-pp-whitened",
-                              "grpo-entropy-bonus-top-mask-kl-in-reward", "shipped-clip-adamw-2-mini-batches",
+                              "grpo-entropy-bonus-top-mask-kl-in-reward", "fused-head-padding-free-entropy-bonus-kl",
+                              "shipped-clip-adamw-2-mini-batches",
                               "fsdp-shipped-clip-adamw-2-mini-batches"])
 def test_one_ddp_update_equals_the_single_process_update(args, tmp_path):
     one = _update(tmp_path, 1, *[a for a in args if not a.startswith("strategy=")])
@@ -73,6 +78,10 @@ def test_one_ddp_update_equals_the_single_process_update(args, tmp_path):
     assert one["metrics"].keys() == two["metrics"].keys()
     for name, value in one["metrics"].items():
         assert math.isclose(value, two["metrics"][name], rel_tol=1e-5, abs_tol=1e-6), (name, value, two["metrics"][name])
+    if "fused_head=true" in args:  # the fused, padding-free update is the padded one within float tolerance
+        plain = _update(tmp_path, 1, *[a.replace("=true", "=false") for a in args])
+        for name, weight in plain["weights"].items():
+            assert torch.allclose(weight, one["weights"][name], atol=1e-6, rtol=1e-5), name
 
 
 def _initial_weights(width=None):

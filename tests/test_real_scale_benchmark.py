@@ -47,11 +47,11 @@ def test_floors_count_the_head_and_the_vocabulary_at_the_05b_shape():
     assert 0.45 < copy["rollout"] / f["rollout"] < 0.6
 
 
-def _smoke(tmp_path, impls):
+def _smoke(tmp_path, impls, *extra, settings=("fp32", "lora")):
     out = tmp_path / "run.json"
     proc = subprocess.run([sys.executable, str(SCRIPT), "--shape", "small", "--steps", "2", "--trials", "1",
-                           "--settings", "fp32", "lora", "--impls", *impls, "--model-dir", str(tmp_path / "model"),
-                           "--json", str(out)], capture_output=True, text=True, timeout=900)
+                           "--settings", *settings, "--impls", *impls, "--model-dir", str(tmp_path / "model"),
+                           "--json", str(out), *extra], capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc.stdout, json.loads(out.read_text())
 
@@ -88,6 +88,23 @@ def test_trl_phases_and_the_paired_speed_up(tmp_path):
             assert all(set(p) == set(real_scale.PHASES) and p["reference"] > 0 and p["training"] > 0
                        for p in trial["phases"])
     assert "pairs" in stdout
+
+
+@pytest.mark.slow  # a smoke run (~30 s): python -m pytest -m slow
+def test_the_jobs_sizes_come_from_the_command_line_to_every_trial(tmp_path, monkeypatch):
+    """``--new-tokens``, ``--generations``, ``--prompts``: the long-completion runs (docs/performance.md, "Long
+    completions") size the job from the command line; every child trains that job and the floors count it."""
+    default = real_scale.phase_floors(real_scale.shape_numbers("small"), "fp32", "polopt", {"float32": 200.0,
+                                      "bfloat16": 400.0}, 40.0)
+    stdout, run = _smoke(tmp_path, ["polopt", 'polopt:update={"fused_head":true}'], "--new-tokens", "40",
+                         "--generations", "4", "--prompts", "1", settings=("fp32",))
+    job = {**real_scale.JOB, "new_tokens": 40, "generations": 4, "prompts": 1}
+    assert run["job"] == job and f"job: {job}" in stdout
+    assert all(t["job"] == job for trials in run["rows"][0]["trials"].values() for t in trials)
+    for key, value in job.items():  # the floors of the job run (this process's JOB is the script's)
+        monkeypatch.setitem(real_scale.JOB, key, value)
+    long = real_scale.phase_floors(run["numbers"], "fp32", "polopt", {"float32": 200.0, "bfloat16": 400.0}, 40.0)
+    assert long["training"] > default["training"]  # 4 x 40 completion tokens against 8 x 16
 
 
 def test_pooled_runs_measure_each_step_against_its_own_runs_floors():

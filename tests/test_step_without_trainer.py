@@ -184,11 +184,30 @@ def assert_same_weights(a, b):
                                                        "top_entropy_quantile": 0.5, "micro_batch_tokens": 30}),
     ({"name": "grpo"}, {"mini_batches": 2, "anchor": {"coef": 0.5, "column": "answer"}, "micro_batch_tokens": 30}),
     ({"name": "grpo"}, {"anchor": {"coef": 0.0, "column": "answer"}}),  # the NLL watched, no gradient
+    # the fused head in every pass: the training, reference, entropy and anchor passes
+    ({"name": "grpo", "beta": 0.04}, {"fused_head": True, "mini_batches": 2, "top_entropy_quantile": 0.5,
+                                      "entropy_coef": 0.01, "anchor": {"coef": 0.5, "column": "answer"}}),
+    # padding-free passes, completions of their own lengths, with the fused head and under gradient checkpointing
+    ({"name": "grpo", "beta": 0.04}, {"padding_free": True, "mini_batches": 2, "micro_batch_tokens": 30,
+                                      "entropy_coef": 0.01, "equal_lengths": False}),
+    ({"name": "gspo"}, {"padding_free": True, "fused_head": True, "gradient_checkpointing": True,
+                        "num_iterations": 2, "reuse_sampling_logprobs": False, "equal_lengths": False}),
 ])
-def test_the_updates_equal_the_hand_written_ones(objective, update):
+def test_the_updates_equal_the_hand_written_ones(objective, update, monkeypatch):
+    from polopt_lightning.step import logprobs, varlen
+
     module, exp = module_and_experience(objective, **update)
     expected, steps_by_hand = by_hand(module, exp)
+    fused, real = [], logprobs._HeadLogProbs.apply
+    packed, real_packed = [], varlen.padding_free_logprobs
+    monkeypatch.setattr(logprobs, "padding_free_logprobs", lambda *a, **k: packed.append(1) or real_packed(*a, **k))
+    monkeypatch.setattr(logprobs._HeadLogProbs, "apply", lambda *a: fused.append(a[6]) or real(*a))
     metrics, steps, optimizer = run(module, exp)
+    # fused in the training passes (with the entropy's gradient), the anchor's and the top-entropy mask's
+    assert bool(fused) is bool(update.get("fused_head"))
+    if fused and update.get("entropy_coef"):  # with the entropy's gradient in the training pass, without elsewhere
+        assert {True, False} <= set(fused)
+    assert bool(packed) is bool(update.get("padding_free"))
     assert steps == len(steps_by_hand) == module.update_config.mini_batches * module.update_config.num_iterations
     assert optimizer.state_dict()["state"][0]["step"] == steps
     assert all(p.grad is None for p in module.policy.parameters())  # freed after the step

@@ -7,10 +7,14 @@ from contextlib import nullcontext
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .. import accel
 from .._hf import cache_argument, last_positions, output_cache, positions_from_mask
 from ..models import evaluating, reference_context
+from . import varlen
+from .varlen import padding_free_logprobs
 
 if TYPE_CHECKING:
     from .experience import Experience
@@ -19,6 +23,49 @@ if TYPE_CHECKING:
 # vocabulary (55 rows of a 151,936-token vocabulary; every row of a small one).
 CHUNK_ELEMENTS = 2**23
 DEFAULT_CHUNK_ROWS = None  # rows per chunk: CHUNK_ELEMENTS // V
+
+
+def _chunk_stats(chunk: Tensor, index: Tensor, temperature: float, with_entropy: bool
+                 ) -> tuple[Tensor, Tensor, Tensor | None]:
+    """A chunk of logits ``[r, V]`` (float32) -> its tempered log-normalisers, chosen logits and entropies ``[r]``."""
+    if temperature != 1.0:
+        chunk = chunk / temperature
+    part = torch.logsumexp(chunk, dim=-1)
+    chosen = chunk.gather(-1, index[:, None]).squeeze(-1)
+    entropy = part - (torch.softmax(chunk, dim=-1) * chunk).sum(-1) if with_entropy else None
+    return part, chosen, entropy
+
+
+def _chunk_grad(chunk: Tensor, index: Tensor, lse: Tensor, entropy: Tensor, grad: Tensor,
+                grad_entropy: Tensor | None, temperature: float, first_column: int | None = None) -> Tensor:
+    """The gradient ``[r, c]`` of a chunk of logits (float32) from its rows' log-probs' ``grad`` and, when the entropy
+    takes part in the loss, their entropies' ``grad_entropy``: ``g / t * (onehot(index) - softmax(x / t))`` and
+    ``-gH / t * p * (log p + H)``. ``first_column``: the chunk holds the vocabulary's columns from there on (not all of
+    them); a row's chosen entry counts only where it falls among them."""
+    if temperature != 1.0:
+        chunk = chunk / temperature
+    g = grad[:, None]
+    part = -g * (chunk - lse[:, None]).exp()  # the log-normaliser's share
+    if first_column is None:
+        part.scatter_add_(-1, index[:, None], g)  # the chosen entry's
+    else:
+        local = index - first_column
+        inside = (local >= 0) & (local < part.shape[1])
+        part.scatter_add_(-1, local.clamp(0, part.shape[1] - 1)[:, None], g * inside[:, None])
+    if grad_entropy is not None:  # dH/dz = -p (log p + H)
+        logp = chunk - lse[:, None]
+        part = part - grad_entropy[:, None] * logp.exp() * (logp + entropy[:, None])
+    return part / temperature if temperature != 1.0 else part
+
+
+def _outputs(ctx, chosen: Tensor, lse: Tensor, entropy: Tensor, with_entropy: bool) -> tuple[Tensor, Tensor]:
+    """A log-softmax function's outputs, the log-probs and the entropies (empty without ``with_entropy``). An output
+    the loss does not use gets no gradient tensor (None), not zeros: the entropy's term costs nothing unless an
+    entropy bonus asks for it."""
+    ctx.set_materialize_grads(False)
+    if not with_entropy:
+        ctx.mark_non_differentiable(entropy)
+    return chosen - lse, entropy
 
 
 class _ChosenLogProbs(torch.autograd.Function):
@@ -38,22 +85,14 @@ class _ChosenLogProbs(torch.autograd.Function):
         chosen = torch.empty_like(lse)
         entropy = torch.empty_like(lse) if with_entropy else lse.new_empty(0)
         for start in range(0, R, rows):
-            chunk = logits[start : start + rows].float()
-            if temperature != 1.0:
-                chunk = chunk / temperature
-            part = torch.logsumexp(chunk, dim=-1)
-            lse[start : start + rows] = part
-            chosen[start : start + rows] = chunk.gather(-1, index[start : start + rows, None]).squeeze(-1)
+            part, picked, h = _chunk_stats(logits[start : start + rows].float(), index[start : start + rows],
+                                           temperature, with_entropy)
+            lse[start : start + rows], chosen[start : start + rows] = part, picked
             if with_entropy:
-                entropy[start : start + rows] = part - (torch.softmax(chunk, dim=-1) * chunk).sum(-1)
+                entropy[start : start + rows] = h
         ctx.save_for_backward(logits, index, lse, entropy)
         ctx.temperature, ctx.rows = temperature, rows
-        # an output the loss does not use gets no gradient tensor (None), not zeros: the entropy's term costs nothing
-        # unless an entropy bonus asks for it
-        ctx.set_materialize_grads(False)
-        if not with_entropy:
-            ctx.mark_non_differentiable(entropy)
-        return chosen - lse, entropy
+        return _outputs(ctx, chosen, lse, entropy, with_entropy)
 
     @staticmethod
     def backward(ctx, grad: Tensor | None, grad_entropy: Tensor | None):
@@ -63,18 +102,87 @@ class _ChosenLogProbs(torch.autograd.Function):
             grad = lse.new_zeros(lse.shape)
         out = torch.empty_like(logits)
         for start in range(0, logits.shape[0], rows):
-            chunk = logits[start : start + rows].float()
-            if temperature != 1.0:
-                chunk = chunk / temperature
-            g = grad[start : start + rows, None]
-            part = -g * (chunk - lse[start : start + rows, None]).exp()  # the log-normaliser's share
-            part.scatter_add_(-1, index[start : start + rows, None], g)  # the chosen entry's
-            if grad_entropy is not None:  # dH/dz = -p (log p + H)
-                logp = chunk - lse[start : start + rows, None]
-                h = entropy[start : start + rows, None]
-                part = part - grad_entropy[start : start + rows, None] * logp.exp() * (logp + h)
-            out[start : start + rows] = part / temperature if temperature != 1.0 else part
+            span = slice(start, start + rows)
+            out[span] = _chunk_grad(logits[span].float(), index[span], lse[span], entropy[span] if entropy.numel()
+                                    else entropy, grad[span], None if grad_entropy is None else grad_entropy[span],
+                                    temperature)
         return out, None, None, None, None
+
+
+class _HeadLogProbs(torch.autograd.Function):
+    """:class:`_ChosenLogProbs` with the output head inside: ``log_softmax((h W^T + b) / t)[index]`` (and the entropy)
+    from the hidden states ``h: [R, H]``, never holding more than ``columns`` of the ``[R, V]`` logits (and of their
+    gradient) at once.
+
+    Both passes go over the vocabulary in blocks of ``columns`` rows of the head's weight, so each product is
+    ``[R, H] x [H, columns]``: the weight is read once a pass and its gradient written once, block by block (blocks of
+    rows would each read the whole weight and add into the whole of its gradient). Forward runs the log-normaliser
+    and the entropy online over the blocks (a running maximum, sum of exponentials and their logit-weighted sum) and
+    picks each row's chosen logit from its block; it keeps the hidden states and the ``[R]`` log-normalisers (and
+    entropies). Backward runs each block's product again, forms the block's logit gradient (:func:`_chunk_grad`),
+    writes the weight's (and bias's) gradient for the block, where the head trains, and adds ``dz W`` to the hidden
+    states' in float32. The products run in ``dtype`` (the autocast dtype under mixed precision, as the head's own
+    ``F.linear`` would), the softmax in float32. One more head product than autograd through materialised logits
+    runs, for ``[R, V]`` logits and as many of their gradient not held (at 1,024-token completions, groups of 8 and a
+    152k vocabulary: 5 GiB each in float32)."""
+
+    @staticmethod
+    def forward(ctx, hidden: Tensor, weight: Tensor, bias: Tensor | None, index: Tensor, temperature: float,
+                columns: int, with_entropy: bool, dtype: torch.dtype):
+        R, V = hidden.shape[0], weight.shape[0]
+        peak = hidden.new_full((R,), -torch.inf, dtype=torch.float32)
+        total, weighted, chosen = torch.zeros_like(peak), torch.zeros_like(peak), torch.zeros_like(peak)
+        h = hidden.to(dtype)
+        with torch.autocast(hidden.device.type, enabled=False):
+            for start in range(0, V, columns):
+                block = slice(start, start + columns)
+                z = F.linear(h, weight[block].to(dtype), None if bias is None else bias[block].to(dtype)).float()
+                if temperature != 1.0:
+                    z = z / temperature
+                new_peak = torch.maximum(peak, z.max(-1).values)
+                rescale = (peak - new_peak).exp()
+                e = (z - new_peak[:, None]).exp()
+                total = total * rescale + e.sum(-1)
+                if with_entropy:
+                    weighted = weighted * rescale + (e * z).sum(-1)
+                peak = new_peak
+                local = index - start
+                inside = (local >= 0) & (local < z.shape[1])
+                chosen += z.gather(-1, local.clamp(0, z.shape[1] - 1)[:, None]).squeeze(-1) * inside
+        lse = peak + total.log()
+        entropy = lse - weighted / total if with_entropy else lse.new_empty(0)
+        ctx.save_for_backward(hidden, weight, bias, index, lse, entropy)
+        ctx.temperature, ctx.columns, ctx.dtype = temperature, columns, dtype
+        # the forward's products went through oneDNN where the step's CPU mode is open: so do the backward's
+        ctx.product = accel.backward_product(weight) if dtype == torch.float32 else None
+        return _outputs(ctx, chosen, lse, entropy, with_entropy)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor | None, grad_entropy: Tensor | None):
+        hidden, weight, bias, index, lse, entropy = ctx.saved_tensors
+        temperature, columns, dtype = ctx.temperature, ctx.columns, ctx.dtype
+        product = ctx.product or F.linear  # (x, w) -> x @ w.T
+        want_hidden, want_weight, want_bias = ctx.needs_input_grad[:3]
+        if grad is None:
+            grad = lse.new_zeros(lse.shape)
+        h = hidden.to(dtype)
+        grad_hidden = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device) if want_hidden else None
+        grad_weight = torch.empty_like(weight) if want_weight else None
+        grad_bias = torch.empty_like(bias) if want_bias else None
+        with torch.autocast(hidden.device.type, enabled=False):
+            for start in range(0, weight.shape[0], columns):
+                block = slice(start, start + columns)
+                w = weight[block].to(dtype)
+                z = F.linear(h, w, None if bias is None else bias[block].to(dtype)).float()
+                dz = _chunk_grad(z, index, lse, entropy, grad, grad_entropy, temperature, first_column=start)
+                if want_hidden:
+                    grad_hidden += product(dz.to(dtype), w.t())  # dz @ w
+                if want_weight:
+                    grad_weight[block] = product(dz.t().to(dtype), h.t())  # dz^T @ h
+                if want_bias:
+                    grad_bias[block] = dz.sum(0)
+        return (None if grad_hidden is None else grad_hidden.to(hidden.dtype), grad_weight, grad_bias,
+                None, None, None, None, None)
 
 
 def selective_log_softmax(logits: Tensor, index: Tensor, temperature: float = 1.0,
@@ -103,6 +211,105 @@ def selective_log_softmax(logits: Tensor, index: Tensor, temperature: float = 1.
     return logp.view(shape), (entropy.view(shape) if with_entropy else None)
 
 
+def head_log_softmax(hidden: Tensor, head: nn.Linear, index: Tensor, temperature: float = 1.0,
+                     with_entropy: bool = False, columns: int | None = None) -> tuple[Tensor, Tensor | None]:
+    """``selective_log_softmax(head(hidden), index, ...)`` without the ``[..., V]`` logits: the head's product runs
+    block by block over the vocabulary inside the log-softmax, forward and backward (:class:`_HeadLogProbs`).
+
+    Args:
+        hidden: ``[..., H]`` the hidden states that feed the head.
+        head: the output head (a plain ``nn.Linear``: :func:`fusable_head`).
+        index: ``[...]`` chosen token ids.
+        columns: vocabulary entries per block; ``None``: as many as keep a block at ``CHUNK_ELEMENTS``.
+
+    Returns:
+        ``([...], [...] | None)`` log-probs (with gradient through ``hidden`` and the head's weight) and entropies.
+    """
+    shape = index.shape
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    if flat.shape[0] == 0:
+        empty = flat.new_zeros(shape, dtype=torch.float32)
+        return empty, (empty.detach() if with_entropy else None)
+    device = flat.device.type
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else head.weight.dtype
+    columns = columns or max(1, CHUNK_ELEMENTS // flat.shape[0])
+    logp, entropy = _HeadLogProbs.apply(flat, head.weight, head.bias, index.reshape(-1), float(temperature), columns,
+                                        with_entropy, dtype)
+    return logp.view(shape), (entropy.view(shape) if with_entropy else None)
+
+
+# Model types whose causal-LM forward is ``lm_head(trunk(...).last_hidden_state)`` and nothing else: no logit scaling
+# or soft-capping (Gemma 2/3, Cohere, Granite) that the fused head would skip.
+FUSABLE_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "phi3", "gemma",
+                                 "olmo2", "smollm3"})
+
+
+def fusable_head(model: nn.Module) -> tuple[nn.Linear | None, str]:
+    """The output head the fused log-probs (:func:`head_log_softmax`) can stand in for, or ``None`` and why not.
+
+    The model must be one of :data:`FUSABLE_MODEL_TYPES` (a PEFT wrapper around one too), its head a plain
+    ``nn.Linear`` (not a LoRA layer or a quantized one), and the head's weight a whole tensor on this process (not an
+    FSDP2 shard or a DeepSpeed ZeRO-3 partition, which only the model's own forward gathers)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    model_type = getattr(getattr(base, "config", None), "model_type", None)
+    if model_type not in FUSABLE_MODEL_TYPES:
+        return None, f"model type {model_type!r} is not one whose head runs plainly ({sorted(FUSABLE_MODEL_TYPES)})"
+    head = base.get_output_embeddings()
+    if type(head) is not nn.Linear:
+        return None, f"the output head is a {type(head).__name__}, not a plain nn.Linear"
+    weight = head.weight
+    if type(weight.data) is not torch.Tensor or hasattr(weight, "ds_id") or weight.dim() != 2:
+        return None, "the output head's weight is sharded (FSDP2 or DeepSpeed ZeRO-3)"
+    if base.base_model is base:
+        return None, f"{type(base).__name__} has no separate trunk (base_model)"
+    return head, ""
+
+
+def _head_choice(model: nn.Module, fuse: bool | None, rows: int) -> nn.Linear | None:
+    """The head to fuse with the log-softmax for ``rows`` positions, or ``None`` (the model's own head). ``fuse``:
+    ``None`` fuses where the logits would exceed one chunk (``CHUNK_ELEMENTS``) and the model allows it
+    (:func:`fusable_head`); ``True`` fuses or raises; ``False`` never."""
+    if fuse is False:
+        return None
+    head, why = fusable_head(model)
+    if head is None and fuse:
+        raise ValueError(f"update.fused_head=true: {why}; set it to null or false")
+    if head is not None and not fuse and rows * head.weight.shape[0] <= CHUNK_ELEMENTS:
+        return None  # one chunk holds the logits: the head's own product, once, is cheaper
+    return head
+
+
+def _forward(model: nn.Module, fuse: bool | None, keep: Tensor, **inputs: Any) -> tuple[Any, Tensor, nn.Linear | None]:
+    """``model(**inputs)`` up to the head's input or output at positions ``keep``: ``(output, states, head)`` with
+    ``states`` the hidden states ``[B, k, H]`` and ``head`` the head they feed (to :func:`head_log_softmax`) where the
+    head is fused (:func:`_head_choice`), else the logits ``[B, k, V]`` and ``None``."""
+    head = _head_choice(model, fuse, inputs["input_ids"].shape[0] * keep.numel())
+    if head is None:
+        out = model(**inputs, logits_to_keep=keep)
+        return out, out.logits, None
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    out = base.base_model(**inputs)
+    return out, out.last_hidden_state.index_select(1, keep), head
+
+
+def _fused_or_plain(model: nn.Module, hidden: Tensor, fuse: bool | None) -> tuple[Tensor, nn.Linear | None]:
+    """The trunk's output ``[R, H]`` ready for :func:`_chosen`: itself and the head where it is fused, else the
+    head's logits and ``None``."""
+    head = _head_choice(model, fuse, hidden.shape[0])
+    if head is not None:
+        return hidden, head
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return base.get_output_embeddings()(hidden), None
+
+
+def _chosen(states: Tensor, head: nn.Linear | None, index: Tensor, temperature: float, chunk_rows: int | None,
+            with_entropy: bool) -> tuple[Tensor, Tensor | None]:
+    """The log-probs (and entropies) of ``index`` from :func:`_forward`'s states."""
+    if head is None:
+        return selective_log_softmax(states, index, temperature, chunk_rows, with_entropy)
+    return head_log_softmax(states, head, index, temperature, with_entropy)
+
+
 def completion_logprobs(
     model: nn.Module,
     prompt_ids: Tensor,
@@ -112,22 +319,24 @@ def completion_logprobs(
     temperature: float = 1.0,
     with_entropy: bool = False,
     chunk_rows: int = DEFAULT_CHUNK_ROWS,
+    fuse: bool | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Log-probs ``[N, T]`` of ``completion_ids`` given left-padded prompts, one forward pass.
 
     ``prompt_ids``/``prompt_mask`` are ``[N, Lp]`` (one row per completion) and the completion ``[N, T]``. Position
     ids follow the attention mask so left padding does not shift positions (what the sampler does too). The
-    language-model head runs only on the ``T`` positions that predict completion tokens (``logits_to_keep``).
+    language-model head runs only on the ``T`` positions that predict completion tokens (``logits_to_keep``), fused
+    with the log-softmax as ``fuse`` says (:func:`_forward`).
     """
     input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
     attention_mask = torch.cat([prompt_mask, completion_mask.to(prompt_mask.dtype)], dim=1)
     position_ids = positions_from_mask(attention_mask)
     T = completion_ids.shape[1]
-    logits = model(
-        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False,
-        logits_to_keep=last_positions(input_ids.shape[1], T + 1, input_ids.device),
-    ).logits[:, :-1]  # [N, T, V]: position t predicts completion token t
-    return selective_log_softmax(logits, completion_ids, temperature, chunk_rows, with_entropy)
+    _, states, head = _forward(model, fuse, last_positions(input_ids.shape[1], T + 1, input_ids.device),
+                               input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                               use_cache=False)
+    # [N, T, V or H]: position t predicts completion token t
+    return _chosen(states[:, :-1], head, completion_ids, temperature, chunk_rows, with_entropy)
 
 
 def group_rows(group_index: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -153,6 +362,7 @@ def shared_prompt_completion_logprobs(
     with_entropy: bool = False,
     chunk_rows: int = DEFAULT_CHUNK_ROWS,
     packed: bool = False,
+    fuse: bool | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Same result as :func:`completion_logprobs`, but each distinct prompt runs once.
 
@@ -164,14 +374,15 @@ def shared_prompt_completion_logprobs(
     """
     if packed and completion_ids.shape[1] > 0:
         return _packed_groups(model, prompt_ids, prompt_mask, completion_ids, group_index, temperature, with_entropy,
-                              chunk_rows)
+                              chunk_rows, fuse)
     inverse, _, first, _ = group_rows(group_index)
     p_ids, p_mask = prompt_ids[first], prompt_mask[first]
     p_pos = positions_from_mask(p_mask)
-    out = model(input_ids=p_ids, attention_mask=p_mask, position_ids=p_pos, use_cache=True,
-                logits_to_keep=last_positions(p_ids.shape[1], 1, p_ids.device))
-    first_logits = out.logits[:, -1:].index_select(0, inverse)  # [N, 1, V]: predicts completion token 0
-    first = selective_log_softmax(first_logits, completion_ids[:, :1], temperature, chunk_rows, with_entropy)
+    out, states, head = _forward(model, fuse, last_positions(p_ids.shape[1], 1, p_ids.device), input_ids=p_ids,
+                                 attention_mask=p_mask, position_ids=p_pos, use_cache=True)
+    # [N, 1, V or H]: predicts completion token 0
+    first = _chosen(states.index_select(0, inverse), head, completion_ids[:, :1], temperature, chunk_rows,
+                    with_entropy)
     T = completion_ids.shape[1]
     if T == 1:
         return first
@@ -179,9 +390,10 @@ def shared_prompt_completion_logprobs(
     _select_rows(cache, inverse)  # [U, ...] -> [N, ...], gradient flows back to the U prompt rows
     attention_mask = torch.cat([prompt_mask, completion_mask.to(prompt_mask.dtype)], dim=1)
     positions = positions_from_mask(attention_mask)[:, prompt_ids.shape[1]:]
-    rest_logits = model(input_ids=completion_ids[:, :-1], attention_mask=attention_mask[:, :-1],
-                        position_ids=positions[:, :-1], use_cache=True, **{cache_argument(model): cache}).logits
-    rest = selective_log_softmax(rest_logits, completion_ids[:, 1:], temperature, chunk_rows, with_entropy)
+    _, states, head = _forward(model, fuse, torch.arange(T - 1, device=completion_ids.device),
+                               input_ids=completion_ids[:, :-1], attention_mask=attention_mask[:, :-1],
+                               position_ids=positions[:, :-1], use_cache=True, **{cache_argument(model): cache})
+    rest = _chosen(states, head, completion_ids[:, 1:], temperature, chunk_rows, with_entropy)
     # the [N, T] results are joined, not the [N, T, V] logits: no full-vocabulary copy (nor its gradient)
     return (torch.cat([first[0], rest[0]], dim=1),
             torch.cat([first[1], rest[1]], dim=1) if with_entropy else None)
@@ -217,7 +429,7 @@ def packed_length(prompt_len: int, completion_len: int, group_index: Tensor) -> 
 
 def _packed_groups(model: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor,
                    group_index: Tensor, temperature: float, with_entropy: bool,
-                   chunk_rows: int | None) -> tuple[Tensor, Tensor | None]:
+                   chunk_rows: int | None, fuse: bool | None = None) -> tuple[Tensor, Tensor | None]:
     """:func:`shared_prompt_completion_logprobs` with ``packed=True``: each group in one packed sequence.
 
     Each group (rows with the same ``group_index``) becomes one row: its left-padded prompt, then one slot of ``T - 1``
@@ -250,11 +462,11 @@ def _packed_groups(model: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, co
     # per slot: the prompt's last position (predicts completion token 0), then the slot's positions
     keep = torch.cat([torch.full((G, 1), Lp - 1, device=device),
                       Lp + torch.arange(G, device=device)[:, None] * S + t], dim=1).reshape(-1)
-    logits = model(input_ids=ids, attention_mask=mask[:, None], position_ids=positions, use_cache=False,
-                   logits_to_keep=keep).logits  # [U, G * T, V]
+    _, states, head = _forward(model, fuse, keep, input_ids=ids, attention_mask=mask[:, None], position_ids=positions,
+                               use_cache=False)  # [U, G * T, V or H]
     targets = completion_ids.new_zeros(U, G, T)
     targets[inverse, slot] = completion_ids
-    logp, entropy = selective_log_softmax(logits, targets.view(U, G * T), temperature, chunk_rows, with_entropy)
+    logp, entropy = _chosen(states, head, targets.view(U, G * T), temperature, chunk_rows, with_entropy)
     logp = logp.view(U, G, T)[inverse, slot]
     return logp, (entropy.view(U, G, T)[inverse, slot] if with_entropy else None)
 
@@ -289,6 +501,11 @@ class Scorer:
                  temperature: float) -> None:
         self.policy, self.ref_model, self.shared_reference = policy, ref_model, shared_reference
         self.config, self.temperature = config, temperature
+        for model in (policy, ref_model):
+            if config.fused_head and model is not None and fusable_head(model)[0] is None:
+                raise ValueError(f"update.fused_head=true: {fusable_head(model)[1]}; set it to null or false")
+            if config.padding_free and model is not None and varlen.supported(model):
+                raise ValueError(f"update.padding_free=true: {varlen.supported(model)}; set it to false")
 
     def logprobs(self, model: nn.Module, exp: Experience, rows: Tensor | slice, width: int | None = None,
                  with_entropy: bool = False) -> tuple[Tensor, Tensor | None]:
@@ -300,11 +517,17 @@ class Scorer:
         # checkpointed layers drop the cache the shared prompt is passed through; without gradient they keep it
         checkpointed = self.config.gradient_checkpointing and model is self.policy and torch.is_grad_enabled()
         with evaluating(model, keep_quantized=True) if model is self.ref_model else nullcontext():
+            if self.config.padding_free:  # a packed sequence: the prompt shared also under checkpointing
+                groups = exp.group_index[rows] if self.config.share_prompt else None
+                return padding_free_logprobs(*args, groups, self.temperature, with_entropy,
+                                             fuse=self.config.fused_head)
             if self.config.share_prompt and not checkpointed:
                 groups = exp.group_index[rows]
                 return shared_prompt_completion_logprobs(*args, groups, self.temperature, with_entropy=with_entropy,
-                                                         packed=self.packs(model, args[1].shape[1], width, groups))
-            return completion_logprobs(*args, self.temperature, with_entropy=with_entropy)
+                                                         packed=self.packs(model, args[1].shape[1], width, groups),
+                                                         fuse=self.config.fused_head)
+            return completion_logprobs(*args, self.temperature, with_entropy=with_entropy,
+                                       fuse=self.config.fused_head)
 
     def packs(self, model: nn.Module, prompt_len: int, completion_len: int, groups: Tensor) -> bool:
         """Whether these rows' groups run as packed sequences (``pack_groups``)."""

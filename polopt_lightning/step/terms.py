@@ -335,12 +335,12 @@ class AnchorTerm(LossTerm):
     the processes the strategy averages over. With ``lambda = 0`` the NLL is measured without a backward. Logs
     ``anchor_nll`` and ``anchor_coef``."""
 
-    def __init__(self, anchor: Any) -> None:
-        self.anchor = anchor
+    def __init__(self, anchor: Any, fused_head: bool | None = None) -> None:
+        self.anchor, self.fused_head = anchor, fused_head
 
     @classmethod
     def build(cls, updater: Any) -> LossTerm | None:
-        return None if updater.anchor is None else cls(updater.anchor)
+        return None if updater.anchor is None else cls(updater.anchor, updater.config.fused_head)
 
     def begin(self, batch: MiniBatch) -> dict[str, Tensor]:
         anchor, policy, loop, exp = self.anchor, batch.policy, batch.loop, batch.exp
@@ -351,7 +351,8 @@ class AnchorTerm(LossTerm):
         mask, ids = mask[:, :width], exp.anchor_ids[groups, :width]
         tokens = all_reduce(mask.sum().float())
         with loop.no_sync(policy, last=False), torch.set_grad_enabled(anchor.value > 0):
-            logprobs, _ = completion_logprobs(policy, exp.prompt_ids[first], exp.prompt_mask[first], ids, mask)
+            logprobs, _ = completion_logprobs(policy, exp.prompt_ids[first], exp.prompt_mask[first], ids, mask,
+                                              fuse=self.fused_head)
             loss, nll = anchor.loss(logprobs, mask, tokens)
             if anchor.value > 0:
                 loop.backward(loss * world_size())

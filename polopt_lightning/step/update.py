@@ -51,6 +51,19 @@ class UpdateConfig(Settings):
             tolerance). ``None``: for groups of at most ``logprobs.PACKED_MAX_TOKENS`` packed tokens, where it pays
             (docs/performance.md); ``True``: every group. Both need SDPA attention and no sliding-window layers, else
             the prompt's keys/values are shared as before.
+        fused_head: run the output head inside the log-softmax, block by block over the vocabulary, in the training,
+            reference and old-log-prob passes: the ``[tokens, vocabulary]`` logits (and their gradient) are never held
+            whole, for one more head product in the backward pass (:func:`~polopt_lightning.step.logprobs.
+            head_log_softmax`; the same log-probs, entropies and gradients within float tolerance). ``None``: where
+            the logits would exceed one chunk (``logprobs.CHUNK_ELEMENTS``, 8M floats) and the model allows it
+            (:func:`~polopt_lightning.step.logprobs.fusable_head`); ``True``: always (an error where the model does not
+            allow it); ``False``: never. verl's ``use_fused_kernels``, TRL's Liger loss.
+        padding_free: run the training, reference and old-log-prob passes on the rows' real tokens only, packed into one
+            sequence with each group's prompt once (with ``share_prompt``, also under gradient checkpointing), attention
+            segment by segment so that it never crosses sequences (:mod:`~polopt_lightning.step.varlen`): no pass
+            computes padding, whatever the completions' lengths. The same log-probs within float tolerance. Needs the
+            fused head's model types, SDPA attention and no sliding windows (an error names what is
+            missing).
         reuse_sampling_logprobs: off-policy updates take the sampler's log-probs as old log-probs instead of a
             second forward pass, where they match the training numerics (dropout off, the sampler in the policy's
             own precision); otherwise the pass runs, for every row but the first mini-batch's.
@@ -91,6 +104,8 @@ class UpdateConfig(Settings):
     gradient_checkpointing: bool = False
     share_prompt: bool = True
     pack_groups: bool | None = None
+    fused_head: bool | None = None
+    padding_free: bool = False
     reuse_sampling_logprobs: bool = True
     disable_dropout: bool = True
     is_correction: bool | None = None

@@ -2,14 +2,14 @@
 
 ``python tests/helpers/ddp_update.py OUT WORLD OBJECTIVE [key=value ...]`` (``strategy=fsdp``: FSDP2 instead of DDP;
 ``anchor=COEF``: with the supervised anchor; ``advantage_estimator=NAME``; ``kl_estimator=NAME``; ``kl_in_reward=C``;
-``entropy_coef=C``; ``top_entropy_quantile=Q``; ``width=W``: a model W wide, whose weights from 512 on are large enough for
-the oneDNN linear layers; ``max_grad_norm=C``: clipping by global norm, none by default; ``optimizer=adamw``: the shipped
-conf/optimizer/adamw.yaml instead of plain SGD; ``mini_batches=M``: M optimizer steps on the rollout, none of its rows
-twice, split in each process's row order so that 1 and 2 processes put the same prompts in each step): rank 0 writes
-``OUT`` (torch.save) with
-the policy's weights after the step, the step's logged metrics, and every prompt's advantages. The prompts' completions
-do not depend on the number of processes (each prompt samples with a generator seeded by its own tokens), so a run
-with 1 process and ``4 * B`` prompts and one with 2 processes and ``2 * B`` prompts each train on the same rollouts.
+``entropy_coef=C``; ``top_entropy_quantile=Q``; ``fused_head=true|false``; ``padding_free=true``; ``width=W``: a model W
+wide, whose weights from 512 on are large enough for the oneDNN linear layers; ``max_grad_norm=C``: clipping by global
+norm, none by default; ``optimizer=adamw``: the shipped conf/optimizer/adamw.yaml instead of plain SGD;
+``mini_batches=M``: M optimizer steps on the rollout, none of its rows twice, split in each process's row order so that
+1 and 2 processes put the same prompts in each step): rank 0 writes ``OUT`` (torch.save) with the policy's weights after
+the step, the step's logged metrics, and every prompt's advantages. The prompts' completions do not depend on the number
+of processes (each prompt samples with a generator seeded by its own tokens), so a run with 1 process and ``4 * B``
+prompts and one with 2 processes and ``2 * B`` prompts each train on the same rollouts.
 Lightning relaunches this script for rank 1 (its ``popen`` launcher), as it does the CLI.
 """
 
@@ -106,7 +106,9 @@ def main() -> None:
                 "max_grad_norm": float(options["max_grad_norm"]) if "max_grad_norm" in options else None,
                 "micro_batch_tokens": int(options["micro_batch_tokens"]) if "micro_batch_tokens" in options else None,
                 "entropy_coef": float(options.get("entropy_coef", 0.0)),
-                "top_entropy_quantile": float(options.get("top_entropy_quantile", 1.0))},
+                "top_entropy_quantile": float(options.get("top_entropy_quantile", 1.0)),
+                "fused_head": {"true": True, "false": False}.get(options.get("fused_head")),
+                "padding_free": options.get("padding_free") == "true"},
         reference={"kl_in_reward": float(options.get("kl_in_reward", 0.0))},
         optimizer=optimizer, rollout_engine=PerPromptEngine(),
         # the supervised anchor on the arithmetic answers: its NLL a token mean over every process's prompts

@@ -82,6 +82,13 @@ def covers(weight: Tensor) -> bool:
             and weight.dim() == 2 and weight.numel() >= MIN_WEIGHT_ELEMENTS)
 
 
+def backward_product(weight: Tensor):
+    """oneDNN's product (``(x, w) -> x @ w.T``, any strides) for the products an autograd function's backward makes
+    with ``weight``, where this thread is inside :class:`OneDNNLinear` (which sees no backward) and the weight is of
+    the mode's kind (:func:`covers`); ``None`` elsewhere. Asked in the forward pass, where the mode is open."""
+    return _product if getattr(_open, "depth", 0) > 0 and covers(weight) else None
+
+
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """``F.linear(x, weight, bias)`` through oneDNN, with autograd where a gradient is wanted; without one, a product
     of at most 16 rows runs on the few-row kernel where it can (:func:`few_row_kernel`)."""
@@ -246,6 +253,17 @@ def four_bit_input_gradients(model: nn.Module):
 def active() -> bool:
     """Whether an :class:`OneDNNLinear` context is open in this thread."""
     return getattr(_open, "depth", 0) > 0
+
+
+def recompute_contexts():
+    """Activation checkpointing's ``context_fn``: the contexts a checkpointed layer's forward and its recomputation
+    in the backward pass run in. The backward runs outside :class:`OneDNNLinear` (no torch-function mode is active
+    there), so a layer whose forward ran inside it would be recomputed by other products, which save other tensors
+    (torch's checkpoint then refuses: "a different number of tensors was saved"); the recomputation enters the mode
+    again wherever the forward ran inside it."""
+    from contextlib import nullcontext
+
+    return nullcontext(), (OneDNNLinear() if active() else nullcontext())
 
 
 def pays_for(model: nn.Module) -> bool:
