@@ -19,6 +19,8 @@ from polopt_lightning.step.logprobs import (
     shared_prompt_completion_logprobs,
 )
 
+from .helpers.scores import assert_same_scores, rollout_rows, scores_and_gradients
+
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 @pytest.mark.parametrize("bias", [False, True])
@@ -88,24 +90,6 @@ def test_fused_head_never_holds_more_than_a_block_of_logits(monkeypatch):
     assert head.weight.grad.shape == (V, H) and torch.isfinite(h.grad).all()
 
 
-def _rollout_rows(model, tok):
-    """Left-padded prompts, completions ended early (padding after them), rows out of order and an uneven group, and a
-    multi-turn row's tool result inside the completion (attended to; the objective's mask leaves it out)."""
-    from polopt_lightning.rollout import HFRolloutEngine, SamplingConfig
-
-    enc = tok(["1+1=", "22+33=", "7="], padding=True, return_tensors="pt")
-    b = HFRolloutEngine().generate(model, enc.input_ids, enc.attention_mask, 4, SamplingConfig(max_new_tokens=6),
-                                   tok.eos_token_id, tok.pad_token_id, torch.Generator().manual_seed(1))
-    lengths = torch.tensor([6, 2, 5, 1, 6, 3, 6, 4, 2, 6, 1, 5])
-    c_mask = (torch.arange(6)[None] < lengths[:, None]).long()
-    c_ids = b.completion_ids.masked_fill(c_mask == 0, tok.pad_token_id)
-    loss_mask = c_mask.clone()
-    loss_mask[0, 2:4] = 0  # a tool's result in row 0: attended to, not trained on
-    rows = torch.tensor([5, 0, 9, 3, 1, 11, 4, 2, 10, 8, 6])  # group 1 lacks row 7
-    group = torch.arange(3).repeat_interleave(4)[rows]
-    return (b.prompt_ids[rows], b.prompt_mask[rows], c_ids[rows], c_mask[rows]), group, loss_mask[rows].bool()
-
-
 PASSES = {"plain": completion_logprobs,
           "shared-prompt": shared_prompt_completion_logprobs,
           "packed": partial(shared_prompt_completion_logprobs, packed=True)}
@@ -116,7 +100,7 @@ PASSES = {"plain": completion_logprobs,
 def test_every_pass_gives_the_heads_own_log_probs_entropies_and_gradients(name, adapter):
     model, tok = build_tiny_model(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64, seed=2,
                                   tie_word_embeddings=False)
-    args, group, m = _rollout_rows(model, tok)
+    args, group, m = rollout_rows(model, tok)
     if adapter:
         from peft import LoraConfig, get_peft_model
 
@@ -134,30 +118,11 @@ def test_every_pass_gives_the_heads_own_log_probs_entropies_and_gradients(name, 
     assert any("lm_head" in n for n in plain[2]) is (adapter is None)  # LoRA: the head frozen, no gradient made
 
 
-def scores_and_gradients(model, fn, args, m):
-    """``fn``'s log-probs and entropies at 0.7 on the rows ``args`` where ``m``, and the gradients of a loss of both."""
-    model.zero_grad(set_to_none=True)
-    logp, entropy = fn(model, *args, temperature=0.7, with_entropy=True)
-    loss = (logp[m] * torch.linspace(-1, 1, int(m.sum()))).sum() + 0.1 * entropy[m].sum()
-    loss.backward()
-    return (logp.detach()[m], entropy.detach()[m],
-            {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
-
-
-def assert_same_scores(got, expected):
-    """Log-probs, entropies and every gradient within 1e-5."""
-    torch.testing.assert_close(got[0], expected[0], atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(got[1], expected[1], atol=1e-5, rtol=1e-5)
-    assert got[2].keys() == expected[2].keys() and expected[2]
-    for n, grad in expected[2].items():
-        torch.testing.assert_close(got[2][n], grad, atol=1e-5, rtol=1e-5, msg=n)
-
-
 def test_the_fused_head_runs_where_the_logits_exceed_a_chunk_unless_told(monkeypatch):
     """``fuse=None`` (the default): the head's own product where its logits fit one chunk (the tiny models, so the
     default job runs as before), fused where they would not; ``False`` never; ``True`` always."""
     model, tok = build_tiny_model(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64)
-    args, _, _ = _rollout_rows(model, tok)
+    args, _, _ = rollout_rows(model, tok)
     calls = []
     real = logprobs._HeadLogProbs.apply
     monkeypatch.setattr(logprobs._HeadLogProbs, "apply", lambda *a: calls.append(1) or real(*a))

@@ -11,10 +11,9 @@ import torch
 
 from polopt_lightning.models import build_tiny_model
 from polopt_lightning.step import varlen
-from polopt_lightning.step.logprobs import completion_logprobs
-from polopt_lightning.step.varlen import padding_free_logprobs
+from polopt_lightning.step.logprobs import completion_logprobs, padding_free_logprobs, padding_free_supported
 
-from .test_fused_head import _rollout_rows, assert_same_scores, scores_and_gradients
+from .helpers.scores import assert_same_scores, rollout_rows, scores_and_gradients
 
 
 @pytest.mark.parametrize("fuse", [False, True])
@@ -22,7 +21,7 @@ from .test_fused_head import _rollout_rows, assert_same_scores, scores_and_gradi
 def test_padding_free_gives_the_padded_log_probs_entropies_and_gradients(adapter, fuse, monkeypatch):
     model, tok = build_tiny_model(hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=64,
                                   seed=2, tie_word_embeddings=False)
-    args, group, m = _rollout_rows(model, tok)  # left padding, early ends, an uneven group, a tool's result
+    args, group, m = rollout_rows(model, tok)  # left padding, early ends, an uneven group, a tool's result
     if adapter:
         from peft import LoraConfig, get_peft_model
 
@@ -54,7 +53,7 @@ def test_models_it_cannot_run_are_refused_naming_the_key():
     from polopt_lightning.step.update import UpdateConfig
 
     model, _ = build_tiny_model(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64)
-    assert varlen.supported(model) == ""
+    assert padding_free_supported(model) == ""
     ids, mask = torch.ones(2, 4, dtype=torch.long), torch.ones(2, 4, dtype=torch.long)
     holed = mask.clone()
     holed[0, 1] = 0  # a real token after padding
@@ -62,7 +61,7 @@ def test_models_it_cannot_run_are_refused_naming_the_key():
         padding_free_logprobs(model, ids, mask, ids, holed, None)
     gemma = Gemma2ForCausalLM(Gemma2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                            num_attention_heads=2, num_key_value_heads=1, head_dim=16))
-    assert "gemma2" in varlen.supported(gemma)
+    assert "gemma2" in padding_free_supported(gemma)
     with pytest.raises(ValueError, match=r"update.padding_free=true: model type 'gemma2'"):
         padding_free_logprobs(gemma, ids, mask, ids, mask, None)
     with pytest.raises(ValueError, match=r"update.padding_free=true: model type 'gemma2'"):

@@ -194,12 +194,12 @@ def assert_same_weights(a, b):
                         "num_iterations": 2, "reuse_sampling_logprobs": False, "equal_lengths": False}),
 ])
 def test_the_updates_equal_the_hand_written_ones(objective, update, monkeypatch):
-    from polopt_lightning.step import logprobs, varlen
+    from polopt_lightning.step import logprobs
 
     module, exp = module_and_experience(objective, **update)
     expected, steps_by_hand = by_hand(module, exp)
     fused, real = [], logprobs._HeadLogProbs.apply
-    packed, real_packed = [], varlen.padding_free_logprobs
+    packed, real_packed = [], logprobs.padding_free_logprobs
     monkeypatch.setattr(logprobs, "padding_free_logprobs", lambda *a, **k: packed.append(1) or real_packed(*a, **k))
     monkeypatch.setattr(logprobs._HeadLogProbs, "apply", lambda *a: fused.append(a[6]) or real(*a))
     metrics, steps, optimizer = run(module, exp)

@@ -14,7 +14,6 @@ from .. import accel
 from .._hf import cache_argument, last_positions, output_cache, positions_from_mask
 from ..models import evaluating, reference_context
 from . import varlen
-from .varlen import padding_free_logprobs
 
 if TYPE_CHECKING:
     from .experience import Experience
@@ -471,6 +470,90 @@ def _packed_groups(model: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, co
     return logp, (entropy.view(U, G, T)[inverse, slot] if with_entropy else None)
 
 
+def padding_free_supported(model: nn.Module) -> str:
+    """Why ``model`` cannot run padding-free (:func:`padding_free_logprobs`), or ``""``: its head must run plainly
+    (:data:`FUSABLE_MODEL_TYPES`: the trunk runs without the model's own forward) and its trunk segment by segment
+    (:func:`~polopt_lightning.step.varlen.supported`)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    model_type = getattr(getattr(base, "config", None), "model_type", None)
+    if model_type not in FUSABLE_MODEL_TYPES:
+        return f"model type {model_type!r} is not one of {sorted(FUSABLE_MODEL_TYPES)}"
+    return varlen.supported(model)
+
+
+def padding_free_logprobs(model: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor,
+                          completion_mask: Tensor, group_index: Tensor | None, temperature: float = 1.0,
+                          with_entropy: bool = False, fuse: bool | None = None) -> tuple[Tensor, Tensor | None]:
+    """Log-probs ``[N, T]`` (and entropies) of the completions as :func:`completion_logprobs` gives them, from one packed sequence without padding (0 at padded positions).
+
+    Rows with the same ``group_index`` share their prompt, which runs once (``None``: each row its own prompt).
+    ``completion_mask`` must be each row's real tokens followed by padding (what the rollouts make, multi-turn
+    context included). The head runs on the real completion positions only, fused as ``fuse`` says
+    (:func:`_head_choice`'s rule).
+    """
+    why = padding_free_supported(model)
+    if why:
+        raise ValueError(f"update.padding_free=true: {why}; set it to false")
+    N, T = completion_ids.shape
+    device = completion_ids.device
+    lengths = completion_mask.sum(-1)
+    if not torch.equal(completion_mask.bool(), torch.arange(T, device=device)[None] < lengths[:, None]):
+        raise ValueError("update.padding_free=true: a completion's mask has a hole (real tokens after padding)")
+    groups = torch.arange(N, device=device) if group_index is None else group_index
+    inverse, _, first, counts = group_rows(groups)
+    order = torch.argsort(inverse, stable=True)  # rows group by group
+    p_lengths = prompt_mask.sum(-1)
+    ids, positions, segments, keep, targets, back = [], [], [], [], [], []
+    cursor = 0
+    lengths_list, p_list = lengths.tolist(), p_lengths.tolist()
+    o = 0
+    for g, count in enumerate(counts.tolist()):
+        row = int(first[g])
+        p = int(p_list[row])
+        if p == 0:
+            raise ValueError(f"update.padding_free=true: row {row}'s prompt is empty")
+        ids.append(prompt_ids[row, prompt_ids.shape[1] - p:])  # left padding: the real tokens are the last p
+        positions.append(torch.arange(p, device=device))
+        prompt_start = cursor
+        segments.append((cursor, cursor + p, cursor, cursor))
+        cursor += p
+        for i in order[o:o + count].tolist():
+            n = int(lengths_list[i])
+            if n == 0:
+                continue
+            inputs = n - 1  # the last token predicts nothing that is scored
+            if inputs:
+                ids.append(completion_ids[i, :inputs])
+                positions.append(torch.arange(p, p + inputs, device=device))
+                segments.append((cursor, cursor + inputs, prompt_start, prompt_start + p))
+            keep.append(torch.cat([torch.tensor([prompt_start + p - 1], device=device),
+                                   torch.arange(cursor, cursor + inputs, device=device)]))
+            targets.append(completion_ids[i, :n])
+            back.append(torch.stack([torch.full((n,), i, device=device), torch.arange(n, device=device)]))
+            cursor += inputs
+        o += count
+    logp = torch.zeros(N, T, device=device)
+    entropy = torch.zeros(N, T, device=device) if with_entropy else None
+    if not keep:
+        return logp, entropy
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    varlen.register()
+    plan = varlen.SegmentPlan([s for s in segments if s[1] > s[0]])
+    # a 4-D mask is taken as given (transformers builds none, which over the packed sequence would be [S, S]); the
+    # segments are the mask
+    placeholder = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=device)
+    out = base.base_model(input_ids=torch.cat(ids)[None], position_ids=torch.cat(positions)[None],
+                          attention_mask=placeholder, use_cache=False, **{varlen.PLAN_KEY: plan})
+    hidden = out.last_hidden_state[0].index_select(0, torch.cat(keep))  # [scored positions, H]
+    states, head = _fused_or_plain(base, hidden, fuse)
+    values, ent = _chosen(states, head, torch.cat(targets), temperature, None, with_entropy)
+    rows, cols = torch.cat(back, dim=1)
+    logp = logp.index_put((rows, cols), values)
+    if with_entropy:
+        entropy = entropy.index_put((rows, cols), ent)
+    return logp, entropy
+
+
 def _select_rows(cache, index: Tensor) -> None:
     """Each layer's keys/values ``[U, ...] -> [N, ...]`` by ``index_select``: its backward (``index_add_``) is several
     times faster on the CPU than that of the advanced indexing ``Cache.batch_select_indices`` uses, and it runs twice
@@ -504,8 +587,8 @@ class Scorer:
         for model in (policy, ref_model):
             if config.fused_head and model is not None and fusable_head(model)[0] is None:
                 raise ValueError(f"update.fused_head=true: {fusable_head(model)[1]}; set it to null or false")
-            if config.padding_free and model is not None and varlen.supported(model):
-                raise ValueError(f"update.padding_free=true: {varlen.supported(model)}; set it to false")
+            if config.padding_free and model is not None and padding_free_supported(model):
+                raise ValueError(f"update.padding_free=true: {padding_free_supported(model)}; set it to false")
 
     def logprobs(self, model: nn.Module, exp: Experience, rows: Tensor | slice, width: int | None = None,
                  with_entropy: bool = False) -> tuple[Tensor, Tensor | None]:

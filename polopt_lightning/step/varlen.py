@@ -67,7 +67,7 @@ def segment_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tens
     return torch.cat(pieces, dim=2).transpose(1, 2).contiguous(), None
 
 
-def _register() -> None:
+def register() -> None:
     """Route SDPA attention calls that carry a plan (``PLAN_KEY``) to :func:`segment_attention`, once per process.
 
     The route is taken by the call's arguments, not by a setting switched around the pass: activation checkpointing
@@ -89,15 +89,10 @@ def _register() -> None:
 
 
 def supported(model: nn.Module) -> str:
-    """Why ``model`` cannot run padding-free, or ``""``: its head must run plainly (the fused head's model types,
-    :func:`~polopt_lightning.step.logprobs.fusable_head`'s first condition), its attention be SDPA's, with no
+    """Why ``model``'s trunk cannot run segment by segment, or ``""``: its attention must be SDPA's, with no
     sliding-window layers (their windows would be the segments' to apply), and its weights whole on this process."""
-    from .logprobs import FUSABLE_MODEL_TYPES
-
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     config = getattr(base, "config", None)
-    if getattr(config, "model_type", None) not in FUSABLE_MODEL_TYPES:
-        return f"model type {getattr(config, 'model_type', None)!r} is not one of {sorted(FUSABLE_MODEL_TYPES)}"
     if config._attn_implementation != "sdpa":
         return f"attention {config._attn_implementation!r} (sdpa only)"
     layer_types = getattr(config, "layer_types", None)
@@ -112,79 +107,3 @@ def supported(model: nn.Module) -> str:
         # the trunk runs without the whole model's forward, which is what gathers the root's shards
         return "the model is sharded (FSDP2 or DeepSpeed ZeRO-3)"
     return ""
-
-
-def padding_free_logprobs(model: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor,
-                          completion_mask: Tensor, group_index: Tensor | None, temperature: float = 1.0,
-                          with_entropy: bool = False, fuse: bool | None = None) -> tuple[Tensor, Tensor | None]:
-    """Log-probs ``[N, T]`` (and entropies) of the completions as :func:`~polopt_lightning.step.logprobs.
-    completion_logprobs` gives them, from one packed sequence without padding (0 at padded positions).
-
-    Rows with the same ``group_index`` share their prompt, which runs once (``None``: each row its own prompt).
-    ``completion_mask`` must be each row's real tokens followed by padding (what the rollouts make, multi-turn
-    context included). The head runs on the real completion positions only, fused as ``fuse`` says
-    (:func:`~polopt_lightning.step.logprobs._forward`'s rule).
-    """
-    from .logprobs import _chosen, _fused_or_plain, group_rows
-
-    why = supported(model)
-    if why:
-        raise ValueError(f"update.padding_free=true: {why}; set it to false")
-    N, T = completion_ids.shape
-    device = completion_ids.device
-    lengths = completion_mask.sum(-1)
-    if not torch.equal(completion_mask.bool(), torch.arange(T, device=device)[None] < lengths[:, None]):
-        raise ValueError("update.padding_free=true: a completion's mask has a hole (real tokens after padding)")
-    groups = torch.arange(N, device=device) if group_index is None else group_index
-    inverse, _, first, counts = group_rows(groups)
-    order = torch.argsort(inverse, stable=True)  # rows group by group
-    p_lengths = prompt_mask.sum(-1)
-    ids, positions, segments, keep, targets, back = [], [], [], [], [], []
-    cursor = 0
-    lengths_list, p_list = lengths.tolist(), p_lengths.tolist()
-    o = 0
-    for g, count in enumerate(counts.tolist()):
-        row = int(first[g])
-        p = int(p_list[row])
-        if p == 0:
-            raise ValueError(f"update.padding_free=true: row {row}'s prompt is empty")
-        ids.append(prompt_ids[row, prompt_ids.shape[1] - p:])  # left padding: the real tokens are the last p
-        positions.append(torch.arange(p, device=device))
-        prompt_start = cursor
-        segments.append((cursor, cursor + p, cursor, cursor))
-        cursor += p
-        for i in order[o:o + count].tolist():
-            n = int(lengths_list[i])
-            if n == 0:
-                continue
-            inputs = n - 1  # the last token predicts nothing that is scored
-            if inputs:
-                ids.append(completion_ids[i, :inputs])
-                positions.append(torch.arange(p, p + inputs, device=device))
-                segments.append((cursor, cursor + inputs, prompt_start, prompt_start + p))
-            keep.append(torch.cat([torch.tensor([prompt_start + p - 1], device=device),
-                                   torch.arange(cursor, cursor + inputs, device=device)]))
-            targets.append(completion_ids[i, :n])
-            back.append(torch.stack([torch.full((n,), i, device=device), torch.arange(n, device=device)]))
-            cursor += inputs
-        o += count
-    logp = torch.zeros(N, T, device=device)
-    entropy = torch.zeros(N, T, device=device) if with_entropy else None
-    if not keep:
-        return logp, entropy
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    _register()
-    plan = SegmentPlan([s for s in segments if s[1] > s[0]])
-    # a 4-D mask is taken as given (transformers builds none, which over the packed sequence would be [S, S]); the
-    # segments are the mask
-    placeholder = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=device)
-    out = base.base_model(input_ids=torch.cat(ids)[None], position_ids=torch.cat(positions)[None],
-                          attention_mask=placeholder, use_cache=False, **{PLAN_KEY: plan})
-    hidden = out.last_hidden_state[0].index_select(0, torch.cat(keep))  # [scored positions, H]
-    states, head = _fused_or_plain(base, hidden, fuse)
-    values, ent = _chosen(states, head, torch.cat(targets), temperature, None, with_entropy)
-    rows, cols = torch.cat(back, dim=1)
-    logp = logp.index_put((rows, cols), values)
-    if with_entropy:
-        entropy = entropy.index_put((rows, cols), ent)
-    return logp, entropy
