@@ -339,9 +339,12 @@ def print_tables(rows: list[dict], machine: str) -> None:
             print(f"| {row['setting']} | {impl} | " + " | ".join(cells) + " |")
 
 
+JOB_SIZES = ("prompts", "generations", "new_tokens")  # the job's sizes the command line may change
+
+
 def job_arguments(args) -> list[str]:
     """The job's sizes given on the command line, for the children."""
-    return [f"--{key.replace('_', '-')}={value}" for key in ("prompts", "generations", "new_tokens")
+    return [f"--{key.replace('_', '-')}={value}" for key in JOB_SIZES
             if (value := getattr(args, key)) is not None]
 
 
@@ -371,7 +374,7 @@ def main() -> None:
     parser.add_argument("--child", nargs=3, metavar=("IMPL", "SETTING", "FOLDER"), help=argparse.SUPPRESS)
     parser.add_argument("--baton", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    JOB.update({k: getattr(args, k) for k in ("prompts", "generations", "new_tokens") if getattr(args, k) is not None})
+    JOB.update({k: getattr(args, k) for k in JOB_SIZES if getattr(args, k) is not None})
     if args.child:
         return child(*args.child, args.steps, args.threads, Baton(args.baton) if args.baton else None, args.device)
     if args.summarize:

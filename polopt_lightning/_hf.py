@@ -26,10 +26,16 @@ def last_positions(length: int, n: int, device: torch.device | str | None = None
     return torch.arange(length - n, length, device=device)
 
 
+def peft_base(model: nn.Module) -> nn.Module:
+    """The transformers model itself: a peft model's base (its adapters injected in place), any other model as it
+    is."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
 def cache_argument(model: nn.Module) -> str:
     """transformers 5 renamed ``past_key_values`` to ``cache``; the name this model's forward takes (a peft model's
     forward passes its keywords on to its base's)."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = peft_base(model)
     params = inspect.signature(base.forward).parameters
     return "cache" if "cache" in params else "past_key_values"
 

@@ -17,13 +17,15 @@ import torch
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
 
+from ._hf import peft_base
+
 SHARDED = ("fsdp", "deepspeed")
 
 
 def decoder_layer_classes(model: nn.Module) -> set[type[nn.Module]]:
     """The classes of a ``transformers`` model's repeated blocks (``_no_split_modules``, e.g. ``Qwen2DecoderLayer``):
     the units FSDP shards and gathers one at a time."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = peft_base(model)
     names = set(getattr(base, "_no_split_modules", None) or [])
     classes = {type(m) for m in base.modules() if type(m).__name__ in names}
     if not classes:

@@ -19,6 +19,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
+from .._hf import peft_base
 from . import trace
 
 SUPPORTED = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
@@ -26,7 +27,7 @@ SUPPORTED = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
 
 def llama_like(model: nn.Module) -> nn.Module | None:
     """The ``*ForCausalLM`` module when its decoding step can run here, else ``None``."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft
+    base = peft_base(model)  # peft
     if type(base).__name__ not in SUPPORTED:
         return None
     config = base.config

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from .._hf import peft_base
 from .base import RolloutBatch, RolloutEngine, SamplingConfig, kept_log_mass
 
 log = logging.getLogger(__name__)
@@ -187,7 +188,7 @@ class VLLMRolloutEngine(RolloutEngine):
         from vllm import LLM
 
         weights = policy_weights(model)
-        config = (model.get_base_model() if hasattr(model, "get_base_model") else model).config
+        config = peft_base(model).config
         cpu = next(model.parameters()).device.type == "cpu"
         if cpu:
             check_head_size(config)

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .. import accel
-from .._hf import cache_argument, last_positions, output_cache, positions_from_mask
+from .._hf import cache_argument, last_positions, output_cache, peft_base, positions_from_mask
 from ..models import evaluating, reference_context
 from . import varlen
 
@@ -102,9 +102,8 @@ class _ChosenLogProbs(torch.autograd.Function):
         out = torch.empty_like(logits)
         for start in range(0, logits.shape[0], rows):
             span = slice(start, start + rows)
-            out[span] = _chunk_grad(logits[span].float(), index[span], lse[span], entropy[span] if entropy.numel()
-                                    else entropy, grad[span], None if grad_entropy is None else grad_entropy[span],
-                                    temperature)
+            out[span] = _chunk_grad(logits[span].float(), index[span], lse[span], entropy[span], grad[span],
+                                    None if grad_entropy is None else grad_entropy[span], temperature)
         return out, None, None, None, None
 
 
@@ -243,24 +242,34 @@ FUSABLE_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3", "qwen2_mo
                                  "olmo2", "smollm3"})
 
 
+def _trunk_problem(base: nn.Module) -> str:
+    """Why the trunk of ``base`` (a transformers model) cannot run without the model's own forward, its head then
+    applied to its output, or ``""``: the model type must be one of :data:`FUSABLE_MODEL_TYPES` and the trunk a
+    separate module (``base_model``)."""
+    model_type = getattr(getattr(base, "config", None), "model_type", None)
+    if model_type not in FUSABLE_MODEL_TYPES:
+        return f"model type {model_type!r} is not one whose head runs plainly ({sorted(FUSABLE_MODEL_TYPES)})"
+    if base.base_model is base:
+        return f"{type(base).__name__} has no separate trunk (base_model)"
+    return ""
+
+
 def fusable_head(model: nn.Module) -> tuple[nn.Linear | None, str]:
     """The output head the fused log-probs (:func:`head_log_softmax`) can stand in for, or ``None`` and why not.
 
     The model must be one of :data:`FUSABLE_MODEL_TYPES` (a PEFT wrapper around one too), its head a plain
     ``nn.Linear`` (not a LoRA layer or a quantized one), and the head's weight a whole tensor on this process (not an
     FSDP2 shard or a DeepSpeed ZeRO-3 partition, which only the model's own forward gathers)."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    model_type = getattr(getattr(base, "config", None), "model_type", None)
-    if model_type not in FUSABLE_MODEL_TYPES:
-        return None, f"model type {model_type!r} is not one whose head runs plainly ({sorted(FUSABLE_MODEL_TYPES)})"
+    base = peft_base(model)
+    problem = _trunk_problem(base)
+    if problem:
+        return None, problem
     head = base.get_output_embeddings()
     if type(head) is not nn.Linear:
         return None, f"the output head is a {type(head).__name__}, not a plain nn.Linear"
     weight = head.weight
     if type(weight.data) is not torch.Tensor or hasattr(weight, "ds_id") or weight.dim() != 2:
         return None, "the output head's weight is sharded (FSDP2 or DeepSpeed ZeRO-3)"
-    if base.base_model is base:
-        return None, f"{type(base).__name__} has no separate trunk (base_model)"
     return head, ""
 
 
@@ -286,7 +295,7 @@ def _forward(model: nn.Module, fuse: bool | None, keep: Tensor, **inputs: Any) -
     if head is None:
         out = model(**inputs, logits_to_keep=keep)
         return out, out.logits, None
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = peft_base(model)
     out = base.base_model(**inputs)
     return out, out.last_hidden_state.index_select(1, keep), head
 
@@ -297,7 +306,7 @@ def _fused_or_plain(model: nn.Module, hidden: Tensor, fuse: bool | None) -> tupl
     head = _head_choice(model, fuse, hidden.shape[0])
     if head is not None:
         return hidden, head
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = peft_base(model)
     return base.get_output_embeddings()(hidden), None
 
 
@@ -406,16 +415,9 @@ PACKED_MAX_TOKENS = 192
 
 def packing_supported(model: nn.Module) -> bool:
     """Whether ``model`` takes the block mask of :func:`shared_prompt_completion_logprobs` with ``packed``: PyTorch's
-    SDPA attention (a boolean 4-D mask, used as given by transformers' mask code) and no sliding-window layers (their
-    windows would be the mask's to apply)."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    config = getattr(base, "config", None)
-    if config is None or getattr(config, "_attn_implementation", None) != "sdpa":
-        return False
-    layer_types = getattr(config, "layer_types", None)
-    if layer_types is not None:
-        return all(kind == "full_attention" for kind in layer_types)
-    return not getattr(config, "use_sliding_window", False) and getattr(config, "sliding_window", None) is None
+    SDPA attention (a boolean 4-D mask, used as given by transformers' mask code) and no sliding-window layers
+    (:func:`~polopt_lightning.step.varlen.attention_problem`)."""
+    return not varlen.attention_problem(model)
 
 
 def packed_length(prompt_len: int, completion_len: int, group_index: Tensor) -> tuple[int, bool]:
@@ -472,19 +474,16 @@ def _packed_groups(model: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, co
 
 def padding_free_supported(model: nn.Module) -> str:
     """Why ``model`` cannot run padding-free (:func:`padding_free_logprobs`), or ``""``: its head must run plainly
-    (:data:`FUSABLE_MODEL_TYPES`: the trunk runs without the model's own forward) and its trunk segment by segment
+    (:func:`_trunk_problem`: the trunk runs without the model's own forward) and its trunk segment by segment
     (:func:`~polopt_lightning.step.varlen.supported`)."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    model_type = getattr(getattr(base, "config", None), "model_type", None)
-    if model_type not in FUSABLE_MODEL_TYPES:
-        return f"model type {model_type!r} is not one of {sorted(FUSABLE_MODEL_TYPES)}"
-    return varlen.supported(model)
+    return _trunk_problem(peft_base(model)) or varlen.supported(model)
 
 
 def padding_free_logprobs(model: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor,
                           completion_mask: Tensor, group_index: Tensor | None, temperature: float = 1.0,
                           with_entropy: bool = False, fuse: bool | None = None) -> tuple[Tensor, Tensor | None]:
-    """Log-probs ``[N, T]`` (and entropies) of the completions as :func:`completion_logprobs` gives them, from one packed sequence without padding (0 at padded positions).
+    """Log-probs ``[N, T]`` (and entropies) of the completions as :func:`completion_logprobs` gives them, from one
+    packed sequence without padding (0 at padded positions).
 
     Rows with the same ``group_index`` share their prompt, which runs once (``None``: each row its own prompt).
     ``completion_mask`` must be each row's real tokens followed by padding (what the rollouts make, multi-turn
@@ -536,7 +535,7 @@ def padding_free_logprobs(model: nn.Module, prompt_ids: Tensor, prompt_mask: Ten
     entropy = torch.zeros(N, T, device=device) if with_entropy else None
     if not keep:
         return logp, entropy
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = peft_base(model)
     varlen.register()
     plan = varlen.SegmentPlan([s for s in segments if s[1] > s[0]])
     # a 4-D mask is taken as given (transformers builds none, which over the packed sequence would be [S, S]); the
@@ -584,11 +583,13 @@ class Scorer:
                  temperature: float) -> None:
         self.policy, self.ref_model, self.shared_reference = policy, ref_model, shared_reference
         self.config, self.temperature = config, temperature
-        for model in (policy, ref_model):
-            if config.fused_head and model is not None and fusable_head(model)[0] is None:
-                raise ValueError(f"update.fused_head=true: {fusable_head(model)[1]}; set it to null or false")
-            if config.padding_free and model is not None and padding_free_supported(model):
-                raise ValueError(f"update.padding_free=true: {padding_free_supported(model)}; set it to false")
+        for model in (m for m in (policy, ref_model) if m is not None):
+            why = fusable_head(model)[1] if config.fused_head else ""
+            if why:
+                raise ValueError(f"update.fused_head=true: {why}; set it to null or false")
+            why = padding_free_supported(model) if config.padding_free else ""
+            if why:
+                raise ValueError(f"update.padding_free=true: {why}; set it to false")
 
     def logprobs(self, model: nn.Module, exp: Experience, rows: Tensor | slice, width: int | None = None,
                  with_entropy: bool = False) -> tuple[Tensor, Tensor | None]:

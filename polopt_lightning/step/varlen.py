@@ -25,6 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .._hf import peft_base
+
 PLAN_KEY = "polopt_segments"  # the keyword argument that carries the plan to the attention function
 
 
@@ -88,21 +90,27 @@ def register() -> None:
     AttentionInterface.register("sdpa", sdpa_or_segments)
 
 
-def supported(model: nn.Module) -> str:
-    """Why ``model``'s trunk cannot run segment by segment, or ``""``: its attention must be SDPA's, with no
-    sliding-window layers (their windows would be the segments' to apply), and its weights whole on this process."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    config = getattr(base, "config", None)
-    if config._attn_implementation != "sdpa":
-        return f"attention {config._attn_implementation!r} (sdpa only)"
+def attention_problem(model: nn.Module) -> str:
+    """Why ``model``'s attention cannot take a mask it is given (a block mask, or segments), or ``""``: it must be
+    PyTorch's SDPA, with no sliding-window layers (their windows would be the mask's to apply)."""
+    config = getattr(peft_base(model), "config", None)
+    if config is None or getattr(config, "_attn_implementation", None) != "sdpa":
+        return f"attention {getattr(config, '_attn_implementation', None)!r} (sdpa only)"
     layer_types = getattr(config, "layer_types", None)
-    sliding = (any(kind != "full_attention" for kind in layer_types) if layer_types is not None
-               else getattr(config, "use_sliding_window", False) or getattr(config, "sliding_window", None))
-    if sliding:
-        return "sliding-window attention layers"
-    if base.base_model is base:
-        return f"{type(base).__name__} has no separate trunk (base_model)"
-    embedding = base.get_input_embeddings().weight
+    if layer_types is not None:
+        sliding = not all(kind == "full_attention" for kind in layer_types)
+    else:
+        sliding = getattr(config, "use_sliding_window", False) or getattr(config, "sliding_window", None) is not None
+    return "sliding-window attention layers" if sliding else ""
+
+
+def supported(model: nn.Module) -> str:
+    """Why ``model``'s trunk cannot run segment by segment, or ``""``: its attention as :func:`attention_problem`
+    asks, and its weights whole on this process."""
+    problem = attention_problem(model)
+    if problem:
+        return problem
+    embedding = peft_base(model).get_input_embeddings().weight
     if type(embedding.data) is not torch.Tensor or hasattr(embedding, "ds_id"):
         # the trunk runs without the whole model's forward, which is what gathers the root's shards
         return "the model is sharded (FSDP2 or DeepSpeed ZeRO-3)"

@@ -86,7 +86,7 @@ def backward_product(weight: Tensor):
     """oneDNN's product (``(x, w) -> x @ w.T``, any strides) for the products an autograd function's backward makes
     with ``weight``, where this thread is inside :class:`OneDNNLinear` (which sees no backward) and the weight is of
     the mode's kind (:func:`covers`); ``None`` elsewhere. Asked in the forward pass, where the mode is open."""
-    return _product if getattr(_open, "depth", 0) > 0 and covers(weight) else None
+    return _product if active() and covers(weight) else None
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
