@@ -128,17 +128,10 @@ def main() -> None:
 
 
 def _cpu() -> str:
-    """The CPU's name (memory.py's), its cores, and which of the features that change the products' speed it has."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from memory import _cpu_name
+    from memory import cpu_description
 
-    try:
-        with open("/proc/cpuinfo") as fh:
-            flags = next(x.split(":", 1)[1].split() for x in fh if x.startswith("flags"))
-    except (OSError, StopIteration):
-        flags = []
-    features = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags]
-    return f"{_cpu_name()}, {os.cpu_count()} cores, {'+'.join(features)}"
+    return cpu_description()
 
 
 if __name__ == "__main__":

@@ -53,7 +53,15 @@ SHAPES = {
 }
 SETTINGS = {"none": ("none", "none"), "lora": ("none", "lora"), "int8+lora": ("int8", "lora"),
             "nf4+lora": ("nf4", "lora")}
-JOB = dict(prompts=2, generations=4, prompt_len=32, new_tokens=16, beta=0.04, lr=1e-6)
+JOB = dict(prompts=2, generations=4, prompt_len=32, new_tokens=16, beta=0.04, lr=1e-6, forced=True)
+#: tokens each step generated (the reward function counts them, on both sides; :meth:`Phases.end` takes them)
+GENERATED = [0]
+
+
+def counted_length_reward(prompts, completions, completion_ids=None, **kwargs):
+    """:func:`throughput.length_reward`, counting the completions' tokens (EOS included) as both trainers pass them."""
+    GENERATED[0] += sum(len(ids) for ids in completion_ids or ())
+    return length_reward(prompts, completions, **kwargs)
 LORA = dict(r=16, alpha=32)
 
 
@@ -129,8 +137,9 @@ def run_polopt(folder: str, setting: str, steps: int, overrides: dict | None = N
                             shuffle=False)
     n = JOB["new_tokens"]
     module = PolicyOptimizationModule(model, tok, **module_arguments(dict(
-        objective={"name": "grpo", "beta": JOB["beta"]}, reward_fns=[length_reward],
-        experience={"num_generations": JOB["generations"]}, generation={"max_new_tokens": n, "min_new_tokens": n},
+        objective={"name": "grpo", "beta": JOB["beta"]}, reward_fns=[counted_length_reward],
+        experience={"num_generations": JOB["generations"]},
+        generation={"max_new_tokens": n, "min_new_tokens": n if JOB["forced"] else 0},
         optimizer={"lr": JOB["lr"]}), overrides))
     if phases is not None:
         note_sampling_dtype(module, phases.facts)
@@ -180,7 +189,7 @@ def run_trl(folder: str, setting: str, steps: int, overrides: dict | None = None
         **dict(output_dir=tempfile.mkdtemp(prefix="trl_memory_"), use_cpu=device == "cpu", bf16=False, fp16=False,
                report_to="none", save_strategy="no", per_device_train_batch_size=JOB["prompts"] * JOB["generations"],
                gradient_accumulation_steps=1, num_generations=JOB["generations"], max_completion_length=n,
-               generation_kwargs={"min_new_tokens": n}, temperature=1.0, beta=JOB["beta"], num_iterations=1,
+               generation_kwargs={"min_new_tokens": n if JOB["forced"] else 0}, temperature=1.0, beta=JOB["beta"], num_iterations=1,
                learning_rate=JOB["lr"], max_steps=steps, logging_steps=1, disable_dropout=True,
                shuffle_dataset=False, dataloader_num_workers=0, seed=0, gradient_checkpointing=False,
                model_init_kwargs={"dtype": "float32"}),
@@ -203,7 +212,7 @@ def run_trl(folder: str, setting: str, steps: int, overrides: dict | None = None
                 phases.end(times[-1])
 
     trainer = GRPOTrainer(
-        model=folder, reward_funcs=[length_reward], args=config, processing_class=tok,
+        model=folder, reward_funcs=[counted_length_reward], args=config, processing_class=tok,
         train_dataset=Dataset.from_list([{"prompt": p} for p in prompts()]), callbacks=[Timer()],
         quantization_config=Quantization(mode=quant).bnb_config(),
         peft_config=lora_config().peft_config(None) if adapter == "lora" else None)
@@ -235,6 +244,7 @@ class Phases:
         self.depth = 0
         self.overall = 0.0  # the highest mark read: the process's peak since it started timing
         self.facts: dict = {}  # what the run noted besides times (the dtype polopt sampled with)
+        self.tokens: list[int] = []  # each step's generated tokens (counted by the reward function)
 
     def _mark(self, reset: bool) -> float | None:
         """The high-water mark so far (GiB), then, with ``reset``, a new one from what is resident now."""
@@ -274,12 +284,14 @@ class Phases:
 
     def start(self) -> None:
         self.current, self.current_peaks = {}, {}
+        GENERATED[0] = 0
         self._mark(reset=True)
 
     def end(self, step_s: float) -> None:
         self._note("rest", self._mark(reset=False))
         self.steps.append({**self.current, "rest": step_s - sum(self.current.values())})
         self.peaks.append(dict(self.current_peaks))
+        self.tokens.append(GENERATED[0])
 
 
 def child(impl: str, setting: str, folder: str, steps: int, threads: int) -> None:
@@ -390,6 +402,18 @@ def _cpu_name() -> str:
             return next(line.split(":", 1)[1].strip() for line in fh if line.startswith("model name"))
     except (OSError, StopIteration):
         return os.uname().machine
+
+
+def cpu_description() -> str:
+    """The CPU's name, its cores, and which of the features that change the products' speed it has (AVX2, AVX-512,
+    AVX512-BF16, AMX)."""
+    try:
+        with open("/proc/cpuinfo") as fh:
+            flags = next(x.split(":", 1)[1].split() for x in fh if x.startswith("flags"))
+    except (OSError, StopIteration):
+        flags = []
+    features = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags]
+    return f"{_cpu_name()}, {os.cpu_count()} cores, {'+'.join(features) or 'no AVX2'}"
 
 
 if __name__ == "__main__":

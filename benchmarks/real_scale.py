@@ -176,7 +176,7 @@ def child(impl: str, setting: str, folder: str, steps: int, threads: int, baton:
     # the phases reset the high-water mark at each of them: the training peak is the highest mark they read
     print("RESULT " + json.dumps({"impl": impl, "setting": setting, "job": JOB, "step_s": times, "phases": phases.steps,
                                   "phase_peaks": phases.peaks, "load_peak_gib": load_peak,
-                                  "sample_dtype": phases.facts.get("sample_dtype"),
+                                  "sample_dtype": phases.facts.get("sample_dtype"), "tokens": phases.tokens,
                                   "train_peak_gib": max(phases.overall, peak_rss_gib())}))
 
 
@@ -345,7 +345,7 @@ JOB_SIZES = ("prompts", "generations", "new_tokens")  # the job's sizes the comm
 def job_arguments(args) -> list[str]:
     """The job's sizes given on the command line, for the children."""
     return [f"--{key.replace('_', '-')}={value}" for key in JOB_SIZES
-            if (value := getattr(args, key)) is not None]
+            if (value := getattr(args, key)) is not None] + (["--sampled"] if args.sampled else [])
 
 
 def main() -> None:
@@ -367,6 +367,9 @@ def main() -> None:
     parser.add_argument("--generations", type=int, help=f"completions a prompt (default {JOB['generations']})")
     parser.add_argument("--new-tokens", type=int,
                         help=f"tokens each completion is forced to (default {JOB['new_tokens']})")
+    parser.add_argument("--sampled", action="store_true",
+                        help="completions end where sampling ends them (the model's EOS tokens), not forced to "
+                             "--new-tokens (benchmarks/lengths.py sets the EOS tokens)")
     parser.add_argument("--model-dir", help="where the model is saved (default: a temporary folder)")
     parser.add_argument("--json", help="also write the measurements to this file")
     parser.add_argument("--summarize", nargs="+", metavar="JSON",
@@ -375,6 +378,7 @@ def main() -> None:
     parser.add_argument("--baton", help=argparse.SUPPRESS)
     args = parser.parse_args()
     JOB.update({k: getattr(args, k) for k in JOB_SIZES if getattr(args, k) is not None})
+    JOB["forced"] = not args.sampled
     if args.child:
         return child(*args.child, args.steps, args.threads, Baton(args.baton) if args.baton else None, args.device)
     if args.summarize:

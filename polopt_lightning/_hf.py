@@ -32,6 +32,16 @@ def peft_base(model: nn.Module) -> nn.Module:
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
+def stop_token_ids(tokenizer: Any, model: nn.Module | None) -> list[int]:
+    """The tokens that end a completion: the tokenizer's EOS, then those of the model's generation config (as TRL and
+    vLLM stop: Qwen2.5-Instruct's config adds ``<|endoftext|>`` to the tokenizer's ``<|im_end|>``), each once."""
+    config = getattr(peft_base(model), "generation_config", None) if model is not None else None
+    extra = getattr(config, "eos_token_id", None)
+    extra = [] if extra is None else [extra] if isinstance(extra, int) else list(extra)
+    first = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
+    return list(dict.fromkeys([*first, *extra]))
+
+
 def cache_argument(model: nn.Module) -> str:
     """transformers 5 renamed ``past_key_values`` to ``cache``; the name this model's forward takes (a peft model's
     forward passes its keywords on to its base's)."""

@@ -16,6 +16,7 @@ from torch import Tensor, nn
 from torchmetrics import MeanMetric
 
 from . import accel as accelerators
+from ._hf import stop_token_ids
 from .data.datamodule import ExtraPrompts, batch_rows
 from .distributed import all_reduce, world_size
 from .models import disable_dropout as _disable_dropout
@@ -197,7 +198,8 @@ class PolicyOptimizationModule(L.LightningModule):
         with self.whole_parameters(getattr(self._trainer, "strategy", None)):
             return self.engine.generate(
                 self.policy, batch["prompt_ids"], batch["prompt_mask"], num_generations, sampling,
-                self.tokenizer.eos_token_id, self.tokenizer.pad_token_id, generator=self._sampling_generator(), **rows,
+                stop_token_ids(self.tokenizer, self.policy), self.tokenizer.pad_token_id,
+                generator=self._sampling_generator(), **rows,
             )
 
     def configure_model(self) -> None:

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from ._cache import cache_root
+from ._hf import stop_token_ids
 from .callbacks.checkpoint import save_atomically
 
 log = logging.getLogger(__name__)
@@ -219,7 +220,7 @@ def greedy_accuracy(model: nn.Module, tokenizer: Any, rows: Sequence[dict[str, A
             chunk = rows[start : start + batch_size]
             enc = tokenizer([str(r[prompt_column]) for r in chunk], padding=True, return_tensors="pt").to(device)
             out = HFRolloutEngine().generate(model, enc["input_ids"], enc["attention_mask"], 1, sampling,
-                                             tokenizer.eos_token_id, tokenizer.pad_token_id)
+                                             stop_token_ids(tokenizer, model), tokenizer.pad_token_id)
             ids = [r[m.bool()].tolist() for r, m in zip(out.completion_ids, out.completion_mask)]
             texts = tokenizer.batch_decode(ids, skip_special_tokens=True)
             right += sum(t.strip() == str(r[answer_column]).strip() for t, r in zip(texts, chunk))

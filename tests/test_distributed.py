@@ -48,12 +48,18 @@ def _update(tmp_path, world, *args):
                                   # the shipped update: clipping at 1.0, AdamW (its shipped settings), 2 mini-batches;
                                   # under FSDP2 Lightning clips the sharded gradients by their global norm
                                   ("grpo", "max_grad_norm=1.0", "optimizer=adamw", "mini_batches=2"),
-                                  ("grpo", "strategy=fsdp", "max_grad_norm=1.0", "optimizer=adamw", "mini_batches=2")],
+                                  ("grpo", "strategy=fsdp", "max_grad_norm=1.0", "optimizer=adamw", "mini_batches=2"),
+                                  # process 0 drew the long completions: balancing gives each process one long group
+                                  # a step (update.balance_tokens, on by default), also by mini-batch and under FSDP2
+                                  ("grpo", "skew=true", "max_new_tokens=12", "beta=0.2", "anchor=0.5"),
+                                  ("grpo", "skew=true", "max_new_tokens=12", "mini_batches=2", "strategy=fsdp",
+                                   "micro_batch_tokens=40")],
                          ids=["grpo-token-mean-micro-batches", "gspo-batch-scale-anchor", "dr_grpo-kl",
                               "fsdp-grpo-kl-anchor", "grpo-kl-onednn-linear", "cispo-reinforce-pp-whitened",
                               "grpo-entropy-bonus-top-mask-kl-in-reward", "fused-head-padding-free-entropy-bonus-kl",
                               "shipped-clip-adamw-2-mini-batches",
-                              "fsdp-shipped-clip-adamw-2-mini-batches"])
+                              "fsdp-shipped-clip-adamw-2-mini-batches", "balanced-skewed-kl-anchor",
+                              "fsdp-balanced-skewed-2-mini-batches"])
 def test_one_ddp_update_equals_the_single_process_update(args, tmp_path):
     one = _update(tmp_path, 1, *[a for a in args if not a.startswith("strategy=")])
     two = _update(tmp_path, 2, *args)  # DDP, or FSDP2 (the weights sharded over the 2 processes)
@@ -74,6 +80,15 @@ def test_one_ddp_update_equals_the_single_process_update(args, tmp_path):
         assert one["metrics"]["train/grad_norm"] > 1.0
     for name, weight in one["weights"].items():
         assert torch.allclose(weight, two["weights"][name], atol=1e-6, rtol=1e-5), name
+    # how even the processes' tokens were, before and after balancing: logged under data parallelism only
+    balance = {k: two["metrics"].pop(f"train/{k}") for k in ("token_imbalance", "token_imbalance_before")}
+    assert 1.0 <= balance["token_imbalance"] <= balance["token_imbalance_before"]
+    if "skew=true" in args:  # 2 long groups against 2 short ones: one of each on each process
+        assert balance["token_imbalance_before"] > 1.3 and balance["token_imbalance"] < 1.05, balance
+        unbalanced = _update(tmp_path, 2, *args, "balance_tokens=false")
+        assert not any(k.startswith("train/token_imbalance") for k in unbalanced["metrics"])
+        for name, weight in unbalanced["weights"].items():  # the steps held the same completions
+            assert torch.allclose(weight, two["weights"][name], atol=1e-6, rtol=1e-5), name
     # the same logged metrics: token-weighted, maxima, whole-batch reward statistics
     assert one["metrics"].keys() == two["metrics"].keys()
     for name, value in one["metrics"].items():

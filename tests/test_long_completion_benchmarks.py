@@ -1,6 +1,7 @@
 """The long-completion benchmarks' smoke runs: benchmarks/lm_head.py (the head's three implementations: the fused head,
 the head's own product with the chunked log-softmax, TRL's where installed) and benchmarks/passes.py (the passes
-padded and padding-free), each case in a process of its own, with their ratios."""
+padded and padding-free) and benchmarks/balance.py (two DDP processes with and without token balancing), each case in
+a process of its own, with their ratios."""
 
 import importlib.util
 import json
@@ -12,6 +13,7 @@ import pytest
 
 SCRIPT = Path(__file__).parents[1] / "benchmarks" / "lm_head.py"
 PASSES = SCRIPT.parent / "passes.py"
+BALANCE = SCRIPT.parent / "balance.py"
 
 
 @pytest.mark.slow  # three processes (~15 s): python -m pytest -m slow
@@ -44,3 +46,54 @@ def test_a_small_run_of_the_passes_counts_real_and_padded_tokens(tmp_path):
     for r in results:
         assert all(r[p]["median_s"] > 0 and len(r[p]["seconds"]) == 1 for p in ("reference", "training"))
     assert "padding-free+fused / padded: reference time" in proc.stdout
+
+
+@pytest.mark.slow  # two 2-process runs (~1 min): python -m pytest -m slow
+def test_a_small_balance_run_reports_both_settings_and_the_imbalance(tmp_path):
+    proc = subprocess.run([sys.executable, str(BALANCE), "--steps", "3", "--runs", "1", "--new-tokens", "48",
+                           "--min-tokens", "4", "--hidden", "64"], capture_output=True, text=True, timeout=600,
+                          cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.split("RESULT ")[-1])
+    assert result["unbalanced_s"] > 0 and result["balanced_s"] > 0
+    # group lengths 4..48 drawn per prompt: the processes' tokens differ, and balancing brings them closer
+    assert 1.0 <= result["imbalance_after"] < result["imbalance_before"]
+    assert "2 steps a setting" in proc.stdout
+
+
+@pytest.mark.slow  # four processes (~1 min): python -m pytest -m slow
+def test_a_small_length_sweep_samples_lengths_below_the_cap_on_both_sides(tmp_path):
+    impls = ["polopt"] + (["trl"] if importlib.util.find_spec("trl") else [])
+    out, image, folder = tmp_path / "run.json", tmp_path / "run.png", tmp_path / "model"
+    proc = subprocess.run([sys.executable, str(SCRIPT.parent / "lengths.py"), "--shape", "small", "--model-dir",
+                           str(folder), "--lengths", "32", "96", "--steps", "3", "--impls", *impls, "--json", str(out),
+                           "--plot", str(image)], capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run = json.loads(out.read_text())
+    assert [row["cap"] for row in run["rows"]] == [32, 96] and image.stat().st_size > 0
+    for row in run["rows"]:
+        for impl in impls:
+            r = row["results"][impl]
+            tokens = r["tokens_per_step"]
+            # sampled, not forced: below the cap's 8 x cap tokens, more than one token a completion
+            assert len(tokens) == 2 and all(8 < t < 8 * row["cap"] for t in tokens), (row["cap"], impl, tokens)
+            assert r["step_s"] > 0 and r["peak_gib"] > 0 and set(r["phases"]) == {"rollout", "reference", "training",
+                                                                                  "rest"}
+    # the folder's generation config is left as it was built: the tokenizer's EOS alone
+    assert json.loads((folder / "generation_config.json").read_text())["eos_token_id"] == 1
+    assert "cost per generated token" in proc.stdout
+
+
+@pytest.mark.slow  # one process (~20 s): python -m pytest -m slow
+def test_a_small_decode_positions_run_times_every_token_of_both_samplers(tmp_path):
+    out = tmp_path / "run.json"
+    proc = subprocess.run([sys.executable, str(SCRIPT.parent / "decode_positions.py"), "--shape", "small",
+                           "--model-dir", str(tmp_path / "model"), "--new-tokens", "64", "--bin", "16", "--threads",
+                           "1", "--json", str(out)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run = json.loads(out.read_text())
+    for impl in ("polopt", "transformers"):  # a step a token after the first, four bins of 16 positions
+        assert len(run["steps"][impl]) == 63 and all(s > 0 for s in run["steps"][impl])
+        assert len(run["bins"][impl]) == 4
+    assert len(run["floor"]) == 4 and run["floor"][0] < run["floor"][-1]  # the keys and values read grow
+    assert "last bin x" in proc.stdout

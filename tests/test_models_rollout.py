@@ -392,3 +392,28 @@ def test_inference_mode_is_left_off_for_quantized_or_adapter_layers(tiny):
     assert not _stateless(model)
     model.peft_config = {}
     assert not _stateless(model)
+
+
+def test_the_module_stops_at_the_generation_configs_eos_tokens_too(tiny):
+    """The tokens that end a completion are the tokenizer's EOS and the model's generation config's (TRL's and vLLM's
+    rule: Qwen2.5-Instruct's config adds <|endoftext|> to <|im_end|>), in every rollout the module runs."""
+    from polopt_lightning import PolicyOptimizationModule
+    from polopt_lightning._hf import stop_token_ids
+
+    model, tok = copy.deepcopy(tiny[0]), tiny[1]
+    eos = tok.eos_token_id
+    model.generation_config.eos_token_id = None
+    assert stop_token_ids(tok, model) == [eos]
+    model.generation_config.eos_token_id = [7, eos, 7]
+    assert stop_token_ids(tok, model) == [eos, 7]  # the tokenizer's first, each once
+    module = PolicyOptimizationModule(model, tok, objective="grpo", reward_fns=[lambda completions, **kw: [0.0]])
+    ids, mask = _prompts(tok, ["1+1=", "2+2="])
+    greedy = SamplingConfig(max_new_tokens=6, temperature=0.0)
+    model.generation_config.eos_token_id = eos
+    free = module.rollout({"prompt_ids": ids, "prompt_mask": mask}, greedy, 1)
+    first = int(free.completion_ids[0, 0])
+    assert first != eos and free.completion_mask[0].sum() > 1
+    model.generation_config.eos_token_id = [first]  # the greedy first token now ends the completion
+    out = module.rollout({"prompt_ids": ids, "prompt_mask": mask}, greedy, 1)
+    assert out.completion_mask[0].sum() == 1 and bool(out.finished[0])
+    assert torch.equal(out.completion_ids[0, :1], free.completion_ids[0, :1])

@@ -15,6 +15,7 @@ from torch import Tensor, nn
 
 from ..distributed import all_reduce, world_size
 from ..settings import Settings
+from .balance import balance
 from .entropy import EntropyControl
 from .loop import TrainingLoop
 from .terms import LossTerm, MiniBatch, Piece, advantages_for, build_terms
@@ -64,6 +65,12 @@ class UpdateConfig(Settings):
             computes padding, whatever the completions' lengths. The same log-probs within float tolerance. Needs the
             fused head's model types, SDPA attention and no sliding windows (an error names what is
             missing).
+        balance_tokens: under data parallelism, move whole groups between the processes after the rollout so that each
+            process's share of every optimizer step holds about as many tokens (:mod:`~polopt_lightning.step.balance`,
+            verl's ``balance_batch``): no process waits at the gradient's reduction for the one that drew the longest
+            completions. The steps hold the same completions either way (the same update within float tolerance);
+            logs ``token_imbalance`` (the largest process's tokens over the mean) and ``token_imbalance_before``.
+            Nothing in a single process.
         reuse_sampling_logprobs: off-policy updates take the sampler's log-probs as old log-probs instead of a
             second forward pass, where they match the training numerics (dropout off, the sampler in the policy's
             own precision); otherwise the pass runs, for every row but the first mini-batch's.
@@ -106,6 +113,7 @@ class UpdateConfig(Settings):
     pack_groups: bool | None = None
     fused_head: bool | None = None
     padding_free: bool = False
+    balance_tokens: bool = True
     reuse_sampling_logprobs: bool = True
     disable_dropout: bool = True
     is_correction: bool | None = None
@@ -294,9 +302,17 @@ class Updater:
             raise ValueError(f"update.mini_batches={config.mini_batches} is more than the rollout's {n} completions "
                              f"({prompts} prompts x num_generations={n // prompts})")
         size = math.ceil(n / config.mini_batches)
+
+        def order(i: int) -> Tensor:
+            return mini_batch_order(exp.group_index.cpu(), self.seed + loop.global_step + i * config.mini_batches,
+                                    config.share_prompt)
+
+        first, balanced = order(0), {}
+        if config.balance_tokens and world_size() > 1:  # each process's share of every step: as many tokens
+            exp, first, balanced = balance(exp, first, size, loop.device)
+            first = order(0) if first is None else first
         # the mini-batch orders of every pass, drawn up front: the first mini-batch needs no old-log-prob pass
-        orders = [mini_batch_order(exp.group_index.cpu(), self.seed + loop.global_step + i * config.mini_batches,
-                                   config.share_prompt) for i in range(config.num_iterations)]
+        orders = [first, *(order(i) for i in range(1, config.num_iterations))]
         needs_entropies = any(term.needs_entropies for term in self.terms)
         own_old = False  # whether the first update records its rows' old log-probs itself
         with torch.no_grad():
@@ -326,8 +342,9 @@ class Updater:
             rank_zero_info(f"trainer.max_steps={last}: the last rollout makes {len(updates)} of its optimizer steps")
         step_metrics = [self.step(exp, orders[i][start:start + size].to(loop.device), optimizer, scheduler,
                                   record_old=own_old and i == 0 and start == 0) for i, start in updates]
-        return {key: (torch.stack([m[key] for m in step_metrics]).sum() if key == "skipped_updates"
-                      else torch.stack([m[key] for m in step_metrics]).mean()) for key in step_metrics[0]}
+        return {**{key: (torch.stack([m[key] for m in step_metrics]).sum() if key == "skipped_updates"
+                         else torch.stack([m[key] for m in step_metrics]).mean()) for key in step_metrics[0]},
+                **balanced}
 
     def micro_batches(self, exp: Experience, rows: Tensor) -> list[Tensor]:
         """The mini-batch ``rows`` in pieces of at most ``micro_batch_tokens`` tokens (:func:`micro_batches`), as many

@@ -5,7 +5,8 @@
 ``entropy_coef=C``; ``top_entropy_quantile=Q``; ``fused_head=true|false``; ``padding_free=true``; ``width=W``: a model W
 wide, whose weights from 512 on are large enough for the oneDNN linear layers; ``max_grad_norm=C``: clipping by global
 norm, none by default; ``optimizer=adamw``: the shipped conf/optimizer/adamw.yaml instead of plain SGD;
-``mini_batches=M``: M optimizer steps on the rollout, none of its rows twice, split in each process's row order so that
+``balance_tokens=false``: no token balancing between the processes; ``skew=true``: process 0's prompts (those of even
+index) complete in ``max_new_tokens`` tokens (default 4), process 1's in one; ``mini_batches=M``: M optimizer steps on the rollout, none of its rows twice, split in each process's row order so that
 1 and 2 processes put the same prompts in each step): rank 0 writes ``OUT`` (torch.save) with the policy's weights after
 the step, the step's logged metrics, and every prompt's advantages. The prompts' completions do not depend on the number
 of processes (each prompt samples with a generator seeded by its own tokens), so a run with 1 process and ``4 * B``
@@ -33,6 +34,7 @@ from polopt_lightning.rollout import HFRolloutEngine, RolloutBatch
 from polopt_lightning.step.experience import pad_cat
 
 PROMPTS = 4  # in all, over the processes
+SKEW = False  # skew=true: long completions on process 0, one token on process 1
 
 
 class PerPromptEngine(HFRolloutEngine):
@@ -46,6 +48,10 @@ class PerPromptEngine(HFRolloutEngine):
                                     generator=torch.Generator().manual_seed(key))
             # lengths that differ between prompts and processes: a token-level mean is then not a mean of means
             keep = 1 + (key + torch.arange(num_generations)) % sampling.max_new_tokens
+            if SKEW:  # the prompts of even index (all of process 0's, the sampler deals r, r + 2, ...) run long
+                rank, world = ((torch.distributed.get_rank(), torch.distributed.get_world_size())
+                               if torch.distributed.is_initialized() else (0, 1))
+                keep = torch.full_like(keep, sampling.max_new_tokens if (len(parts) * world + rank) % 2 == 0 else 1)
             cut = torch.arange(part.completion_mask.shape[1])[None] >= keep[:, None]
             part.completion_mask[cut] = 0
             part.completion_ids[cut] = pad
@@ -81,6 +87,8 @@ def main() -> None:
     out, world, objective, *extra = sys.argv[1:]
     world = int(world)
     options = dict(kv.split("=", 1) for kv in extra)
+    global SKEW
+    SKEW = options.get("skew") == "true"
     mini_batches = int(options.get("mini_batches", 1))
     if mini_batches > 1:
         # each process draws its own random split of its rows, so 1 and 2 processes would step on different prompts;
@@ -99,7 +107,7 @@ def main() -> None:
     if objective == "dr_grpo":  # a constant normaliser: the completion length cap
         spec["max_completion_length"] = 4
     module = Recording(
-        model, tok, objective=spec, reward_fns=[digit_share, ExactMatchReward()], generation={"max_new_tokens": 4},
+        model, tok, objective=spec, reward_fns=[digit_share, ExactMatchReward()], generation={"max_new_tokens": int(options.get("max_new_tokens", 4))},
         experience={"num_generations": 4, "advantage_scale": options.get("advantage_scale"),
                     "advantage_estimator": options.get("advantage_estimator", "grpo")},
         update={"mini_batches": mini_batches,
@@ -108,7 +116,8 @@ def main() -> None:
                 "entropy_coef": float(options.get("entropy_coef", 0.0)),
                 "top_entropy_quantile": float(options.get("top_entropy_quantile", 1.0)),
                 "fused_head": {"true": True, "false": False}.get(options.get("fused_head")),
-                "padding_free": options.get("padding_free") == "true"},
+                "padding_free": options.get("padding_free") == "true",
+                "balance_tokens": options.get("balance_tokens") != "false"},
         reference={"kl_in_reward": float(options.get("kl_in_reward", 0.0))},
         optimizer=optimizer, rollout_engine=PerPromptEngine(),
         # the supervised anchor on the arithmetic answers: its NLL a token mean over every process's prompts
