@@ -8,7 +8,8 @@ update (``Updater.run``: the passes, the backward, the gradient's reduction, the
 the rollout, on the process that finishes last; also each step's ``token_imbalance_before``/``token_imbalance``
 (the larger process's tokens over the mean). The rollout's own wait (sampling runs before balancing) is not counted.
 
-    python benchmarks/balance.py                     # 25M-class model, 4 prompts x 4 completions a process, 256 tokens
+    python benchmarks/balance.py --padding-free      # 4 prompts x 4 completions a process, up to 256 tokens
+    python benchmarks/balance.py                     # the padded passes (where update.balance_tokens=null is off)
     python benchmarks/balance.py --steps 2 --runs 1 --new-tokens 32 --hidden 64   # a smoke run (a minute)
 
 Lightning relaunches this script for the second process (its ``popen`` launcher); ``--child`` runs one setting.
@@ -72,7 +73,8 @@ def child(args: argparse.Namespace) -> None:
                        float(len(c) % 3) for c in completions]],
                    experience={"num_generations": args.generations},
                    generation={"max_new_tokens": args.new_tokens, "min_new_tokens": args.new_tokens},
-                   update={"balance_tokens": args.balance, "micro_batch_tokens": args.micro_batch_tokens})
+                   update={"balance_tokens": args.balance, "micro_batch_tokens": args.micro_batch_tokens,
+                           "padding_free": args.padding_free})
     trainer = L.Trainer(accelerator="cpu", devices=2, max_steps=args.steps, logger=False, enable_checkpointing=False,
                         strategy=L.pytorch.strategies.DDPStrategy(process_group_backend="gloo"),
                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
@@ -93,6 +95,7 @@ def main() -> None:
     parser.add_argument("--min-tokens", type=int, default=16)
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--micro-batch-tokens", type=int, default=None)
+    parser.add_argument("--padding-free", action="store_true", help="update.padding_free=true")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--balance", type=lambda v: v == "true", default=True, help=argparse.SUPPRESS)
     parser.add_argument("--out", default="", help=argparse.SUPPRESS)
@@ -122,7 +125,8 @@ def main() -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from memory import cpu_description
 
-    print(f"{cpu_description()}; 2 processes x 1 thread, {args.prompts} prompts x {args.generations} completions a process, lengths "
+    passes = "padding-free" if args.padding_free else f"padded, micro_batch_tokens={args.micro_batch_tokens}"
+    print(f"{cpu_description()}; {passes} passes; 2 processes x 1 thread, {args.prompts} prompts x {args.generations} completions a process, lengths "
           f"{args.min_tokens}..{args.new_tokens} by group, hidden {args.hidden}; {len(on)} steps a setting")
     print(f"token imbalance (largest process / mean): unbalanced {spread(before)}, balanced {spread(after)}")
     print(f"update s/step (the last process): unbalanced {spread(off)}, balanced {spread(on)}, "

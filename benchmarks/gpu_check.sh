@@ -63,7 +63,12 @@ section() {  # section NAME SECONDS COMMAND...: run it under its limit and say h
         else
           echo "=== vllm: not installed on this image (vLLM's CUDA wheels cannot travel in .whl); skipped"
         fi ;;
-      *) echo "unknown section $name (tests, fp32, nf4, tiny, vllm)"; exit 2 ;;
+      # long completions (issue 51): lengths sampled below 512 and 1,024 tokens, the fused head (on by default there),
+      # padding-free passes and TRL, per phase (not in the default sections: name it, "bash benchmarks/gpu_check.sh long")
+      long) section "lengths cuda" 240 python3 benchmarks/lengths.py --device cuda --shape qwen2.5-0.5b \
+            --lengths 512 1024 --impls polopt 'polopt:update={"padding_free":true}' trl --threads 8 \
+            --model-dir /tmp/qwen-shape --json "$OUT/lengths_gpu.json" --plot "$OUT/lengths_gpu.png" ;;
+      *) echo "unknown section $name (tests, fp32, nf4, tiny, vllm, long)"; exit 2 ;;
     esac
   done
 } 2>&1 | tee "$OUT/gpu_check.txt"

@@ -55,7 +55,7 @@ def set_stops(folder: str, every: int | None) -> list[int]:
 def run_one(folder: str, impl: str, cap: int, args) -> dict:
     cmd = [sys.executable, str(HERE / "real_scale.py"), "--child", impl, "fp32", folder, "--steps", str(args.steps),
            "--threads", str(args.threads), "--new-tokens", str(cap), "--prompts", str(args.prompts),
-           "--generations", str(args.generations), "--sampled"]
+           "--generations", str(args.generations), "--sampled", "--device", args.device]
     code, out, err = run_child(cmd)
     line = next((x for x in out.splitlines() if x.startswith("RESULT ")), None)
     if code or line is None:
@@ -76,7 +76,9 @@ def summary(result: dict) -> dict:
             "tokens": statistics.mean(tokens), "tokens_per_step": tokens,
             "rollout_tokens_per_s": sum(tokens) / max(sum(rollout), 1e-9),
             "s_per_1k_tokens": 1000 * sum(steps) / max(sum(tokens), 1),
-            "peak_gib": result["train_peak_gib"]}
+            "peak_gib": result["train_peak_gib"],
+            "phase_peaks_gib": {k: max((p.get(k, 0.0) for p in result["phase_peaks"][1:]), default=0.0)
+                                for k in ("rollout", "reference", "training", "rest")}}
 
 
 def plot(rows: list[dict], impls: list[str], path: str, title: str) -> None:
@@ -113,6 +115,7 @@ def main() -> None:
     parser.add_argument("--generations", type=int, default=8)
     parser.add_argument("--steps", type=int, default=2, help="steps a run (the first is left out)")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where both trainers run")
     parser.add_argument("--model-dir", required=True, help="the model's folder (built there if missing)")
     parser.add_argument("--json", help="write the measurements to this file")
     parser.add_argument("--plot", help="draw the cost and memory against the cap to this image")
@@ -121,6 +124,10 @@ def main() -> None:
         parser.error("--steps must be at least 2 (the first step is left out)")
     ensure_model(args.shape, args.model_dir)
     machine = f"{cpu_description()}, {args.threads} torch threads, {_mem_total_gib():.0f} GiB"
+    if args.device == "cuda":
+        import torch
+
+        machine = f"{torch.cuda.get_device_name(0)}; {machine}"
     print(machine, flush=True)
     rows = []
     began = time.perf_counter()
@@ -136,7 +143,8 @@ def main() -> None:
                 print(f"{cap:5d} {impl:50s} {result['step_s']:7.1f} s/step (rollout {ph['rollout']:.1f}, reference "
                       f"{ph['reference']:.1f}, training {ph['training']:.1f}, rest {ph['rest']:.1f}); "
                       f"{result['tokens']:.0f} tokens generated, {result['rollout_tokens_per_s']:.1f} tokens/s "
-                      f"sampling, {result['s_per_1k_tokens']:.2f} s per 1k tokens, peak {result['peak_gib']:.2f} GiB",
+                      f"sampling, {result['s_per_1k_tokens']:.2f} s per 1k tokens, peak {result['peak_gib']:.2f} GiB "
+                      f"(by phase {', '.join(f'{v:.2f}' for v in result['phase_peaks_gib'].values())})",
                       flush=True)
             rows.append(row)
     finally:

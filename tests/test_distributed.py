@@ -50,8 +50,10 @@ def _update(tmp_path, world, *args):
                                   ("grpo", "max_grad_norm=1.0", "optimizer=adamw", "mini_batches=2"),
                                   ("grpo", "strategy=fsdp", "max_grad_norm=1.0", "optimizer=adamw", "mini_batches=2"),
                                   # process 0 drew the long completions: balancing gives each process one long group
-                                  # a step (update.balance_tokens, on by default), also by mini-batch and under FSDP2
-                                  ("grpo", "skew=true", "max_new_tokens=12", "beta=0.2", "anchor=0.5"),
+                                  # a step (update.balance_tokens: forced here; by default with micro-batches or
+                                  # padding-free passes), also by mini-batch and under FSDP2
+                                  ("grpo", "skew=true", "max_new_tokens=12", "beta=0.2", "anchor=0.5",
+                                   "balance_tokens=true"),
                                   ("grpo", "skew=true", "max_new_tokens=12", "mini_batches=2", "strategy=fsdp",
                                    "micro_batch_tokens=40")],
                          ids=["grpo-token-mean-micro-batches", "gspo-batch-scale-anchor", "dr_grpo-kl",
@@ -80,12 +82,16 @@ def test_one_ddp_update_equals_the_single_process_update(args, tmp_path):
         assert one["metrics"]["train/grad_norm"] > 1.0
     for name, weight in one["weights"].items():
         assert torch.allclose(weight, two["weights"][name], atol=1e-6, rtol=1e-5), name
-    # how even the processes' tokens were, before and after balancing: logged under data parallelism only
-    balance = {k: two["metrics"].pop(f"train/{k}") for k in ("token_imbalance", "token_imbalance_before")}
-    assert 1.0 <= balance["token_imbalance"] <= balance["token_imbalance_before"]
+    # how even the processes' tokens were, before and after balancing: logged where it runs, under data parallelism
+    balance = {k: two["metrics"].pop(f"train/{k}", None) for k in ("token_imbalance", "token_imbalance_before")}
+    balanced = "balance_tokens=true" in args or any(a.startswith(("micro_batch_tokens", "padding_free=true"))
+                                                     for a in args)
+    assert (balance["token_imbalance"] is not None) is balanced, balance
+    if balanced:
+        assert 1.0 <= balance["token_imbalance"] <= balance["token_imbalance_before"]
     if "skew=true" in args:  # 2 long groups against 2 short ones: one of each on each process
         assert balance["token_imbalance_before"] > 1.3 and balance["token_imbalance"] < 1.05, balance
-        unbalanced = _update(tmp_path, 2, *args, "balance_tokens=false")
+        unbalanced = _update(tmp_path, 2, *[a for a in args if a != "balance_tokens=true"], "balance_tokens=false")
         assert not any(k.startswith("train/token_imbalance") for k in unbalanced["metrics"])
         for name, weight in unbalanced["weights"].items():  # the steps held the same completions
             assert torch.allclose(weight, two["weights"][name], atol=1e-6, rtol=1e-5), name

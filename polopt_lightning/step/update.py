@@ -70,7 +70,10 @@ class UpdateConfig(Settings):
             verl's ``balance_batch``): no process waits at the gradient's reduction for the one that drew the longest
             completions. The steps hold the same completions either way (the same update within float tolerance);
             logs ``token_imbalance`` (the largest process's tokens over the mean) and ``token_imbalance_before``.
-            Nothing in a single process.
+            ``None``: where the passes' work follows the real tokens (``padding_free``, or ``micro_batch_tokens``'s
+            pieces of similar lengths); a padded pass in one piece computes every row at its longest completion's
+            width, and the process holding the longest group pays that whatever the split, so there it would only add
+            padding (measured: docs/performance.md). ``True``: always; ``False``: never. Nothing in a single process.
         reuse_sampling_logprobs: off-policy updates take the sampler's log-probs as old log-probs instead of a
             second forward pass, where they match the training numerics (dropout off, the sampler in the policy's
             own precision); otherwise the pass runs, for every row but the first mini-batch's.
@@ -113,7 +116,7 @@ class UpdateConfig(Settings):
     pack_groups: bool | None = None
     fused_head: bool | None = None
     padding_free: bool = False
-    balance_tokens: bool = True
+    balance_tokens: bool | None = None
     reuse_sampling_logprobs: bool = True
     disable_dropout: bool = True
     is_correction: bool | None = None
@@ -308,7 +311,7 @@ class Updater:
                                     config.share_prompt)
 
         first, balanced = order(0), {}
-        if config.balance_tokens and world_size() > 1:  # each process's share of every step: as many tokens
+        if self.balances() and world_size() > 1:  # each process's share of every step: as many tokens
             exp, first, balanced = balance(exp, first, size, loop.device)
             first = order(0) if first is None else first
         # the mini-batch orders of every pass, drawn up front: the first mini-batch needs no old-log-prob pass
@@ -345,6 +348,14 @@ class Updater:
         return {**{key: (torch.stack([m[key] for m in step_metrics]).sum() if key == "skipped_updates"
                          else torch.stack([m[key] for m in step_metrics]).mean()) for key in step_metrics[0]},
                 **balanced}
+
+    def balances(self) -> bool:
+        """Whether groups are dealt between the processes by their tokens (``update.balance_tokens``; ``None``: where
+        the passes' work follows the real tokens)."""
+        config = self.config
+        if config.balance_tokens is None:
+            return bool(config.padding_free or config.micro_batch_tokens)
+        return config.balance_tokens
 
     def micro_batches(self, exp: Experience, rows: Tensor) -> list[Tensor]:
         """The mini-batch ``rows`` in pieces of at most ``micro_batch_tokens`` tokens (:func:`micro_batches`), as many

@@ -5,7 +5,8 @@
 ``entropy_coef=C``; ``top_entropy_quantile=Q``; ``fused_head=true|false``; ``padding_free=true``; ``width=W``: a model W
 wide, whose weights from 512 on are large enough for the oneDNN linear layers; ``max_grad_norm=C``: clipping by global
 norm, none by default; ``optimizer=adamw``: the shipped conf/optimizer/adamw.yaml instead of plain SGD;
-``balance_tokens=false``: no token balancing between the processes; ``skew=true``: process 0's prompts (those of even
+``balance_tokens=true|false``: token balancing between the processes always or never (default: where the passes
+follow the real tokens); ``skew=true``: process 0's prompts (those of even
 index) complete in ``max_new_tokens`` tokens (default 4), process 1's in one; ``mini_batches=M``: M optimizer steps on the rollout, none of its rows twice, split in each process's row order so that
 1 and 2 processes put the same prompts in each step): rank 0 writes ``OUT`` (torch.save) with the policy's weights after
 the step, the step's logged metrics, and every prompt's advantages. The prompts' completions do not depend on the number
@@ -117,7 +118,7 @@ def main() -> None:
                 "top_entropy_quantile": float(options.get("top_entropy_quantile", 1.0)),
                 "fused_head": {"true": True, "false": False}.get(options.get("fused_head")),
                 "padding_free": options.get("padding_free") == "true",
-                "balance_tokens": options.get("balance_tokens") != "false"},
+                "balance_tokens": {"true": True, "false": False}.get(options.get("balance_tokens"))},
         reference={"kl_in_reward": float(options.get("kl_in_reward", 0.0))},
         optimizer=optimizer, rollout_engine=PerPromptEngine(),
         # the supervised anchor on the arithmetic answers: its NLL a token mean over every process's prompts
