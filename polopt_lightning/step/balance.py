@@ -64,14 +64,14 @@ def imbalance(loads: list[int]) -> float:
     return max(loads) / mean if mean else 1.0
 
 
-def _buckets(exp: Experience, order: Tensor, size: int, uniform: bool, device: torch.device) -> tuple[list[int], bool]:
-    """Each group's mini-batch in the first pass (``order`` split in pieces of ``size`` rows), and whether every group
+def _buckets(group: Tensor, order: Tensor, size: int, uniform: bool, device: torch.device) -> tuple[list[int], bool]:
+    """Each group's mini-batch in the first pass (``group``: each row's group, on the CPU; ``order`` split in pieces of
+    ``size`` rows), and whether every group
     lies in one mini-batch and the groups are of one size (``uniform``) on every process (collective); where not, one
     bucket for the whole rollout."""
     position = torch.empty_like(order)
     position[order] = torch.arange(order.numel())
     step = position // size
-    group = exp.group_index.cpu()
     groups = int(group.max()) + 1
     first = torch.full((groups,), order.numel()).scatter_reduce(0, group, step, reduce="amin")
     last = torch.zeros(groups, dtype=torch.long).scatter_reduce(0, group, step, reduce="amax")
@@ -113,8 +113,7 @@ def balance(exp: Experience, order: Tensor, size: int, device: torch.device) -> 
     group = exp.group_index.cpu()
     rows_of = [torch.nonzero(group == g).flatten() for g in range(costs.numel())]
     # groups of one size whose rows share a mini-batch keep their optimizer steps; otherwise the whole rollout is one
-    buckets, whole = _buckets(exp, order, size, uniform=len({len(r) for r in rows_of}) == 1,
-                             device=device)
+    buckets, whole = _buckets(group, order, size, uniform=len({len(r) for r in rows_of}) == 1, device=device)
     widths = {f.name: getattr(exp, f.name).shape[1] for f in fields(exp)
               if isinstance(getattr(exp, f.name), Tensor) and getattr(exp, f.name).dim() > 1}
     unknown = {f.name for f in fields(exp) if getattr(exp, f.name) is not None} - set(ROW_FIELDS) - set(GROUP_FIELDS)
@@ -126,7 +125,6 @@ def balance(exp: Experience, order: Tensor, size: int, device: torch.device) -> 
     if len({(p["rows"], tuple(p["sizes"])) for p in every}) > 1:  # equal batches of whole groups make them equal
         raise RuntimeError("update.balance_tokens: the processes' rollouts differ in rows or group sizes "
                            f"({[(p['rows'], p['sizes']) for p in every]}); set update.balance_tokens=false")
-    offsets = [sum(len(p["costs"]) for p in every[:r]) for r in range(world)]
     all_costs = [c for p in every for c in p["costs"]]
     all_buckets = [b for p in every for b in p["buckets"]]
     owners = [r for r, p in enumerate(every) for _ in p["costs"]]
@@ -138,13 +136,12 @@ def balance(exp: Experience, order: Tensor, size: int, device: torch.device) -> 
     if all(owners[g] == r for r, share in enumerate(shares) for g in share):  # dealing would not help: nothing moves
         return exp, order, metrics
     # the rows of each of this process's new groups, as indices into every process's rows (each process's laid out
-    # group by group) joined in rank order
+    # group by group) joined in rank order; every process holds as many groups, of the same sizes (checked above)
     sizes = every[0]["sizes"]
     starts = [0, *torch.tensor(sizes).cumsum(0).tolist()]
     picked, counts = [], []
     for g in shares[rank]:
-        r = max(q for q in range(world) if offsets[q] <= g)
-        local = g - offsets[r]
+        r, local = divmod(g, len(sizes))
         picked.append(torch.arange(starts[local], starts[local + 1]) + r * exp.num_rows)
         counts.append(sizes[local])
     rows = torch.cat(picked)
