@@ -1,7 +1,8 @@
 """The long-completion benchmarks' smoke runs: benchmarks/lm_head.py (the head's three implementations: the fused head,
-the head's own product with the chunked log-softmax, TRL's where installed) and benchmarks/passes.py (the passes
-padded and padding-free) and benchmarks/balance.py (two DDP processes with and without token balancing), each case in
-a process of its own, with their ratios."""
+the head's own product with the chunked log-softmax, TRL's where installed), benchmarks/passes.py (the passes padded
+and padding-free), benchmarks/balance.py (two DDP processes with and without token balancing), lengths.py,
+decode_positions.py and decode_attention.py (a cached position's cost in the fused C step and in PyTorch), each case
+in a process of its own, with their ratios."""
 
 import importlib.util
 import json
@@ -97,3 +98,19 @@ def test_a_small_decode_positions_run_times_every_token_of_both_samplers(tmp_pat
         assert len(run["bins"][impl]) == 4
     assert len(run["floor"]) == 4 and run["floor"][0] < run["floor"][-1]  # the keys and values read grow
     assert "last bin x" in proc.stdout
+
+
+@pytest.mark.slow  # one process (~15 s): python -m pytest -m slow
+def test_a_small_decode_attention_run_prices_a_cached_position_for_both_steps(tmp_path):
+    from .helpers.kernel import needs_kernel
+
+    needs_kernel()  # the fused C step: skipped, saying why, where this machine cannot build it
+    out = tmp_path / "run.json"
+    proc = subprocess.run([sys.executable, str(SCRIPT.parent / "decode_attention.py"), "--positions", "32", "160",
+                           "--rows", "2", "--repeats", "1", "--threads", "1", "--json", str(out)],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run = json.loads(out.read_text())
+    assert list(run["seconds"]) == ["polopt C step", "PyTorch step (SDPA)"]
+    assert all(len(ts) == 2 and min(ts) > 0 for ts in run["seconds"].values()) and run["floor_us"] > 0
+    assert "less time a cached position" in proc.stdout

@@ -395,7 +395,7 @@ class FusedStep:
         parts = [_lora_parts(m) for m in _projections(base)]  # 7 a layer: q, k, v, o, gate, up, down
         inner_width = parts[4][0].out_features
         M = -(-rows // rowdot.ROWS) * rowdot.ROWS
-        self.M, self.D = M, D
+        self.M, self.D, self.rep = M, D, heads // kv_heads
         self.keep: list = []  # tensors and C arrays the struct points into
 
         def each(get) -> ctypes.Array:
@@ -511,7 +511,7 @@ class FusedStep:
         ka, va = rowdot.pointers([k for k, _ in a]), rowdot.pointers([v for _, v in a])
         kb, vb = (rowdot.pointers([k for k, _ in b]), rowdot.pointers([v for _, v in b])) if b else (ka, va)
         logits = x.new_empty(M, s.V)
-        scores = x.new_empty(torch.get_num_threads(), a_len + b_len)
+        scores = x.new_empty(torch.get_num_threads(), self.rep * (a_len + b_len))  # a query group's scores
         lora_t = x.new_empty(torch.get_num_threads(), M, self.rmax)
         a0, b0 = a[0][0], (b[0][0] if b else a[0][0])
         s.N, s.a_group, s.a_row, s.a_head, s.a_len = N, a_group, a0.stride(0), a0.stride(1), a_len

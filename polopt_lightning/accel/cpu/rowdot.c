@@ -161,7 +161,7 @@ void polopt_rowdot_4bit(const float *x, long M, long K, int count, const unsigne
  * Between the step's 97 products (Qwen2.5-0.5B shape) PyTorch runs ~50 small operations a layer (norms, rotary,
  * attention, activation, residuals) at several microseconds each, ~10 ms a token. Here they run between the products
  * inside one OpenMP region, on the same threads, separated by barriers: the products split every weight's rows
- * between the threads as polopt_rowdot does, the rest splits rows (or row x head pairs for attention). */
+ * between the threads as polopt_rowdot does, the rest splits rows (or row x key/value head pairs for attention). */
 
 /* exp on 16 lanes: Cephes' single-precision polynomial after reduction by ln 2 (within ~2 ulp) */
 static inline __m512 exp16(__m512 x) {
@@ -306,45 +306,128 @@ static float dot16(const float *a, const float *b, long D) {
     return _mm512_reduce_add_ps(acc);
 }
 
-/* one query head of one row over segment A then B: att = softmax(q.k * scale + bias) @ v */
-static void attend(const Step *s, int layer, long r, long h, float *sc) {
-    long D = s->D, kvh = h / (s->heads / s->kv_heads), n = s->a_len + s->b_len;
-    const float *q = s->q + r * s->heads * D + h * D;
-    long g = r / s->a_group;
-    const float *ka = s->ka[layer] + g * s->a_row + kvh * s->a_head;
-    const float *va = s->va[layer] + g * s->a_row + kvh * s->a_head;
-    const float *bias = s->a_bias + g * s->bias_row;
-    for (long j = 0; j < s->a_len; j++) sc[j] = dot16(q, ka + j * D, D) * s->scale + bias[j];
-    const float *kb = NULL, *vb = NULL;
-    if (s->b_len) {
-        kb = s->kb[layer] + r * s->b_row + kvh * s->b_head;
-        vb = s->vb[layer] + r * s->b_row + kvh * s->b_head;
-        for (long j = 0; j < s->b_len; j++) sc[s->a_len + j] = dot16(q, kb + j * D, D) * s->scale;
-    }
-    float mx = sc[0];
-    for (long j = 1; j < n; j++) mx = sc[j] > mx ? sc[j] : mx;
+/* lane j of the result: the sum of a[j]'s 16 lanes (four rounds of shuffles and adds instead of 16 reductions) */
+static inline __attribute__((always_inline)) __m512 sums16(const __m512 *a) {
+    __m512 b[8], c[4], d[2];
+    for (int i = 0; i < 8; i++) /* halves: a[2i]'s 8 partial sums, a[2i+1]'s */
+        b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x44),
+                             _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xEE));
+    for (int i = 0; i < 4; i++) /* 128-bit lane l: a[4i+l]'s 4 partial sums */
+        c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0xDD));
+    for (int i = 0; i < 2; i++) /* lane l: 2 partial sums of a[8i+l], then of a[8i+4+l] */
+        d[i] = _mm512_add_ps(_mm512_shuffle_ps(c[2 * i], c[2 * i + 1], 0x44),
+                             _mm512_shuffle_ps(c[2 * i], c[2 * i + 1], 0xEE));
+    __m512 e = _mm512_add_ps(_mm512_shuffle_ps(d[0], d[1], 0x88), _mm512_shuffle_ps(d[0], d[1], 0xDD));
+    /* e[4l + m] holds a[l + 4m]'s sum: back in order */
+    return _mm512_permutexvar_ps(_mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0), e);
+}
+
+/* out[qi * n + j] = q_qi . k_j * scale (+ bias[j]) for `rep` queries (D floats apart) and keys j < len (D floats
+ * apart). Sixteen keys at a time: they are read from memory once and from L1 by the other queries of their group. */
+static void scores_of(const float *q, long rep, long D, const float *k, long len, float scale, const float *bias,
+                      float *out, long n) {
+    const __m512 sv = _mm512_set1_ps(scale);
+    long j = 0;
+    for (; j + 16 <= len; j += 16)
+        for (long qi = 0; qi < rep; qi++) {
+            __m512 acc[16];
+            for (int u = 0; u < 16; u++) acc[u] = _mm512_setzero_ps();
+            for (long i = 0; i < D; i += 16) {
+                __m512 qv = _mm512_loadu_ps(q + qi * D + i);
+                for (int u = 0; u < 16; u++) acc[u] = _mm512_fmadd_ps(qv, _mm512_loadu_ps(k + (j + u) * D + i), acc[u]);
+            }
+            __m512 y = _mm512_mul_ps(sums16(acc), sv);
+            if (bias) y = _mm512_add_ps(y, _mm512_loadu_ps(bias + j));
+            _mm512_storeu_ps(out + qi * n + j, y);
+        }
+    for (; j < len; j++)
+        for (long qi = 0; qi < rep; qi++)
+            out[qi * n + j] = dot16(q + qi * D, k + j * D, D) * scale + (bias ? bias[j] : 0.f);
+}
+
+/* softmax of row[0..n) in place; returns 1 / the sum of its exponentials (the row is left unnormalised) */
+static float softmax_row(float *row, long n) {
+    float mx = row[0];
+    for (long j = 1; j < n; j++) mx = row[j] > mx ? row[j] : mx;
     __m512 total = _mm512_setzero_ps(), m = _mm512_set1_ps(mx);
     long j = 0;
     for (; j + 16 <= n; j += 16) {
-        __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(sc + j), m));
-        _mm512_storeu_ps(sc + j, e);
+        __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(row + j), m));
+        _mm512_storeu_ps(row + j, e);
         total = _mm512_add_ps(total, e);
     }
     if (j < n) {
         __mmask16 k = (__mmask16)((1u << (n - j)) - 1);
-        __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, sc + j), m));
-        _mm512_mask_storeu_ps(sc + j, k, e);
+        __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, row + j), m));
+        _mm512_mask_storeu_ps(row + j, k, e);
         total = _mm512_add_ps(total, _mm512_maskz_mov_ps(k, e));
     }
-    float inv = 1.0f / _mm512_reduce_add_ps(total);
-    float *out = s->att + r * s->heads * D + h * D;
-    for (long i = 0; i < D; i += 16) {
-        __m512 acc = _mm512_setzero_ps();
-        for (long jj = 0; jj < s->a_len; jj++)
-            acc = _mm512_fmadd_ps(_mm512_set1_ps(sc[jj]), _mm512_loadu_ps(va + jj * D + i), acc);
-        for (long jj = 0; jj < s->b_len; jj++)
-            acc = _mm512_fmadd_ps(_mm512_set1_ps(sc[s->a_len + jj]), _mm512_loadu_ps(vb + jj * D + i), acc);
-        _mm512_storeu_ps(out + i, _mm512_mul_ps(acc, _mm512_set1_ps(inv)));
+    return 1.0f / _mm512_reduce_add_ps(total);
+}
+
+/* out[qi * D + ...] += sum_j w[qi * n + j] * v_j over keys j < len (D floats apart), for QN queries (a constant where
+ * it is inlined: the accumulators stay in registers). Blocks of 64 keys (16 KiB at D = 64): each chunk of 16 floats
+ * of a block's values is read from memory once for the QN queries, its other chunks from L1. */
+static inline __attribute__((always_inline)) void weigh(const float *w, long n, const float *v, long len, long D,
+                                                         float *out, int QN) {
+    for (long j0 = 0; j0 < len; j0 += 64) {
+        long j1 = j0 + 64 < len ? j0 + 64 : len;
+        for (long i = 0; i < D; i += 16) {
+            __m512 acc[8];
+            for (int qi = 0; qi < QN; qi++) acc[qi] = _mm512_loadu_ps(out + qi * D + i);
+            for (long j = j0; j < j1; j++) {
+                __m512 x = _mm512_loadu_ps(v + j * D + i);
+                for (int qi = 0; qi < QN; qi++) acc[qi] = _mm512_fmadd_ps(_mm512_set1_ps(w[qi * n + j]), x, acc[qi]);
+            }
+            for (int qi = 0; qi < QN; qi++) _mm512_storeu_ps(out + qi * D + i, acc[qi]);
+        }
+    }
+}
+
+static inline __attribute__((always_inline)) void values_of(const Step *s, const float *w, long n, const float *va,
+                                                             const float *vb, const float *inv, float *out, int QN) {
+    long D = s->D;
+    for (long i = 0; i < QN * D; i++) out[i] = 0.f;
+    weigh(w, n, va, s->a_len, D, out, QN);
+    if (s->b_len) weigh(w + s->a_len, n, vb, s->b_len, D, out, QN);
+    for (int qi = 0; qi < QN; qi++)
+        for (long i = 0; i < D; i += 16)
+            _mm512_storeu_ps(out + qi * D + i, _mm512_mul_ps(_mm512_loadu_ps(out + qi * D + i), _mm512_set1_ps(inv[qi])));
+}
+
+/* the query heads of one key/value head of one row over segment A then B: att = softmax(q.k * scale + bias) @ v.
+ * Each key and value is read once for the group's queries (grouped-query attention), not once per query head. */
+static void attend(const Step *s, int layer, long r, long kvh, float *sc) {
+    long D = s->D, rep = s->heads / s->kv_heads, n = s->a_len + s->b_len, h0 = kvh * rep;
+    const float *q = s->q + r * s->heads * D + h0 * D;
+    long g = r / s->a_group;
+    const float *ka = s->ka[layer] + g * s->a_row + kvh * s->a_head;
+    const float *va = s->va[layer] + g * s->a_row + kvh * s->a_head;
+    const float *kb = NULL, *vb = NULL;
+    scores_of(q, rep, D, ka, s->a_len, s->scale, s->a_bias + g * s->bias_row, sc, n);
+    if (s->b_len) {
+        kb = s->kb[layer] + r * s->b_row + kvh * s->b_head;
+        vb = s->vb[layer] + r * s->b_row + kvh * s->b_head;
+        scores_of(q, rep, D, kb, s->b_len, s->scale, NULL, sc + s->a_len, n);
+    }
+    float inv[8];
+    float *out = s->att + r * s->heads * D + h0 * D;
+    for (long q0 = 0; q0 < rep; q0 += 8) {
+        int qn = rep - q0 < 8 ? (int)(rep - q0) : 8;
+        for (int qi = 0; qi < qn; qi++) inv[qi] = softmax_row(sc + (q0 + qi) * n, n);
+        const float *w = sc + q0 * n;
+        float *o = out + q0 * D;
+        switch (qn) { /* constant counts: each case's accumulators in registers */
+            case 1: values_of(s, w, n, va, vb, inv, o, 1); break;
+            case 2: values_of(s, w, n, va, vb, inv, o, 2); break;
+            case 3: values_of(s, w, n, va, vb, inv, o, 3); break;
+            case 4: values_of(s, w, n, va, vb, inv, o, 4); break;
+            case 5: values_of(s, w, n, va, vb, inv, o, 5); break;
+            case 6: values_of(s, w, n, va, vb, inv, o, 6); break;
+            case 7: values_of(s, w, n, va, vb, inv, o, 7); break;
+            default: values_of(s, w, n, va, vb, inv, o, 8); break;
+        }
     }
 }
 
@@ -354,8 +437,8 @@ void polopt_decode_step(const Step *s, int threads) {
         int t = omp_get_thread_num(), nt = omp_get_num_threads();
         long M = s->M, H = s->H, D = s->D, QW = s->heads * D, KW = s->kv_heads * D;
         long r0 = M * t / nt, r1 = M * (t + 1) / nt;
-        long pairs = s->N * s->heads, p0 = pairs * t / nt, p1 = pairs * (t + 1) / nt;
-        float *sc = s->scores + (long)t * (s->a_len + s->b_len);
+        long pairs = s->N * s->kv_heads, p0 = pairs * t / nt, p1 = pairs * (t + 1) / nt; /* row x key/value head */
+        float *sc = s->scores + (long)t * (s->heads / s->kv_heads) * (s->a_len + s->b_len);
         for (long L = 0; L < s->layers; L++) {
             rms_rows(s->x, s->in_norm[L], s->h, H, s->eps, r0, r1);
             #pragma omp barrier
@@ -381,7 +464,7 @@ void polopt_decode_step(const Step *s, int threads) {
                 }
             }
             #pragma omp barrier
-            for (long p = p0; p < p1; p++) attend(s, (int)L, p / s->heads, p % s->heads, sc);
+            for (long p = p0; p < p1; p++) attend(s, (int)L, p / s->kv_heads, p % s->kv_heads, sc);
             for (long r = r0 > s->N ? r0 : s->N; r < r1; r++) /* padding rows attend to nothing */
                 for (long i = 0; i < QW; i++) s->att[r * QW + i] = 0.f;
             #pragma omp barrier
