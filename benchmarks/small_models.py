@@ -21,6 +21,7 @@ the median time ratio (TRL / polopt) with its range and whether polopt ended at 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import statistics
@@ -182,6 +183,9 @@ def main() -> None:
     args = parser.parse_args()
     if args.child:
         return child(args)
+    if importlib.util.find_spec("trl") is None:
+        raise SystemExit("benchmarks/small_models.py compares against TRL, which is not installed: "
+                         "pip install -e '.[bench]'")
     runs = []
     for task in args.tasks:
         for seed in args.seeds:
