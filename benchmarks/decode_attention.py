@@ -27,8 +27,9 @@ from memory import cpu_description  # noqa: E402
 from throughput import memory_gbps  # noqa: E402
 
 
-def step_times(positions: list[int], rows: int, repeats: int) -> dict[str, list[float]]:
-    """Median seconds of one decoding step at each cache length, for the fused C step and the step in PyTorch."""
+def step_times(positions: list[int], rows: int, repeats: int) -> tuple[dict[str, list[float]], int]:
+    """Median seconds of one decoding step at each cache length, for the fused C step and the step in PyTorch, and
+    the bytes of keys and values a cached position adds to a step."""
     import torch
 
     from polopt_lightning.accel.cpu import decode as cpu_decode
@@ -77,7 +78,7 @@ def step_times(positions: list[int], rows: int, repeats: int) -> dict[str, list[
                     run(length)
                     times.append(time.perf_counter() - start)
                 out[name].append(statistics.median(times))
-    return out
+    return out, rows * config.num_hidden_layers * config.num_key_value_heads * D * 2 * 4
 
 
 def main() -> None:
@@ -92,8 +93,7 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     gbps = memory_gbps(args.threads)
-    times = step_times(args.positions, args.rows, args.repeats)
-    per_position = args.rows * 24 * 2 * 64 * 2 * 4  # bytes of keys and values a cached position adds to the step
+    times, per_position = step_times(args.positions, args.rows, args.repeats)
     floor_us = per_position / (gbps * 1e9) * 1e6
     first, last = args.positions[0], args.positions[-1]
     print(f"{cpu_description()}, {args.threads} threads, memory read {gbps:.1f} GB/s; Qwen2.5-0.5B's attention, "

@@ -72,9 +72,10 @@ def train_polopt(task: str, seed: int, folder: Path, rollouts: int, val_size: in
                  extra: list[str]) -> dict:
     """``polopt-train`` from the saved weights, as a user runs it; its RL's wall time (``results.json``)."""
     run_dir = out / "polopt_run"
+    mini = int(compose(task, seed, extra)["update"].mini_batches)  # optimizer steps a rollout
     cmd = [sys.executable, "-m", "polopt_lightning", f"task={task}", f"seed={seed}", "model=pretrained",
            f"model.name_or_path={folder}", "warm_start.enabled=false", "validate_before=false",
-           "+trainer.limit_val_batches=0", f"trainer.max_steps={2 * rollouts}", "trainer.enable_progress_bar=false",
+           "+trainer.limit_val_batches=0", f"trainer.max_steps={mini * rollouts}", "trainer.enable_progress_bar=false",
            f"hydra.run.dir={run_dir}"] + ([f"task.val_size={val_size}"] if val_size else []) + extra
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=out)
     if proc.returncode:
@@ -169,7 +170,8 @@ def main() -> None:
     parser.add_argument("--val-size", type=int, help="held-out prompts (default: the task's)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--polopt", action="append", default=[], metavar="OVERRIDE",
-                        help="an override for polopt-train (repeat: --polopt trainer.precision=bf16-mixed ...)")
+                        help="an override for polopt-train (repeat: --polopt trainer.precision=bf16-mixed ...); "
+                             "polopt's only: TRL keeps the default job's settings")
     parser.add_argument("--trl", action="append", default=[], metavar="KEY=JSON",
                         help="a GRPOConfig argument for TRL, its value as JSON (repeat: --trl bf16=true)")
     parser.add_argument("--warm", action="append", default=[], metavar="OVERRIDE",

@@ -233,35 +233,42 @@ def test_the_fused_step_samples_what_the_step_in_pytorch_samples(monkeypatch, ar
     assert close(one, two, rel=1e-5)
 
 
-@pytest.mark.parametrize("width, heads, kv_heads", [(512, 8, 2), (448, 14, 2), (512, 4, 4), (512, 16, 1)])
+@pytest.mark.parametrize("width, heads, kv_heads, threads", [
+    (512, 8, 2, 1), (448, 14, 2, 3), (640, 10, 2, 1), (512, 4, 4, 3), (512, 16, 1, 1), (768, 12, 1, 3)])
 @pytest.mark.parametrize("shared", [False, True])
 def test_the_fused_steps_attention_over_long_caches_is_the_steps_in_pytorch(monkeypatch, width, heads, kv_heads,
-                                                                            shared):
+                                                                            threads, shared):
     """The fused step's attention takes sixteen keys at a time and a key/value head's queries together: over a 37-token
-    prompt (the second row left-padded by 5) and 40 sampled tokens, so blocks of sixteen and the keys after them occur
-    in the prompt's segment and in the completions', the tokens and log-probs of the step in PyTorch, with one query a
-    key/value head, several (4; 7 as Qwen2.5-0.5B has), and more than eight (two passes over the values)."""
+    prompt (the second row left-padded by 35, so closed keys also fall after the last block of sixteen) and 40 sampled
+    tokens, so blocks of sixteen and the keys after them occur in the prompt's segment and in the completions', the
+    tokens and log-probs of the step in PyTorch, with one query a key/value head, several (4; 5 and 7 as Qwen2.5's 14B
+    and 0.5B have), eight and more (16: two full passes over the values; 12: a short second one), on one thread and on
+    three (each its own scores)."""
     _needs_kernel()
     model, _ = build_tiny_model(hidden_size=width, num_layers=2, num_heads=heads, num_kv_heads=kv_heads,
                                 intermediate_size=640, seed=0)
     ids = torch.randint(3, model.config.vocab_size, (2, 37), generator=torch.Generator().manual_seed(1))
     mask = torch.ones_like(ids)
-    ids[1, :5], mask[1, :5] = 0, 0
+    ids[1, :35], mask[1, :35] = 0, 0
     sampling = SamplingConfig(max_new_tokens=40, min_new_tokens=40, temperature=1.0)
     calls = []
     fused_call = cpu_decode.FusedStep.__call__
     monkeypatch.setattr(cpu_decode.FusedStep, "__call__", lambda self, *a, **k: calls.append(1) or
                         fused_call(self, *a, **k))
     got = {}
-    with cpu_linear.OneDNNLinear():
-        for fused in (None, False):
-            engine = HFRolloutEngine(shared_prompt_kv=shared, cpu={"fused_step": fused})
-            got[fused] = engine.generate(model, ids, mask, 3, sampling, 1, 0,
-                                         generator=torch.Generator().manual_seed(0))
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with cpu_linear.OneDNNLinear():
+            for fused in (None, False):
+                engine = HFRolloutEngine(shared_prompt_kv=shared, cpu={"fused_step": fused})
+                got[fused] = engine.generate(model, ids, mask, 3, sampling, 1, 0,
+                                             generator=torch.Generator().manual_seed(0))
+    finally:
+        torch.set_num_threads(previous)
     assert len(calls) == sampling.max_new_tokens - 1
     assert torch.equal(got[None].completion_ids, got[False].completion_ids)
     assert close(got[None].sampling_logprobs, got[False].sampling_logprobs, rel=1e-5)
-
 
 def _lora(model, r: int, targets: list[str], seed: int = 0):
     """``model`` with LoRA adapters whose B is not zero (so they change the output)."""
