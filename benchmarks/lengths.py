@@ -30,7 +30,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from memory import JOB, SHAPES, cpu_description, ensure_model  # noqa: E402
 from real_scale import _mem_total_gib  # noqa: E402
-from throughput import run_child  # noqa: E402
+from throughput import child_result  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 
@@ -56,12 +56,7 @@ def run_one(folder: str, impl: str, cap: int, args) -> dict:
     cmd = [sys.executable, str(HERE / "real_scale.py"), "--child", impl, "fp32", folder, "--steps", str(args.steps),
            "--threads", str(args.threads), "--new-tokens", str(cap), "--prompts", str(args.prompts),
            "--generations", str(args.generations), "--sampled", "--device", args.device]
-    code, out, err = run_child(cmd)
-    line = next((x for x in out.splitlines() if x.startswith("RESULT ")), None)
-    if code or line is None:
-        print(err[-4000:], file=sys.stderr)
-        raise SystemExit(f"{impl} at {cap} tokens failed (exit {code})")
-    return json.loads(line[len("RESULT "):])
+    return child_result(cmd, f"{impl} at {cap} tokens")
 
 
 def summary(result: dict) -> dict:

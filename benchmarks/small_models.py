@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -33,6 +32,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from memory import cpu_description  # noqa: E402
+from throughput import CHILD_ENV, child_result  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -122,15 +122,15 @@ def train_trl(task: str, seed: int, folder: Path, rollouts: int, threads: int, o
 
 
 def accuracy(model_dir: str, folder: Path, threads: int) -> float:
-    """Greedy exact-match accuracy on the task's held-out prompts, one function for every policy."""
+    """Greedy exact-match accuracy on the task's held-out prompts (``folder``'s rows), one function for every policy
+    (each saved with the warm start's tokenizer)."""
     import torch
 
     from polopt_lightning.models import load_pretrained
     from polopt_lightning.warmstart import greedy_accuracy
 
     torch.set_num_threads(threads)
-    model, _ = load_pretrained(model_dir, dtype="float32")
-    _, tokenizer = load_pretrained(str(folder), dtype="float32")
+    model, tokenizer = load_pretrained(model_dir, dtype="float32")
     return greedy_accuracy(model.eval(), tokenizer, json.loads((folder / "rows.json").read_text())["val"])
 
 
@@ -154,12 +154,7 @@ def run_child(kind: str, args, task: str, seed: int, folder: Path, out: Path) ->
     cmd += ["--val-size", str(args.val_size)] if args.val_size else []
     cmd += [f"--polopt={item}" for item in args.polopt] + [f"--trl={item}" for item in args.trl]
     cmd += [f"--warm={item}" for item in args.warm]
-    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    if proc.returncode or not lines:
-        raise SystemExit(f"{kind} ({task}, seed {seed}) failed:\n{proc.stderr[-3000:]}")
-    return json.loads(lines[-1][len("RESULT "):])
+    return child_result(cmd, f"{kind} ({task}, seed {seed})", env={**CHILD_ENV, "OMP_NUM_THREADS": str(args.threads)})
 
 
 def main() -> None:

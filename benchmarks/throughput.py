@@ -429,6 +429,17 @@ def run_child(cmd: list[str]) -> tuple[int, str, str]:
     return proc.returncode, proc.stdout, proc.stderr
 
 
+def child_result(cmd: list[str], what: str, env: dict | None = None) -> dict:
+    """The ``RESULT`` line (JSON) a child process printed; where it failed or printed none, the tail of its errors and
+    an exit that names ``what``."""
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env or CHILD_ENV)
+    line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
+    if proc.returncode or line is None:
+        print(proc.stderr[-4000:], file=sys.stderr)
+        raise SystemExit(f"{what} failed (exit {proc.returncode})")
+    return json.loads(line[len("RESULT "):])
+
+
 def run_interleaved(cmds: list[list[str]]) -> list[tuple[int, str, str]]:
     """Start every command at once and hand out turns round-robin (see :class:`Baton`): no step starts before every
     child is ready for its first, and only one child holds the turn at a time. Each child's output goes to a file, so

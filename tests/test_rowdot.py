@@ -200,11 +200,16 @@ def _padded_prompts_and_fused_calls(tok, monkeypatch):
     ids = torch.stack([ids[0], ids[1].roll(2)])
     mask = (torch.arange(ids.shape[1]) >= torch.tensor([[0], [2]])).long()
     sampling = SamplingConfig(max_new_tokens=6, min_new_tokens=6, temperature=1.0)
+    return ids, mask, sampling, _fused_calls(monkeypatch)
+
+
+def _fused_calls(monkeypatch) -> list:
+    """A list that records each call of the fused step."""
     calls = []
     fused_call = cpu_decode.FusedStep.__call__
     monkeypatch.setattr(cpu_decode.FusedStep, "__call__", lambda self, *a, **k: calls.append(1) or
                         fused_call(self, *a, **k))
-    return ids, mask, sampling, calls
+    return calls
 
 
 @pytest.mark.parametrize("architecture", ["qwen2", "llama"])
@@ -251,10 +256,7 @@ def test_the_fused_steps_attention_over_long_caches_is_the_steps_in_pytorch(monk
     mask = torch.ones_like(ids)
     ids[1, :35], mask[1, :35] = 0, 0
     sampling = SamplingConfig(max_new_tokens=40, min_new_tokens=40, temperature=1.0)
-    calls = []
-    fused_call = cpu_decode.FusedStep.__call__
-    monkeypatch.setattr(cpu_decode.FusedStep, "__call__", lambda self, *a, **k: calls.append(1) or
-                        fused_call(self, *a, **k))
+    calls = _fused_calls(monkeypatch)
     got = {}
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
