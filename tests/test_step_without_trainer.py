@@ -136,11 +136,27 @@ def by_hand(module, exp, global_step=0, steps=None, old_logprobs=None):
     return policy, metrics
 
 
-def assert_same_metrics(metrics, steps, keys=None):
-    """The run's metrics are the means of its steps' (the ``*_max`` ones too); skipped steps are counted."""
+def hand_gap(module, exp, reused):
+    """The sampler's gap from the trainer that the update logs over the whole rollout where it computes the old
+    log-probs itself, off-policy, with the correction off (``sampler_weights``' metrics of the starting policy's
+    log-probs against the sampler's); ``None`` where it takes the sampler's (``reused``) or needs none. Call it
+    before the update moves the policy."""
+    config = module.update_config
+    if reused or not config.off_policy or config.is_correction:
+        return None
+    with torch.no_grad():
+        old = scores(module.policy, exp, torch.arange(exp.completion_ids.shape[0]))[0]
+    mode = config.is_mode or ("token_truncate" if module.objective.accepts_token_advantages else "sequence_truncate")
+    _, gap = sampler_weights(old, exp.sampling_logprobs, exp.completion_mask, mode, config.is_cap)
+    return {key: float(value) for key, value in gap.items()}
+
+
+def assert_same_metrics(metrics, steps, keys=None, gap=None):
+    """The run's metrics are the means of its steps' (the ``*_max`` ones too); skipped steps are counted; ``gap``:
+    the rollout's sampler gap (:func:`hand_gap`) where it is logged."""
     expected = {key: sum(step[key] for step in steps) / len(steps) for key in steps[0] if not key.startswith("_")}
-    assert set(metrics) == {*expected, "skipped_updates"}
-    for key, value in expected.items():
+    assert set(metrics) == {*expected, "skipped_updates", *(gap or {})}
+    for key, value in {**expected, **(gap or {})}.items():
         if keys is not None and key not in keys:
             continue
         torch.testing.assert_close(float(metrics[key]), value, atol=1e-6, rtol=1e-4, msg=key)
@@ -198,6 +214,7 @@ def test_the_updates_equal_the_hand_written_ones(objective, update, monkeypatch)
 
     module, exp = module_and_experience(objective, **update)
     expected, steps_by_hand = by_hand(module, exp)
+    gap = hand_gap(module, exp, module.reuse_sampling_logprobs and module.engine.logprobs_match(module.policy))
     fused, real = [], logprobs._HeadLogProbs.apply
     packed, real_packed = [], logprobs.padding_free_logprobs
     monkeypatch.setattr(logprobs, "padding_free_logprobs", lambda *a, **k: packed.append(1) or real_packed(*a, **k))
@@ -212,7 +229,7 @@ def test_the_updates_equal_the_hand_written_ones(objective, update, monkeypatch)
     assert optimizer.state_dict()["state"][0]["step"] == steps
     assert all(p.grad is None for p in module.policy.parameters())  # freed after the step
     assert_same_weights(module.policy, expected)
-    assert_same_metrics(metrics, steps_by_hand)
+    assert_same_metrics(metrics, steps_by_hand, gap=gap)
     assert float(metrics["skipped_updates"]) == 0 and float(metrics["grad_norm"]) > 0
 
 
@@ -222,6 +239,7 @@ def test_the_update_runs_from_its_parts_alone_in_plain_pytorch():
     module, exp = module_and_experience({"name": "grpo", "beta": 0.04}, mini_batches=2, num_iterations=2,
                                         micro_batch_tokens=30, anchor={"coef": 0.5, "column": "answer"})
     expected, steps_by_hand = by_hand(module, exp)
+    gap = hand_gap(module, exp, reused=False)  # the Updater's own default: the old log-probs computed
     policy, engine, loop = module.policy, module.engine, TorchLoop()
     engine.policy_updated = lambda policy: None
     updater = Updater(policy, module.objective, module.scorer, engine, module.update_config, loop,
@@ -233,7 +251,7 @@ def test_the_update_runs_from_its_parts_alone_in_plain_pytorch():
     metrics = updater.run(exp, optimizer, scheduler)
     assert loop.global_step == 4 == len(steps_by_hand)
     assert_same_weights(policy, expected)
-    assert_same_metrics(metrics, steps_by_hand)
+    assert_same_metrics(metrics, steps_by_hand, gap=gap)
 
 
 def test_the_weights_move_and_a_clip_limits_them():

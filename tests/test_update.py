@@ -133,6 +133,30 @@ def test_with_the_trainers_own_sampler_the_correction_changes_nothing(tmp_path, 
     assert float(logged["train/sampler_kl"]) == pytest.approx(0.0, abs=1e-8)
 
 
+def test_a_sampler_of_other_numerics_logs_its_gap_without_the_correction(tmp_path, tiny, arithmetic_rows):
+    """With the correction off, an off-policy update whose old log-probs the trainer computes logs the sampler's
+    distance from the trainer (what the correction would see): a bf16 sampling copy's is far above float32 rounding
+    (the trainer's own numerics, old log-probs recomputed) and far below the cap. Where the sampler's log-probs are the
+    old ones (the default), nothing."""
+    import copy
+
+    logged = {}
+    for name, rollout, reuse in (("bf16", {"dtype": "bfloat16"}, True), ("fp32", {"dtype": None}, False),
+                                 ("reused", {"dtype": None}, True)):
+        model = (copy.deepcopy(tiny[0]), tiny[1])
+        module, dm = make(model, arithmetic_rows, update={"mini_batches": 2, "reuse_sampling_logprobs": reuse},
+                          rollout_engine=rollout, seed=0)
+        t = trainer(tmp_path / name, steps=2, limit_val_batches=0)
+        t.fit(module, datamodule=dm)
+        logged[name] = {k.removeprefix("train/"): float(v) for k, v in t.logged_metrics.items()}
+    bf16, fp32 = logged["bf16"], logged["fp32"]
+    assert "sampler_kl" not in logged["reused"] and "is_weight_max" not in logged["reused"]
+    assert 0 <= fp32["sampler_kl"] < 1e-10 and abs(fp32["is_weight_max"] - 1) < 1e-4
+    assert 1e3 * max(fp32["sampler_kl"], 1e-12) < bf16["sampler_kl"] < 1e-3
+    assert 0.99 < bf16["is_weight_mean"] < 1.01 and 1.0001 < bf16["is_weight_max"] < 1.5
+    assert bf16["is_capped_frac"] == fp32["is_capped_frac"] == 0.0
+
+
 def test_token_weights_need_an_objective_that_takes_token_advantages(tmp_path, tiny, arithmetic_rows):
     """Refused when the module is built, before any rollout; by default (``is_mode=None``) GSPO takes a weight a
     sequence, GRPO one a token."""

@@ -211,13 +211,26 @@ class SamplerCorrection(LossTerm):
         on = config.is_correction
         return bool(getattr(engine, "corrects_sampler", False)) if on is None else on
 
+    @staticmethod
+    def mode_of(config: Any, objective: Any) -> str:
+        """``update.is_mode``, or where it is ``None`` a weight a token for token-level objectives, else a sequence."""
+        return config.is_mode or ("token_truncate" if token_level(objective) else "sequence_truncate")
+
     @classmethod
     def build(cls, updater: Any) -> LossTerm | None:
         config, objective = updater.config, updater.objective
         if not cls.wanted(config, updater.engine):
             return None
-        mode = config.is_mode or ("token_truncate" if token_level(objective) else "sequence_truncate")
-        return cls(mode, config.is_cap, objective)
+        return cls(cls.mode_of(config, objective), config.is_cap, objective)
+
+    @classmethod
+    def gap(cls, updater: Any, exp: Any) -> dict[str, Tensor]:
+        """The sampler's distance from the trainer where the correction is off but the trainer computed the old
+        log-probs itself (a sampler of other numerics: ``rollout.dtype``, a mixed ``trainer.precision``): the metrics
+        the correction would log (:func:`sampler_weights` with its mode and ``update.is_cap``), weighting nothing.
+        ``is_capped_frac`` is then the share of tokens (or sequences) the correction would cap."""
+        return sampler_weights(exp.old_logprobs, exp.sampling_logprobs, exp.completion_mask,
+                               cls.mode_of(updater.config, updater.objective), updater.config.is_cap)[1]
 
     def advantages(self, batch: MiniBatch, piece: Piece, advantages: Tensor) -> Tensor:
         mask = piece.mask

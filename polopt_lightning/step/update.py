@@ -18,7 +18,7 @@ from ..settings import Settings
 from .balance import balance
 from .entropy import EntropyControl
 from .loop import TrainingLoop
-from .terms import LossTerm, MiniBatch, Piece, advantages_for, build_terms
+from .terms import LossTerm, MiniBatch, Piece, SamplerCorrection, advantages_for, build_terms
 
 if TYPE_CHECKING:
     from .experience import Experience
@@ -345,9 +345,13 @@ class Updater:
             rank_zero_info(f"trainer.max_steps={last}: the last rollout makes {len(updates)} of its optimizer steps")
         step_metrics = [self.step(exp, orders[i][start:start + size].to(loop.device), optimizer, scheduler,
                                   record_old=own_old and i == 0 and start == 0) for i, start in updates]
+        gap = {}
+        if exp.old_logprobs is not None and exp.old_logprobs is not exp.sampling_logprobs and \
+                not any(isinstance(term, SamplerCorrection) for term in self.terms):
+            gap = SamplerCorrection.gap(self, exp)  # the sampler's numerics against the trainer's, corrected or not
         return {**{key: (torch.stack([m[key] for m in step_metrics]).sum() if key == "skipped_updates"
                          else torch.stack([m[key] for m in step_metrics]).mean()) for key in step_metrics[0]},
-                **balanced}
+                **balanced, **gap}
 
     def balances(self) -> bool:
         """Whether groups are dealt between the processes by their tokens (``update.balance_tokens``; ``None``: where
