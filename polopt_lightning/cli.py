@@ -212,6 +212,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     import torch
     from hydra.utils import instantiate
 
+    from .accel.precision import auto_precision
     from .callbacks import AtomicCheckpointIO, ValidationHistory, progress_bar
     from .data import PromptDataModule
     from .export import export_checkpoint
@@ -282,9 +283,13 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     clip = module.update_config.max_grad_norm
     if kind == "deepspeed" and clip:  # DeepSpeed clips inside its engine, from its own config
         strategy.config = {**(strategy.config or {}), "gradient_clipping": float(clip)}
+    precision = {}
+    if str(cfg.trainer.get("precision")) == "auto":  # Lightning has no such value: chosen here, by the hardware
+        precision["precision"], why = auto_precision(str(cfg.trainer.get("accelerator", "auto")))
+        log.info("trainer.precision=auto: %s (%s)", precision["precision"], why)
     trainer: L.Trainer = instantiate(cfg.trainer, logger=loggers or False, callbacks=callbacks,
                                      default_root_dir=str(run_dir), strategy=strategy,
-                                     plugins=[AtomicCheckpointIO()] if kind != "deepspeed" else None)
+                                     plugins=[AtomicCheckpointIO()] if kind != "deepspeed" else None, **precision)
 
     resuming = cfg.get("ckpt_path") is not None
     if resuming:  # a run resumed in its own directory finds its checkpoints there: that is expected
@@ -359,6 +364,8 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         # processes that trained (trainer.devices x trainer.num_nodes) and their strategy
         "world_size": int(trainer.world_size),
         "strategy": kind,
+        # what the steps computed in (trainer.precision, resolved where it was auto)
+        "precision": str(trainer.precision),
         "run_dir": str(run_dir),
     }
     (run_dir / "results.json").write_text(json.dumps(results, indent=2))
