@@ -14,7 +14,15 @@ lengths need at 0.5B on 24 GiB; ``--no-checkpointing`` keeps the activations) in
 (``accel``). The rows are scored by the module's own scorer (``step.logprobs.Scorer``) under each case's settings: the
 padded passes share the group's prompt's keys/values where no layer is checkpointed and give each completion its own
 prompt where one is; padding-free runs the prompt once either way.
-Memory: the process's resident high-water mark over the timed passes minus the resident memory before them.
+Memory: the process's resident high-water mark over the timed passes minus the resident memory before them. glibc's
+allocator keeps some freed memory resident and returns some (its threshold for mapping an allocation on its own moves
+with what was freed), so what a pass "adds" depends on what the passes before it freed: the gradients a pass makes
+(1.84 GiB at 0.5B) count in full or not at all. ``--live-memory`` runs each case with ``MALLOC_MMAP_THRESHOLD_=131072``
+(every allocation of 128 KiB and more mapped on its own and returned when freed), so resident memory follows the live
+tensors and the cases compare; its times are not the default allocator's (slower: every large tensor faults its
+pages in afresh).
+
+    python benchmarks/passes.py --max-tokens 512 --repeats 1 --cases padded+fused padding-free+fused --live-memory
 """
 
 from __future__ import annotations
@@ -91,6 +99,7 @@ def child(case: str, shape: str, completions: int, max_tokens: int, repeats: int
             model.zero_grad(set_to_none=True)
             out[name] = dict(seconds=times, median_s=statistics.median(times), added_peak_gib=added)
     return dict(case=case, shape=shape, checkpointing=checkpointing, lengths=lengths.tolist(), padded_tokens=int(mask.numel()),
+                malloc_mmap_threshold=os.environ.get("MALLOC_MMAP_THRESHOLD_"),
                 real_tokens=int(mask.sum()), **out)
 
 
@@ -104,6 +113,9 @@ def main() -> None:
     parser.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
     parser.add_argument("--no-checkpointing", dest="checkpointing", action="store_false",
                         help="keep every layer's activations (at 0.5B and 8 x 1,024 tokens: more than 24 GiB)")
+    parser.add_argument("--live-memory", action="store_true",
+                        help="glibc returns every large freed allocation (MALLOC_MMAP_THRESHOLD_=131072): memory "
+                             "comparable between cases, times slower")
     parser.add_argument("--json")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -116,10 +128,13 @@ def main() -> None:
         cmd = [sys.executable, __file__, "--child", case, "--shape", args.shape, "--completions",
                str(args.completions), "--max-tokens", str(args.max_tokens), "--repeats", str(args.repeats),
                "--threads", str(args.threads), *([] if args.checkpointing else ["--no-checkpointing"])]
-        proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+        env = {**os.environ, "PYTHONWARNINGS": "ignore", **({"MALLOC_MMAP_THRESHOLD_": "131072"} if args.live_memory
+                                                             else {})}
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
         if proc.returncode:
             raise SystemExit(f"{case} failed:\n{proc.stderr[-3000:]}")
         r = json.loads(proc.stdout.strip().splitlines()[-1])
+        r["live_memory"] = args.live_memory
         results.append(r)
         if len(results) == 1:
             print(f"{r['shape']}: {len(r['lengths'])} completions of {min(r['lengths'])}-{max(r['lengths'])} tokens, "

@@ -37,7 +37,7 @@ def test_a_small_run_times_and_measures_each_implementation(tmp_path):
 def test_a_small_run_of_the_passes_counts_real_and_padded_tokens(tmp_path):
     out = tmp_path / "run.json"
     proc = subprocess.run([sys.executable, str(PASSES), "--shape", "small", "--max-tokens", "64", "--repeats", "1",
-                           "--json", str(out)], capture_output=True, text=True, timeout=600)
+                           "--live-memory", "--json", str(out)], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads(out.read_text())["results"]
     assert [r["case"] for r in results] == ["padded", "padded+fused", "padding-free+fused"]
@@ -46,6 +46,8 @@ def test_a_small_run_of_the_passes_counts_real_and_padded_tokens(tmp_path):
     assert results[0]["real_tokens"] == sum(lengths) < results[0]["padded_tokens"] == 8 * max(lengths)
     for r in results:
         assert all(r[p]["median_s"] > 0 and len(r[p]["seconds"]) == 1 for p in ("reference", "training"))
+        # --live-memory: each case ran with glibc returning its large frees
+        assert r["live_memory"] and r["malloc_mmap_threshold"] == "131072"
     assert "padding-free+fused / padded: reference time" in proc.stdout
 
 
