@@ -9,7 +9,7 @@ then the table is printed in Markdown and the per-seed results saved as JSON:
     python benchmarks/default_job.py --seeds 0 1 2 --cache /tmp/warm -- trainer.precision=bf16-mixed
 
 `--cache DIR` keeps the warm starts there (made by the first run that needs them, reused after): two settings compared
-from the same warm starts, as the second command does after a run without it.
+from the same warm starts, as the last command does after `--seeds 0 1 2 --cache /tmp/warm` without overrides.
 
 Extra arguments after `--` go to every `polopt-train` call (e.g. `-- objective=gspo`).
 """

@@ -49,6 +49,8 @@ def _update(tmp_path, world, *args):
                                   # under FSDP2 Lightning clips the sharded gradients by their global norm
                                   ("grpo", "max_grad_norm=1.0", "optimizer=adamw", "mini_batches=2"),
                                   ("grpo", "strategy=fsdp", "max_grad_norm=1.0", "optimizer=adamw", "mini_batches=2"),
+                                  # a sampler of other numerics: the gap's means and maximum over every process's rows
+                                  ("gspo", "mini_batches=2", "sampler_noise=0.3"),
                                   # process 0 drew the long completions: balancing gives each process one long group
                                   # a step (update.balance_tokens: forced here; by default with micro-batches or
                                   # padding-free passes), also by mini-batch and under FSDP2
@@ -60,7 +62,7 @@ def _update(tmp_path, world, *args):
                               "fsdp-grpo-kl-anchor", "grpo-kl-onednn-linear", "cispo-reinforce-pp-whitened",
                               "grpo-entropy-bonus-top-mask-kl-in-reward", "fused-head-padding-free-entropy-bonus-kl",
                               "shipped-clip-adamw-2-mini-batches",
-                              "fsdp-shipped-clip-adamw-2-mini-batches", "balanced-skewed-kl-anchor",
+                              "fsdp-shipped-clip-adamw-2-mini-batches", "gspo-sampler-gap", "balanced-skewed-kl-anchor",
                               "fsdp-balanced-skewed-2-mini-batches"])
 def test_one_ddp_update_equals_the_single_process_update(args, tmp_path):
     one = _update(tmp_path, 1, *[a for a in args if not a.startswith("strategy=")])
@@ -95,6 +97,10 @@ def test_one_ddp_update_equals_the_single_process_update(args, tmp_path):
         assert not any(k.startswith("train/token_imbalance") for k in unbalanced["metrics"])
         for name, weight in unbalanced["weights"].items():  # the steps held the same completions
             assert torch.allclose(weight, two["weights"][name], atol=1e-6, rtol=1e-5), name
+    gap = {"train/sampler_kl", "train/is_weight_mean", "train/is_weight_max", "train/is_capped_frac"}
+    assert (gap <= one["metrics"].keys()) is any(a.startswith("sampler_noise") for a in args)
+    if gap <= one["metrics"].keys():  # a gap to reduce: far from float rounding, some sequences beyond the cap
+        assert one["metrics"]["train/sampler_kl"] > 1e-3 and 0 < one["metrics"]["train/is_capped_frac"] < 1
     # the same logged metrics: token-weighted, maxima, whole-batch reward statistics
     assert one["metrics"].keys() == two["metrics"].keys()
     for name, value in one["metrics"].items():

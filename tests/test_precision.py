@@ -23,7 +23,41 @@ def test_the_rule_reads_the_cpus_bf16_flags(extra, expected):
     assert chosen == expected
     have = [flag for flag in extra.split() if flag in precision.BF16_CPU_FLAGS]
     assert why == (f"the CPU has {' and '.join(have)}" if have else
-                   "the CPU has neither amx_bf16 nor avx512_bf16: bfloat16 would be emulated, slower")
+                   "the CPU has neither amx_bf16 nor avx512_bf16: float32 (bfloat16 products are emulated there, or "
+                   "not measured)")
+
+
+def test_arm_features_are_read_and_have_no_rule_yet():
+    """aarch64 Linux names them `Features`; ARM's bf16 is not measured here: float32, saying why."""
+    flags = precision.cpu_flags("processor\t: 0\nFeatures\t: fp asimd bf16 i8mm\n")
+    assert flags == {"fp", "asimd", "bf16", "i8mm"}
+    assert precision.auto_precision("cpu", "processor\t: 0\nFeatures\t: fp asimd bf16\n")[0] == "32-true"
+
+
+@pytest.mark.parametrize("bf16,expected", [(True, "bf16-mixed"), (False, "32-true")])
+def test_a_cuda_device_is_asked_whether_it_has_bf16_arithmetic(monkeypatch, bf16, expected):
+    """`accelerator=auto` means CUDA where torch sees a device; emulated bf16 does not count."""
+    import torch
+
+    asked = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "GPU-X")
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: asked.append(
+        including_emulation) or bf16)
+    for accelerator in ("auto", "gpu", "cuda"):
+        chosen, why = precision.auto_precision(accelerator, CPUINFO.format(extra="avx512_bf16"))
+        assert chosen == expected and "GPU-X" in why
+    assert asked == [False, False, False]
+    # trainer.accelerator=cpu on the same machine: the CPU's rule
+    assert precision.auto_precision("cpu", CPUINFO.format(extra=""))[0] == "32-true"
+
+
+def test_a_gpu_asked_for_without_cuda_says_so():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA device")
+    assert precision.auto_precision("gpu") == ("32-true", "trainer.accelerator=gpu but torch sees no CUDA device")
 
 
 def test_unreadable_cpu_features_mean_float32():

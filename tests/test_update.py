@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from polopt_lightning.step.terms import sampler_weights
+from polopt_lightning.step.terms import SamplerCorrection, sampler_weights
 
 from .helpers import make, trainer
 from .helpers.step import term_advantages
@@ -148,6 +148,7 @@ def test_a_sampler_of_other_numerics_logs_its_gap_without_the_correction(tmp_pat
                           rollout_engine=rollout, seed=0)
         t = trainer(tmp_path / name, steps=2, limit_val_batches=0)
         t.fit(module, datamodule=dm)
+        assert not any(isinstance(term, SamplerCorrection) for term in module.updater.terms)  # the correction is off
         logged[name] = {k.removeprefix("train/"): float(v) for k, v in t.logged_metrics.items()}
     bf16, fp32 = logged["bf16"], logged["fp32"]
     assert "sampler_kl" not in logged["reused"] and "is_weight_max" not in logged["reused"]

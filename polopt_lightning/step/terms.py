@@ -228,9 +228,15 @@ class SamplerCorrection(LossTerm):
         """The sampler's distance from the trainer where the correction is off but the trainer computed the old
         log-probs itself (a sampler of other numerics: ``rollout.dtype``, a mixed ``trainer.precision``): the metrics
         the correction would log (:func:`sampler_weights` with its mode and ``update.is_cap``), weighting nothing.
-        ``is_capped_frac`` is then the share of tokens (or sequences) the correction would cap."""
-        return sampler_weights(exp.old_logprobs, exp.sampling_logprobs, exp.completion_mask,
-                               cls.mode_of(updater.config, updater.objective), updater.config.is_cap)[1]
+        ``is_capped_frac`` is then the share of tokens (or sequences) the correction would cap. Over every process's
+        rows: means weighted by their tokens or sequences, the largest weight of all."""
+        mode = cls.mode_of(updater.config, updater.objective)
+        _, metrics = sampler_weights(exp.old_logprobs, exp.sampling_logprobs, exp.completion_mask, mode,
+                                     updater.config.is_cap)
+        counts = sampler_counts(exp.completion_mask, mode)
+        return {key: all_reduce(value, "max") if key.endswith("_max") else
+                all_reduce(value * counts[key].to(value)) / all_reduce(counts[key].to(value)).clamp(min=1)
+                for key, value in metrics.items()}
 
     def advantages(self, batch: MiniBatch, piece: Piece, advantages: Tensor) -> Tensor:
         mask = piece.mask

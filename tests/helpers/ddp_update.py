@@ -5,7 +5,8 @@
 ``entropy_coef=C``; ``top_entropy_quantile=Q``; ``fused_head=true|false``; ``padding_free=true``; ``width=W``: a model W
 wide, whose weights from 512 on are large enough for the oneDNN linear layers; ``max_grad_norm=C``: clipping by global
 norm, none by default; ``optimizer=adamw``: the shipped conf/optimizer/adamw.yaml instead of plain SGD;
-``balance_tokens=true|false``: token balancing between the processes always or never (default: where the passes
+``sampler_noise=S``: the sampler's log-probs off the trainer's by S x a normal draw a token (seeded by the prompt), so
+the trainer computes the old log-probs and logs their gap; ``balance_tokens=true|false``: token balancing between the processes always or never (default: where the passes
 follow the real tokens); ``skew=true``: process 0's prompts (those of even
 index) complete in ``max_new_tokens`` tokens (default 4), process 1's in one; ``mini_batches=M``: M optimizer steps on the rollout, none of its rows twice, split in each process's row order so that
 1 and 2 processes put the same prompts in each step): rank 0 writes ``OUT`` (torch.save) with the policy's weights after
@@ -36,6 +37,7 @@ from polopt_lightning.step.experience import pad_cat
 
 PROMPTS = 4  # in all, over the processes
 SKEW = False  # skew=true: long completions on process 0, one token on process 1
+NOISE = 0.0  # sampler_noise=S: the sampler's log-probs off the trainer's
 
 
 class PerPromptEngine(HFRolloutEngine):
@@ -56,6 +58,9 @@ class PerPromptEngine(HFRolloutEngine):
             cut = torch.arange(part.completion_mask.shape[1])[None] >= keep[:, None]
             part.completion_mask[cut] = 0
             part.completion_ids[cut] = pad
+            if NOISE:  # a sampler of other numerics, the same on 1 and 2 processes
+                draw = torch.randn(part.sampling_logprobs.shape, generator=torch.Generator().manual_seed(key))
+                part.sampling_logprobs = part.sampling_logprobs + NOISE * draw * part.completion_mask
             parts.append(part)
         fields = {}
         for name, side in (("prompt_ids", "left"), ("prompt_mask", "left"), ("completion_ids", "right"),
@@ -63,6 +68,9 @@ class PerPromptEngine(HFRolloutEngine):
             fields[name] = pad_cat([getattr(p, name) for p in parts], 0, left=side == "left")
         fields["finished"] = torch.cat([p.finished for p in parts])
         return RolloutBatch(group_size=num_generations, **fields)
+
+    def logprobs_match(self, model):
+        return not NOISE and super().logprobs_match(model)
 
 
 def digit_share(prompts, completions, **kwargs):
@@ -88,8 +96,9 @@ def main() -> None:
     out, world, objective, *extra = sys.argv[1:]
     world = int(world)
     options = dict(kv.split("=", 1) for kv in extra)
-    global SKEW
+    global SKEW, NOISE
     SKEW = options.get("skew") == "true"
+    NOISE = float(options.get("sampler_noise", 0.0))
     mini_batches = int(options.get("mini_batches", 1))
     if mini_batches > 1:
         # each process draws its own random split of its rows, so 1 and 2 processes would step on different prompts;
