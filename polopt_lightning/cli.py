@@ -155,6 +155,10 @@ def check_config(cfg: DictConfig) -> None:
         raise ValueError(f"{missing[0]}: no value given, and it has no default: give it on the command line "
                          f"({missing[0]}=...)" + (f"; also missing: {', '.join(missing[1:])}" if missing[1:] else ""))
     check_types({k: cfg.get(k) for k in _TOP_LEVEL_TYPES if k in cfg}, _TOP_LEVEL_TYPES, "")
+    if OmegaConf.is_config(cfg.get("trainer")) and "precision" in cfg.trainer:
+        from .accel.precision import check_precision
+
+        check_precision(cfg.trainer.precision)
 
     def walk(node: Any, key: str) -> None:
         if isinstance(node, list):
@@ -283,9 +287,14 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     clip = module.update_config.max_grad_norm
     if kind == "deepspeed" and clip:  # DeepSpeed clips inside its engine, from its own config
         strategy.config = {**(strategy.config or {}), "gradient_clipping": float(clip)}
-    precision = {}
+    precision, why = {}, None
     if str(cfg.trainer.get("precision")) == "auto":  # Lightning has no such value: chosen here, by the hardware
         precision["precision"], why = auto_precision(str(cfg.trainer.get("accelerator", "auto")))
+        trained_in = checkpoint_precision(Path(cfg.ckpt_path)) if cfg.get("ckpt_path") else None
+        if trained_in and trained_in != precision["precision"]:  # a resumed run goes on as it was trained
+            why = f"the checkpoint resumed was trained in {trained_in}, kept; here auto would take " \
+                  f"{precision['precision']} ({why})"
+            precision["precision"] = trained_in
         log.info("trainer.precision=auto: %s (%s)", precision["precision"], why)
     trainer: L.Trainer = instantiate(cfg.trainer, logger=loggers or False, callbacks=callbacks,
                                      default_root_dir=str(run_dir), strategy=strategy,
@@ -364,8 +373,9 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         # processes that trained (trainer.devices x trainer.num_nodes) and their strategy
         "world_size": int(trainer.world_size),
         "strategy": kind,
-        # what the steps computed in (trainer.precision, resolved where it was auto)
+        # what the steps computed in (trainer.precision, resolved where it was auto, and why)
         "precision": str(trainer.precision),
+        "precision_auto": why,
         "run_dir": str(run_dir),
     }
     (run_dir / "results.json").write_text(json.dumps(results, indent=2))
@@ -477,6 +487,22 @@ def checkpoint_step(path: Path) -> int | None:
     except Exception:
         return None
     return int(step) if isinstance(step, int) else None
+
+
+def checkpoint_precision(path: Path) -> str | None:
+    """The ``trainer.precision`` a checkpoint was trained in (recorded since ``trainer.precision=auto``), or ``None``
+    where it holds none or cannot be read. Only the file's small pickle is read (tensors are mapped)."""
+    import torch
+
+    from .export import CHECKPOINT_KEY
+
+    if not path.is_file():
+        return None
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True).get(CHECKPOINT_KEY) or {}
+    except Exception:
+        return None
+    return state.get("precision")
 
 
 def checkpoints_in(folder: Path) -> list[tuple[Path, int | None]]:

@@ -44,6 +44,8 @@ def save_state(module: Any, checkpoint: dict[str, Any]) -> None:
         "entropy": module.updater.entropy.state_dict(),  # the adaptive entropy coefficient
         # what `polopt-export CKPT OUT` needs to rebuild a Hugging Face folder from this file alone
         "hf": module._hf_metadata,
+        # what the steps computed in: a resumed trainer.precision=auto run keeps it
+        "precision": str(module.trainer.precision) if module._trainer is not None else None,
     }
 
 

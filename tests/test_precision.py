@@ -23,8 +23,8 @@ def test_the_rule_reads_the_cpus_bf16_flags(extra, expected):
     assert chosen == expected
     have = [flag for flag in extra.split() if flag in precision.BF16_CPU_FLAGS]
     assert why == (f"the CPU has {' and '.join(have)}" if have else
-                   "the CPU has neither amx_bf16 nor avx512_bf16: float32 (bfloat16 products are emulated there, or "
-                   "not measured)")
+                   "the CPU has neither amx_bf16 nor avx512_bf16: float32; bfloat16 products are emulated there, or "
+                   "not measured")
 
 
 def test_arm_features_are_read_and_have_no_rule_yet():
@@ -79,3 +79,38 @@ def test_auto_from_the_command_line_trains_in_what_it_chose(tmp_path, monkeypatc
     assert results["steps"] == 2 and results["precision"] == expected
     assert json.loads((tmp_path / "results.json").read_text())["precision"] == expected
     assert f"trainer.precision=auto: {expected}" in caplog.text
+
+
+@pytest.mark.parametrize("value,hint", [("Auto", "auto"), ("fp32", "32-true"), ("float16", "16-mixed"),
+                                        (True, None), ("bf16-mix", None)])
+def test_a_precision_neither_auto_nor_lightnings_is_refused_before_anything_loads(tmp_path, value, hint):
+    from polopt_lightning.cli import check_config
+
+    cfg = compose_with(FAST, tmp_path)
+    cfg.trainer.precision = value
+    with pytest.raises(ValueError, match=r"trainer\.precision=.*: not one of auto, .*32-true") as err:
+        check_config(cfg)
+    assert (f"did you mean trainer.precision={hint}?" in str(err.value)) if hint else "did you mean" not in str(err.value)
+    for fine in ("auto", "32-true", "bf16-mixed", "16-mixed", "bf16", 32):
+        cfg.trainer.precision = fine
+        check_config(cfg)
+
+
+def test_a_resumed_auto_run_keeps_the_precision_it_was_trained_in(tmp_path, monkeypatch):
+    """The checkpoint records what the steps computed in; resumed with `auto` on a machine where the rule would
+    choose otherwise, the run goes on as it was trained, and says so."""
+    monkeypatch.setattr(precision, "cpu_flags", lambda cpuinfo=None: {"avx512_bf16"})
+    cfg = compose_with(FAST + ["trainer.precision=auto", "trainer.max_steps=2"], tmp_path / "a")
+    set_hydra(cfg)
+    assert train(cfg)["precision"] == "bf16-mixed"
+    ckpt = tmp_path / "a" / "checkpoints" / "last.ckpt"
+    from polopt_lightning.cli import checkpoint_precision
+
+    assert checkpoint_precision(ckpt) == "bf16-mixed"
+    monkeypatch.setattr(precision, "cpu_flags", lambda cpuinfo=None: {"avx2"})  # another machine
+    cfg = compose_with(FAST + ["trainer.precision=auto", "trainer.max_steps=4", f"ckpt_path={ckpt}"], tmp_path / "b")
+    set_hydra(cfg)
+    results = train(cfg)
+    assert results["steps"] == 4 and results["precision"] == "bf16-mixed"
+    assert results["precision_auto"].startswith("the checkpoint resumed was trained in bf16-mixed, kept; here auto "
+                                                "would take 32-true")

@@ -1,12 +1,14 @@
-"""``trainer.precision=auto``: the fastest precision the device multiplies natively, chosen once before the Trainer is
-made (Lightning itself has no such value).
+"""``trainer.precision=auto``: bfloat16 mixed precision where the device multiplies bfloat16 natively, chosen before the
+Trainer is made (Lightning itself has no such value), and the check of ``trainer.precision``'s value.
 
 bfloat16 mixed precision (``bf16-mixed``: float32 master weights and optimizer state, bf16 products, float32
 log-softmax) where the device has bf16 arithmetic: a CUDA device that supports it, a CPU with AMX (``amx_bf16``) or
 AVX512-BF16 (``avx512_bf16``); float32 (``32-true``) elsewhere, where bf16 products are emulated (AVX2, AVX-512 without
 BF16) and slower than float32's. Measured on an AMD EPYC with AVX512-BF16 (docs/performance.md): the default job meets
 its target on every seed under ``bf16-mixed`` in about float32's time, and the 0.5B step is 1.31-1.35x faster.
-The choice is made afresh by every run (a resumed one included) on the machine it runs on.
+Each run chooses on the machine it runs on (every process for itself); a resumed run keeps the precision its
+checkpoint was trained in (:func:`polopt_lightning.cli.train`). From a Trainer of your own:
+``L.Trainer(precision=auto_precision("cpu")[0])``.
 """
 
 from __future__ import annotations
@@ -51,5 +53,25 @@ def auto_precision(accelerator: str = "auto", cpuinfo: str | None = None) -> tup
     have = [flag for flag in BF16_CPU_FLAGS if flag in flags]
     if have:
         return "bf16-mixed", f"the CPU has {' and '.join(have)}"
-    return "32-true", (f"the CPU has neither {' nor '.join(BF16_CPU_FLAGS)}: float32 (bfloat16 products are emulated "
-                       "there, or not measured)")
+    return "32-true", (f"the CPU has neither {' nor '.join(BF16_CPU_FLAGS)}: float32; bfloat16 products are emulated "
+                       "there, or not measured")
+
+
+#: what people type for Lightning's values
+_HINTS = {"fp32": "32-true", "float32": "32-true", "32": "32-true", "bf16": "bf16-mixed", "bfloat16": "bf16-mixed",
+          "fp16": "16-mixed", "float16": "16-mixed", "16": "16-mixed", "mixed": "bf16-mixed"}
+
+
+def check_precision(value: object) -> None:
+    """Refuse a ``trainer.precision`` that neither ``auto`` nor Lightning takes, before anything loads, listing what
+    is taken and the likely one (``Auto`` -> ``auto``, ``fp32`` -> ``32-true``)."""
+    import typing
+
+    from lightning.fabric.connector import _PRECISION_INPUT
+
+    taken = [str(v) for part in typing.get_args(_PRECISION_INPUT) for v in typing.get_args(part)]
+    if value is None or isinstance(value, bool) or str(value) not in ("auto", *taken):
+        text = str(value).strip().lower()
+        guess = "auto" if text == "auto" else _HINTS.get(text, text if text in taken else None)
+        raise ValueError(f"trainer.precision={value!r}: not one of auto, {', '.join(dict.fromkeys(taken))}"
+                         + (f"; did you mean trainer.precision={guess}?" if guess else ""))
