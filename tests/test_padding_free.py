@@ -75,3 +75,58 @@ def test_models_it_cannot_run_are_refused_naming_the_key():
     assert varlen.supported(partitioned) == "the model is sharded (FSDP2 or DeepSpeed ZeRO-3)"
     model.config._attn_implementation = "flash_attention_2"
     assert "flash_attention_2" in varlen.supported(model)
+
+
+def test_by_default_a_pass_packs_on_the_cpu_where_its_rows_pad_enough(monkeypatch):
+    """`update.padding_free=None` (the default): a pass's rows run padding-free where their completions are at least
+    128 tokens wide, at most 80% real and without holes, and the model allows it; otherwise (the default job's
+    6-token completions, a model it cannot run, `false`) the padded pass, with no error. The log-probs are the padded
+    ones either way."""
+    from types import SimpleNamespace
+
+    from polopt_lightning.step import logprobs
+    from polopt_lightning.step.logprobs import PADDING_FREE_MIN_WIDTH, Scorer, pads_enough
+    from polopt_lightning.step.update import UpdateConfig
+
+    T = PADDING_FREE_MIN_WIDTH
+
+    def mask_of(lengths, width=T):
+        return (torch.arange(width)[None] < torch.tensor(lengths)[:, None]).long()
+
+    assert pads_enough(mask_of([T, T // 2, 10, 40]))
+    assert not pads_enough(mask_of([T - 1, 60, 10, 40], width=T - 1))  # too narrow
+    assert not pads_enough(mask_of([T, T, T, 2 * T // 5]))  # 85% real: little padding to save
+    assert pads_enough(mask_of([T, T, T, T // 5]))  # 80% real
+    holed = mask_of([T, T // 2, 10, 40])
+    holed[1, T - 1] = 1
+    assert not pads_enough(holed)
+
+    model, _ = build_tiny_model(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64, seed=0,
+                                max_position_embeddings=512)
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(3, 60, (2, 5), generator=g).repeat_interleave(2, dim=0)  # a prompt a group of 2
+
+    def experience(lengths, width):
+        mask = mask_of(lengths, width)
+        ids = torch.randint(3, 60, (4, width), generator=g) * mask
+        return SimpleNamespace(prompt_ids=prompt, prompt_mask=torch.ones_like(prompt), completion_ids=ids,
+                               attention_mask=mask, group_index=torch.tensor([0, 0, 1, 1]))
+
+    packed = []
+    real = logprobs.padding_free_logprobs
+    monkeypatch.setattr(logprobs, "padding_free_logprobs", lambda *a, **k: packed.append(1) or real(*a, **k))
+    long_rows, short_rows = experience([T, T // 2, 10, 40], T), experience([6, 3, 1, 5], 6)
+    for setting, exp, packs in ((None, long_rows, True), (None, short_rows, False), (False, long_rows, False),
+                                (True, short_rows, True)):
+        packed.clear()
+        scorer = Scorer(model, None, False, UpdateConfig(padding_free=setting), 1.0)
+        got = scorer.logprobs(model, exp, slice(None))[0]
+        assert bool(packed) is packs, (setting, exp.completion_ids.shape)
+        plain = completion_logprobs(model, exp.prompt_ids, exp.prompt_mask, exp.completion_ids, exp.attention_mask)[0]
+        torch.testing.assert_close(got * exp.attention_mask, plain * exp.attention_mask, atol=1e-5, rtol=1e-5)
+    eager, _ = build_tiny_model(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64, seed=0,
+                                max_position_embeddings=512)
+    eager.config._attn_implementation = "eager"  # a model it cannot run: padded, no error
+    packed.clear()
+    Scorer(eager, None, False, UpdateConfig(), 1.0).logprobs(eager, long_rows, slice(None))
+    assert not packed

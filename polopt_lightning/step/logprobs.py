@@ -472,6 +472,25 @@ def _packed_groups(model: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, co
     return logp, (entropy.view(U, G, T)[inverse, slot] if with_entropy else None)
 
 
+#: ``update.padding_free=None`` packs a pass's rows on the CPU where their completions are at least this wide and at most
+#: ``PADDING_FREE_MAX_REAL`` of the padded width is real (docs/performance.md: the passes at 128-512 tokens)
+PADDING_FREE_MIN_WIDTH = 128
+PADDING_FREE_MAX_REAL = 0.8
+
+
+def pads_enough(mask: Tensor) -> bool:
+    """Whether rows of this completion ``mask`` (``[N, T]``, real tokens then padding) pack on their own under
+    ``update.padding_free=None``: on the CPU, ``T >= PADDING_FREE_MIN_WIDTH`` and at most ``PADDING_FREE_MAX_REAL`` of
+    the ``N x T`` positions real, every row without a hole."""
+    N, T = mask.shape
+    if mask.device.type != "cpu" or T < PADDING_FREE_MIN_WIDTH or N == 0:
+        return False
+    lengths = mask.sum(-1)
+    if int(lengths.sum()) > PADDING_FREE_MAX_REAL * N * T:
+        return False
+    return torch.equal(mask.bool(), torch.arange(T, device=mask.device)[None] < lengths[:, None])
+
+
 def padding_free_supported(model: nn.Module) -> str:
     """Why ``model`` cannot run padding-free (:func:`padding_free_logprobs`), or ``""``: its head must run plainly
     (:func:`_trunk_problem`: the trunk runs without the model's own forward) and its trunk segment by segment
@@ -583,6 +602,7 @@ class Scorer:
                  temperature: float) -> None:
         self.policy, self.ref_model, self.shared_reference = policy, ref_model, shared_reference
         self.config, self.temperature = config, temperature
+        self._packs_alone: dict[int, bool] = {}  # padding_free=None: whether each model can run padding-free
         for model in (m for m in (policy, ref_model) if m is not None):
             why = fusable_head(model)[1] if config.fused_head else ""
             if why:
@@ -601,7 +621,7 @@ class Scorer:
         # checkpointed layers drop the cache the shared prompt is passed through; without gradient they keep it
         checkpointed = self.config.gradient_checkpointing and model is self.policy and torch.is_grad_enabled()
         with evaluating(model, keep_quantized=True) if model is self.ref_model else nullcontext():
-            if self.config.padding_free:  # a packed sequence: the prompt shared also under checkpointing
+            if self.padding_free(model, args[4]):  # a packed sequence: the prompt shared also under checkpointing
                 groups = exp.group_index[rows] if self.config.share_prompt else None
                 return padding_free_logprobs(*args, groups, self.temperature, with_entropy,
                                              fuse=self.config.fused_head)
@@ -612,6 +632,18 @@ class Scorer:
                                                          fuse=self.config.fused_head)
             return completion_logprobs(*args, self.temperature, with_entropy=with_entropy,
                                        fuse=self.config.fused_head)
+
+    def padding_free(self, model: nn.Module, mask: Tensor) -> bool:
+        """Whether these rows (completion ``mask``) run padding-free: ``update.padding_free``, or where it is ``None``
+        on the CPU where they pad enough (:func:`pads_enough`) and the model allows it (:func:`padding_free_supported`:
+        not sharded, SDPA, the fused head's model types)."""
+        if self.config.padding_free is not None:
+            return self.config.padding_free
+        if not pads_enough(mask):
+            return False
+        if id(model) not in self._packs_alone:
+            self._packs_alone[id(model)] = not padding_free_supported(model)
+        return self._packs_alone[id(model)]
 
     def packs(self, model: nn.Module, prompt_len: int, completion_len: int, groups: Tensor) -> bool:
         """Whether these rows' groups run as packed sequences (``pack_groups``)."""

@@ -63,8 +63,11 @@ class UpdateConfig(Settings):
             sequence with each group's prompt once (with ``share_prompt``, also under gradient checkpointing), attention
             segment by segment so that it never crosses sequences (:mod:`~polopt_lightning.step.varlen`): no pass
             computes padding, whatever the completions' lengths. The same log-probs within float tolerance. Needs the
-            fused head's model types, SDPA attention and no sliding windows (an error names what is
-            missing).
+            fused head's model types, SDPA attention, no sliding windows and the weights whole on each process (``True``:
+            an error names what is missing). ``None``: a pass's rows pack on the CPU where their completions are at
+            least 128 tokens wide with at most 80% of the padded positions real and the model allows it
+            (:func:`~polopt_lightning.step.logprobs.pads_enough`; measured: docs/performance.md), else they run padded;
+            ``False``: never.
         balance_tokens: under data parallelism, move whole groups between the processes after the rollout so that each
             process's share of every optimizer step holds about as many tokens (:mod:`~polopt_lightning.step.balance`,
             verl's ``balance_batch``): no process waits at the gradient's reduction for the one that drew the longest
@@ -115,7 +118,7 @@ class UpdateConfig(Settings):
     share_prompt: bool = True
     pack_groups: bool | None = None
     fused_head: bool | None = None
-    padding_free: bool = False
+    padding_free: bool | None = None
     balance_tokens: bool | None = None
     reuse_sampling_logprobs: bool = True
     disable_dropout: bool = True
