@@ -100,6 +100,10 @@ def test_by_default_a_pass_packs_on_the_cpu_where_its_rows_pad_enough(monkeypatc
     holed = mask_of([T, T // 2, 10, 40])
     holed[1, T - 1] = 1
     assert not pads_enough(holed)
+    prompts = torch.ones(4, 3, dtype=torch.long)
+    assert pads_enough(mask_of([T, T // 2, 10, 40]), prompts)
+    prompts[2] = 0  # an empty prompt (a tokenizer without BOS on ""): padded, where padding-free refuses it
+    assert not pads_enough(mask_of([T, T // 2, 10, 40]), prompts)
 
     model, _ = build_tiny_model(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64, seed=0,
                                 max_position_embeddings=512)
@@ -116,10 +120,11 @@ def test_by_default_a_pass_packs_on_the_cpu_where_its_rows_pad_enough(monkeypatc
     real = logprobs.padding_free_logprobs
     monkeypatch.setattr(logprobs, "padding_free_logprobs", lambda *a, **k: packed.append(1) or real(*a, **k))
     long_rows, short_rows = experience([T, T // 2, 10, 40], T), experience([6, 3, 1, 5], 6)
-    for setting, exp, packs in ((None, long_rows, True), (None, short_rows, False), (False, long_rows, False),
-                                (True, short_rows, True)):
+    for setting, exp, packs, groups in ((None, long_rows, True, None), (None, short_rows, False, None),
+                                        (False, long_rows, False, None), (True, short_rows, True, None),
+                                        (None, long_rows, False, True)):  # pack_groups asked for: its own packing
         packed.clear()
-        scorer = Scorer(model, None, False, UpdateConfig(padding_free=setting), 1.0)
+        scorer = Scorer(model, None, False, UpdateConfig(padding_free=setting, pack_groups=groups), 1.0)
         got = scorer.logprobs(model, exp, slice(None))[0]
         assert bool(packed) is packs, (setting, exp.completion_ids.shape)
         plain = completion_logprobs(model, exp.prompt_ids, exp.prompt_mask, exp.completion_ids, exp.attention_mask)[0]

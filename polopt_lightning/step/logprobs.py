@@ -478,12 +478,14 @@ PADDING_FREE_MIN_WIDTH = 128
 PADDING_FREE_MAX_REAL = 0.8
 
 
-def pads_enough(mask: Tensor) -> bool:
+def pads_enough(mask: Tensor, prompt_mask: Tensor | None = None) -> bool:
     """Whether rows of this completion ``mask`` (``[N, T]``, real tokens then padding) pack on their own under
     ``update.padding_free=None``: on the CPU, ``T >= PADDING_FREE_MIN_WIDTH`` and at most ``PADDING_FREE_MAX_REAL`` of
-    the ``N x T`` positions real, every row without a hole."""
+    the ``N x T`` positions real, every row without a hole, every prompt (``prompt_mask``) with a token."""
     N, T = mask.shape
     if mask.device.type != "cpu" or T < PADDING_FREE_MIN_WIDTH or N == 0:
+        return False
+    if prompt_mask is not None and not bool(prompt_mask.bool().any(-1).all()):
         return False
     lengths = mask.sum(-1)
     if int(lengths.sum()) > PADDING_FREE_MAX_REAL * N * T:
@@ -602,7 +604,6 @@ class Scorer:
                  temperature: float) -> None:
         self.policy, self.ref_model, self.shared_reference = policy, ref_model, shared_reference
         self.config, self.temperature = config, temperature
-        self._packs_alone: dict[int, bool] = {}  # padding_free=None: whether each model can run padding-free
         for model in (m for m in (policy, ref_model) if m is not None):
             why = fusable_head(model)[1] if config.fused_head else ""
             if why:
@@ -621,7 +622,7 @@ class Scorer:
         # checkpointed layers drop the cache the shared prompt is passed through; without gradient they keep it
         checkpointed = self.config.gradient_checkpointing and model is self.policy and torch.is_grad_enabled()
         with evaluating(model, keep_quantized=True) if model is self.ref_model else nullcontext():
-            if self.padding_free(model, args[4]):  # a packed sequence: the prompt shared also under checkpointing
+            if self.padding_free(model, args[4], args[2]):  # one packed sequence: the prompt shared under checkpointing
                 groups = exp.group_index[rows] if self.config.share_prompt else None
                 return padding_free_logprobs(*args, groups, self.temperature, with_entropy,
                                              fuse=self.config.fused_head)
@@ -633,17 +634,14 @@ class Scorer:
             return completion_logprobs(*args, self.temperature, with_entropy=with_entropy,
                                        fuse=self.config.fused_head)
 
-    def padding_free(self, model: nn.Module, mask: Tensor) -> bool:
-        """Whether these rows (completion ``mask``) run padding-free: ``update.padding_free``, or where it is ``None``
-        on the CPU where they pad enough (:func:`pads_enough`) and the model allows it (:func:`padding_free_supported`:
-        not sharded, SDPA, the fused head's model types)."""
+    def padding_free(self, model: nn.Module, mask: Tensor, prompt_mask: Tensor) -> bool:
+        """Whether these rows (completion ``mask``, ``prompt_mask``) run padding-free: ``update.padding_free``, or where
+        it is ``None`` on the CPU where they pad enough (:func:`pads_enough`), ``pack_groups`` is not asked for and the
+        model allows it now (:func:`padding_free_supported`: not sharded, SDPA, the fused head's model types; ~16 us)."""
         if self.config.padding_free is not None:
             return self.config.padding_free
-        if not pads_enough(mask):
-            return False
-        if id(model) not in self._packs_alone:
-            self._packs_alone[id(model)] = not padding_free_supported(model)
-        return self._packs_alone[id(model)]
+        return (self.config.pack_groups is not True and pads_enough(mask, prompt_mask)
+                and not padding_free_supported(model))
 
     def packs(self, model: nn.Module, prompt_len: int, completion_len: int, groups: Tensor) -> bool:
         """Whether these rows' groups run as packed sequences (``pack_groups``)."""

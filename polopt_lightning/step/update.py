@@ -73,7 +73,7 @@ class UpdateConfig(Settings):
             verl's ``balance_batch``): no process waits at the gradient's reduction for the one that drew the longest
             completions. The steps hold the same completions either way (the same update within float tolerance);
             logs ``token_imbalance`` (the largest process's tokens over the mean) and ``token_imbalance_before``.
-            ``None``: where the passes' work follows the real tokens (``padding_free``, or ``micro_batch_tokens``'s
+            ``None``: where the passes' work follows the real tokens (``padding_free=True``, or ``micro_batch_tokens``'s
             pieces of similar lengths); a padded pass in one piece computes every row at its longest completion's
             width, and the process holding the longest group pays that whatever the split, so there it would only add
             padding (measured: docs/performance.md). ``True``: always; ``False``: never. Nothing in a single process.
@@ -361,7 +361,7 @@ class Updater:
         the passes' work follows the real tokens)."""
         config = self.config
         if config.balance_tokens is None:
-            return bool(config.padding_free or config.micro_batch_tokens)
+            return bool(config.padding_free is True or config.micro_batch_tokens)  # the same on every process
         return config.balance_tokens
 
     def micro_batches(self, exp: Experience, rows: Tensor) -> list[Tensor]:
