@@ -256,6 +256,10 @@ def train(cfg: DictConfig) -> dict[str, Any]:
                    micro_batch_tokens=update.micro_batch_tokens if update else None,
                    optimizer=(cfg.get("optimizer") or {}).get("name"),
                    backend=strategy_cfg.get("process_group_backend"))
+    accelerator = str(cfg.trainer.get("accelerator", "auto"))
+    if accelerator in ("gpu", "cuda") and not torch.cuda.is_available():  # before the model loads and the warm start
+        raise ValueError(f"trainer.accelerator={accelerator}: torch {torch.__version__} sees no CUDA device (a CPU "
+                         "build of torch, or no driver): install a CUDA build of torch, or leave trainer=gpu out")
     model, tokenizer = instantiate(cfg.model)
     if (cfg.model.get("dtype") == "auto" and not quantization.enabled and not adapter.enabled
             and (half := train_in_float32(model)) is not None):

@@ -87,6 +87,7 @@ def test_a_precision_neither_auto_nor_lightnings_is_refused_before_anything_load
     from polopt_lightning.cli import check_config
 
     cfg = compose_with(FAST, tmp_path)
+    set_hydra(cfg)  # the run folder's interpolation resolves while the groups are checked
     cfg.trainer.precision = value
     with pytest.raises(ValueError, match=r"trainer\.precision=.*: not one of auto, .*32-true") as err:
         check_config(cfg)
@@ -114,3 +115,19 @@ def test_a_resumed_auto_run_keeps_the_precision_it_was_trained_in(tmp_path, monk
     assert results["steps"] == 4 and results["precision"] == "bf16-mixed"
     assert results["precision_auto"].startswith("the checkpoint resumed was trained in bf16-mixed, kept; here auto "
                                                 "would take 32-true")
+
+
+def test_a_gpu_trainer_without_cuda_is_refused_before_the_model_loads(tmp_path, monkeypatch):
+    """`trainer=gpu` where torch sees no CUDA device: an error naming the key before the warm start, not Lightning's
+    after it."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA device")
+    from polopt_lightning import warmstart
+
+    monkeypatch.setattr(warmstart, "supervised_warm_start", lambda *a, **k: pytest.fail("the warm start ran"))
+    cfg = compose_with(FAST + ["trainer=gpu", "trainer.precision=auto"], tmp_path)
+    set_hydra(cfg)
+    with pytest.raises(ValueError, match=r"trainer\.accelerator=gpu: torch .* sees no CUDA device .*leave trainer=gpu out"):
+        train(cfg)
