@@ -4,8 +4,7 @@ Trainer is made (Lightning itself has no such value), and the check of ``trainer
 bfloat16 mixed precision (``bf16-mixed``: float32 master weights and optimizer state, bf16 products, float32
 log-softmax) where the device has bf16 arithmetic: a CUDA device that supports it, a CPU with AMX (``amx_bf16``) or
 AVX512-BF16 (``avx512_bf16``); float32 (``32-true``) elsewhere, where bf16 products are emulated (AVX2, AVX-512 without
-BF16) and slower than float32's. Measured on an AMD EPYC with AVX512-BF16 (docs/performance.md): the default job meets
-its target on every seed under ``bf16-mixed`` in about float32's time, and the 0.5B step is 1.31-1.35x faster.
+BF16) and slower than float32's. Where it pays and what it costs: docs/performance.md.
 Each run chooses on the machine it runs on (every process for itself); a resumed run keeps the precision its
 checkpoint was trained in (:func:`polopt_lightning.cli.train`). From a Trainer of your own:
 ``L.Trainer(precision=auto_precision("cpu")[0])``.
