@@ -1,3 +1,4 @@
+import contextlib
 import copy
 import logging
 import re
@@ -235,6 +236,77 @@ def test_fast_decode_matches_the_model_forward(architecture, heads, kv_heads, sh
         fresh, _ = completion_logprobs(model.eval(), out[True].prompt_ids, out[True].prompt_mask,
                                        out[True].completion_ids, out[True].completion_mask)
     torch.testing.assert_close(fresh, out[True].sampling_logprobs, atol=1e-5, rtol=1e-5)
+
+
+def _decoded_rows(model):
+    """A list that collects the number of rows each forward of ``model``'s embedding takes (the prefill's and every
+    decoding step's, on any path: the model's forward, the lean step, the fused C step), and the hook's handle."""
+    rows = []
+    return rows, model.model.embed_tokens.register_forward_hook(lambda m, args, out: rows.append(args[0].shape[0]))
+
+
+@pytest.mark.parametrize("path", ["fused", "modules", "forward", "greedy-small-vocab"])
+def test_finished_rows_leave_the_decoding_batch_with_the_same_completions(path):
+    """``drop_finished`` (on by default from 128 new tokens): rows stop being decoded once a quarter of the batch has
+    ended, and the completions, their log-probs and ``finished`` are those of the full batch: a large vocabulary's
+    inverse-CDF draw takes the same uniform numbers for the rows left (a wrong index or draw changes the tokens)."""
+    from polopt_lightning.accel.cpu.linear import OneDNNLinear
+
+    vocab = 128 if path == "greedy-small-vocab" else 40_000
+    model, tok = build_tiny_model(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128,
+                                  vocab_size=vocab, seed=3)
+    greedy = path == "greedy-small-vocab"  # 24 prompts, one completion each: greedy rows of a group would be alike
+    ids = torch.randint(10, vocab, (24 if greedy else 2, 5), generator=torch.Generator().manual_seed(0))
+    eos = list(range(vocab - 32, vocab)) if greedy else list(range(100, 500))  # 1% of the large vocabulary
+    sampling = SamplingConfig(max_new_tokens=160, temperature=0.0 if greedy else 1.0)
+    settings = {"fast_decode": path != "forward", "cpu": {"packed_weights": path == "fused"}}
+    out, decoded = {}, {}
+    for drop in (None, False):
+        rows, hook = _decoded_rows(model)
+        with OneDNNLinear(model) if path == "fused" else contextlib.nullcontext():
+            out[drop] = HFRolloutEngine(drop_finished=drop, **settings).generate(
+                model, ids, torch.ones_like(ids), 1 if greedy else 12, sampling, eos, 0,
+                torch.Generator().manual_seed(1))
+        hook.remove()
+        decoded[drop] = rows[1:]  # the decoding steps' rows
+    lengths = out[False].completion_mask.sum(1)
+    assert lengths.min() < lengths.max() == out[False].completion_ids.shape[1]  # rows ended at different steps
+    assert torch.equal(out[None].completion_ids, out[False].completion_ids)
+    assert torch.equal(out[None].finished, out[False].finished)
+    torch.testing.assert_close(out[None].sampling_logprobs, out[False].sampling_logprobs, atol=1e-5, rtol=1e-5)
+    assert set(decoded[False]) == {24}
+    assert decoded[None][0] <= 24 and decoded[None][-1] < 16 and decoded[None] == sorted(decoded[None], reverse=True)
+    # every row still decoding is one whose completion goes on: at most a quarter of a batch is already done
+    still = [int((lengths > t + 1).sum()) for t in range(len(decoded[None]))]
+    assert all(s <= n < max(s + 1, 4 * s / 3 + 1) for s, n in zip(still, decoded[None]))
+
+
+def test_finished_rows_stay_below_128_tokens_and_on_the_shared_prompt_path():
+    """The rule: no dropping below 128 new tokens (the default job's completions decode as before) nor with
+    ``shared_prompt_kv=True`` (rows go in whole groups); ``shared_prompt_kv=None`` leaves the shared path off where
+    rows drop; a batch shrinking to the few-row kernel's size gets its products built afresh."""
+    from polopt_lightning.accel.cpu import decode as cpu_decode
+
+    model, tok = build_tiny_model(hidden_size=64, num_layers=1, num_heads=2, intermediate_size=64, seed=1)
+    ids = torch.randint(3, len(tok), (3, 4), generator=torch.Generator().manual_seed(0))
+    eos = list(range(3, len(tok), 4))  # a quarter of the vocabulary: rows end within a few tokens
+    for engine, new_tokens, full in ((HFRolloutEngine(), 127, True), (HFRolloutEngine(shared_prompt_kv=True), 128, True),
+                                     (HFRolloutEngine(drop_finished=True, compile=False), 8, False)):
+        rows, hook = _decoded_rows(model)
+        engine.generate(model, ids, torch.ones_like(ids), 4, SamplingConfig(max_new_tokens=new_tokens), eos, 0,
+                        torch.Generator().manual_seed(2))
+        hook.remove()
+        assert (set(rows[1:]) == {12}) is full, (new_tokens, rows)
+    assert HFRolloutEngine()._share_prompt_kv(None, 0, 0, drop=True) is False
+    assert HFRolloutEngine(shared_prompt_kv=True)._share_prompt_kv(None, 0, 0, drop=True) is True
+
+    built = []
+    decoding = cpu_decode.CPUDecoding()
+    decoding.projections = lambda base, rows: built.append(rows) or "built"
+    kept, small, big = object(), cpu_decode.KERNEL_MAX_ROWS, cpu_decode.KERNEL_MAX_ROWS + 1
+    assert decoding.fewer_rows(kept, model, big, big) is kept and decoding.fewer_rows(kept, model, small, 4) is kept
+    assert decoding.fewer_rows(None, model, big, 2) is None  # no prepacked products to begin with
+    assert decoding.fewer_rows(kept, model, big, small) == "built" and built == [small]
 
 
 def test_shared_prompt_kv_is_chosen_where_it_measured_faster():

@@ -192,7 +192,8 @@ def kept_log_mass(model: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, com
 INVERSE_CDF_VOCAB = 32768  # from this vocabulary size on, tokens are drawn by inverse CDF (see sample_tokens)
 
 
-def sample_tokens(probs: Tensor, generator: torch.Generator | None = None) -> Tensor:
+def sample_tokens(probs: Tensor, generator: torch.Generator | None = None, rows: Tensor | None = None,
+                  total: int | None = None) -> Tensor:
     """One token per row ``[N]`` from the distributions ``probs`` ``[N, V]``.
 
     ``torch.multinomial`` draws one exponential variate per vocabulary entry and row (a race): at a 152k-token
@@ -200,10 +201,16 @@ def sample_tokens(probs: Tensor, generator: torch.Generator | None = None) -> Te
     :data:`INVERSE_CDF_VOCAB` tokens on, each row instead draws one uniform number and takes the first token whose
     cumulative probability (float64) exceeds it: the same distribution from N random numbers instead of N x V. Smaller
     vocabularies keep ``torch.multinomial``, so their runs draw exactly the tokens they always did.
+
+    ``rows`` (with ``total``): where ``probs``' rows sit in a batch of ``total`` rows of which the others are left out
+    (finished completions). The inverse-CDF draw still takes ``total`` uniform numbers and uses these rows' own, so
+    leaving rows out changes no other row's token; ``torch.multinomial`` draws for the given rows only.
     """
     if probs.shape[-1] < INVERSE_CDF_VOCAB:
         return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
     cdf = probs.double().cumsum(-1)  # [N, V]
-    u = torch.rand(probs.shape[0], 1, generator=generator, device=probs.device, dtype=torch.float64) * cdf[:, -1:]
+    u = torch.rand(probs.shape[0] if rows is None else total, 1, generator=generator, device=probs.device,
+                   dtype=torch.float64)
+    u = (u if rows is None else u[rows]) * cdf[:, -1:]
     # the first index whose cumulative mass exceeds u; a zero-probability token (a flat cdf step) is never chosen
     return torch.searchsorted(cdf, u, right=True).squeeze(-1).clamp(max=probs.shape[-1] - 1)

@@ -18,6 +18,8 @@ from ..accel.lean_step import decode_step, llama_like, shared_prompt_decode_step
 from ..models import float_dtype, frozen_copy, is_quantized, resolve_dtype
 from .base import RolloutBatch, RolloutEngine, filter_logits, sample_tokens
 
+DROP_FINISHED_MIN_TOKENS = 128  # from this max_new_tokens on, finished rows leave the decoding batch by default
+
 
 class HFRolloutEngine(RolloutEngine):
     """Sampling loop on a ``transformers`` causal LM with its KV cache.
@@ -44,7 +46,8 @@ class HFRolloutEngine(RolloutEngine):
             first call of each new batch shape compiles (tens of seconds on CPU).
         shared_prompt_kv: keep each prompt's keys/values once per group while decoding (the lean step only; the
             G samples' queries meet them in one product) instead of a copy per sample. ``None`` decides: on for an
-            fp32 model on the CPU when the copies would make each token re-read at least 1 MiB per layer; off
+            fp32 model on the CPU when the copies would make each token re-read at least 1 MiB per layer and
+            finished rows are not dropped (``drop_finished``, which it cannot do; dropping measured faster); off
             otherwise (short prompts and bf16 CPU kernels measured slower with it).
         cpu: the CPU's decoding levers (:class:`~polopt_lightning.accel.cpu.decode.CPUDecoding`, or a dict of them:
             ``packed_weights``, ``decode_kernel``, ``fused_step``): the lean step's products on prepacked weights or
@@ -59,12 +62,23 @@ class HFRolloutEngine(RolloutEngine):
             add to the step's peak (1 GB at 0.5B in bf16). ``None`` decides: on when the copy holds at least
             256 MiB and the step is not compiled (a small copy costs nothing to keep, a compiled step would
             recompile for new storage).
+        drop_finished: take finished completions out of the decoding batch, so the steps after a completion's EOS
+            no longer compute it (its keys/values, its products, its attention over a growing cache): with lengths
+            spread below the cap most rows end early while the batch decodes on to the longest. ``None`` decides: on
+            where ``max_new_tokens`` is at least :data:`DROP_FINISHED_MIN_TOKENS` and the step is not compiled
+            (static shapes); never on the shared-prompt path (rows in whole groups), which ``shared_prompt_kv=None``
+            then leaves off. Where the batch shrinks to the few-row kernel's size the CPU's products are built
+            afresh for it. The same completions where
+            sampling is greedy or the vocabulary draws by inverse CDF (:func:`~polopt_lightning.rollout.base.sample_tokens`,
+            log-probs within float32 rounding); below that vocabulary size ``torch.multinomial`` draws for fewer rows,
+            so a seed gives other (equally distributed) completions than without it.
     """
 
     def __init__(self, fast_decode: bool = True, dtype: torch.dtype | str | None = None, compile: bool = False,
                  shared_prompt_kv: bool | None = None, inference_mode: bool | None = None,
-                 release_copy: bool | None = None, cpu: Any = None) -> None:
+                 release_copy: bool | None = None, cpu: Any = None, drop_finished: bool | None = None) -> None:
         self.cpu = accel.decoding(cpu)
+        self.drop_finished = drop_finished
         self.fast_decode = fast_decode
         self.release_copy = release_copy
         self._released = False
@@ -170,14 +184,23 @@ class HFRolloutEngine(RolloutEngine):
                                       if isinstance(getattr(batch, f.name), Tensor)})
         return batch
 
-    def _share_prompt_kv(self, cache, N: int, Lp: int) -> bool:
-        """``shared_prompt_kv``, or where it is ``None`` whether the measured rule says it pays (see the class)."""
+    def _share_prompt_kv(self, cache, N: int, Lp: int, drop: bool = False) -> bool:
+        """``shared_prompt_kv``, or where it is ``None`` whether the measured rule says it pays (see the class);
+        never where finished rows are to be dropped (``drop``), which it cannot do."""
         if self.shared_prompt_kv is not None:
             return self.shared_prompt_kv
+        if drop:
+            return False
         k = cache.layers[0]._k  # [P, kv_heads, capacity, D] after the prefill
         P = k.shape[0]
         reread = (N - P) * k.shape[1] * Lp * k.shape[3] * k.element_size() * 2  # bytes per layer and token
         return k.is_cpu and k.dtype == torch.float32 and reread >= 2**20
+
+    def _drops_finished(self, max_new_tokens: int) -> bool:
+        """``drop_finished``, or where it is ``None`` whether it applies (see the class); never compiled."""
+        if self.compile:
+            return False
+        return self.drop_finished if self.drop_finished is not None else max_new_tokens >= DROP_FINISHED_MIN_TOKENS
 
     def _static_step(self, base: nn.Module):
         if self._compiled is None or self._compiled[0] is not base:
@@ -200,7 +223,9 @@ class HFRolloutEngine(RolloutEngine):
         next_position = position_ids[:, -1:].repeat_interleave(G, dim=0) + 1  # [N, 1]
         N, Lp = attention_mask.shape
         fast = llama_like(model) if (self.fast_decode and extra) else None
-        shared = fast is not None and not self.compile and self._share_prompt_kv(cache, N, Lp)
+        drop = self._drops_finished(sampling.max_new_tokens)
+        shared = fast is not None and not self.compile and self._share_prompt_kv(cache, N, Lp, drop)
+        drop = drop and not shared  # the shared prompt's rows go in whole groups
         packed = self.cpu.projections(fast, N) if fast is not None and not self.compile else None
         if shared:  # the prompt's keys/values stay one per group; completions get a cache of their own
             prompt_kv = [(kv._k[:, :, :Lp], kv._v[:, :, :Lp]) for kv in cache.layers]  # [P, kv_heads, Lp, D]
@@ -222,9 +247,10 @@ class HFRolloutEngine(RolloutEngine):
             if self.compile:
                 step_fn = self._static_step(fast)
                 buffers = ([kv._k for kv in cache.layers], [kv._v for kv in cache.layers])
+        rows = torch.arange(N, device=device)  # each decoding row's index among the N completions
         tokens, logps = [], []
-        done = torch.zeros(N, dtype=torch.bool, device=device)
-        finished = torch.zeros(N, dtype=torch.bool, device=device)
+        done = torch.zeros(N, dtype=torch.bool, device=device)  # per decoding row
+        finished = torch.zeros(N, dtype=torch.bool, device=device)  # per completion
         temperature = sampling.logprob_temperature
         for step in range(sampling.max_new_tokens):
             # log-probs of the unfiltered tempered distribution: what the training forward computes
@@ -235,16 +261,31 @@ class HFRolloutEngine(RolloutEngine):
                 token = logits.argmax(-1)
             else:
                 filtered = filter_logits(logits / temperature, sampling.top_k, sampling.top_p)
-                token = sample_tokens(torch.softmax(filtered, dim=-1), generator)
+                token = sample_tokens(torch.softmax(filtered, dim=-1), generator,
+                                      *((rows, N) if rows.shape[0] < N else ()))
             token = torch.where(done, torch.full_like(token, pad_token_id), token)
-            logps.append(torch.where(done, torch.zeros_like(logprobs_all[:, 0]),
-                                     logprobs_all.gather(-1, token[:, None]).squeeze(-1)))
-            tokens.append(token)
+            logp = torch.where(done, torch.zeros_like(logprobs_all[:, 0]),
+                               logprobs_all.gather(-1, token[:, None]).squeeze(-1))
             is_eos = torch.isin(token, eos_ids) & ~done
-            finished |= is_eos
+            if rows.shape[0] < N:  # rows dropped: they hold padding from here on
+                tokens.append(token.new_full((N,), pad_token_id).index_copy_(0, rows, token))
+                logps.append(logp.new_zeros(N).index_copy_(0, rows, logp))
+                finished[rows] |= is_eos
+            else:
+                tokens.append(token)
+                logps.append(logp)
+                finished |= is_eos
             done |= is_eos
             if bool(done.all()) or step == sampling.max_new_tokens - 1:
                 break
+            if drop and 4 * int(done.sum()) >= done.shape[0]:  # a quarter of the rows done: the rest decode alone
+                keep = (~done).nonzero().squeeze(-1)
+                if fast is not None:
+                    key_mask = key_mask[keep]
+                    packed = self.cpu.fewer_rows(packed, fast, done.shape[0], keep.shape[0])
+                rows, done, token, logits = rows[keep], done[keep], token[keep], logits[keep]
+                next_position, attention_mask = next_position[keep], attention_mask[keep]
+                cache.batch_select_indices(keep)
             if fast is not None and self.compile:
                 slot = Lp + step
                 key_mask[..., slot] = 0

@@ -112,6 +112,17 @@ class CPUDecoding:
             return None
 
 
+    def fewer_rows(self, projections: Projections | None, base: nn.Module, before: int,
+                   after: int) -> Projections | None:
+        """The projections for a rollout whose decoding batch shrank from ``before`` to ``after`` rows (finished
+        completions dropped): built afresh where the batch now fits the few-row kernel
+        (:data:`KERNEL_MAX_ROWS`), else ``projections`` as they are (prepacked products take fewer rows as they
+        are)."""
+        if projections is None or not before > KERNEL_MAX_ROWS >= after:
+            return projections
+        return self.projections(base, after)
+
+
 def _groups(layer: nn.Module) -> tuple[list[nn.Module], ...]:
     """A decoder layer's projections as the step multiplies them, those sharing an input together: q/k/v, o,
     gate/up, down."""
