@@ -30,6 +30,16 @@ def all_reduce(tensor: Tensor, op: str = "sum") -> Tensor:
     return out
 
 
+def reduce_metrics(sums: dict[str, Tensor], counts: dict[str, Tensor]) -> dict[str, Tensor]:
+    """Metrics over every process: a key ending in ``_max`` the largest value; a key in ``counts`` a mean, its value
+    there the sum of a mean times how many tokens or sequences it averages, divided by every process's count; any
+    other key summed."""
+    out = {key: all_reduce(value, "max" if key.endswith("_max") else "sum") for key, value in sums.items()}
+    for key, count in counts.items():
+        out[key] = out[key] / all_reduce(count).clamp(min=1)
+    return out
+
+
 def all_gather_rows(tensor: Tensor) -> Tensor:
     """Every process's ``tensor`` (same shape on each) joined along the first dimension, in rank order."""
     if world_size() == 1:

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 
-from ..distributed import all_reduce, world_size
+from ..distributed import all_reduce, reduce_metrics, world_size
 from ..objectives.base import kl_estimate, masked_max, masked_mean
 from .logprobs import completion_logprobs, group_rows
 
@@ -233,10 +233,10 @@ class SamplerCorrection(LossTerm):
         mode = cls.mode_of(updater.config, updater.objective)
         _, metrics = sampler_weights(exp.old_logprobs, exp.sampling_logprobs, exp.completion_mask, mode,
                                      updater.config.is_cap)
-        counts = sampler_counts(exp.completion_mask, mode)
-        return {key: all_reduce(value, "max") if key.endswith("_max") else
-                all_reduce(value * counts[key].to(value)) / all_reduce(counts[key].to(value)).clamp(min=1)
-                for key, value in metrics.items()}
+        counts = {key: count.to(metrics[key]) for key, count in sampler_counts(exp.completion_mask, mode).items()
+                  if key in metrics and not key.endswith("_max")}
+        return reduce_metrics({key: value * counts[key] if key in counts else value for key, value in metrics.items()},
+                              counts)
 
     def advantages(self, batch: MiniBatch, piece: Piece, advantages: Tensor) -> Tensor:
         mask = piece.mask

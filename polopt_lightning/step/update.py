@@ -13,7 +13,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
 
-from ..distributed import all_reduce, world_size
+from ..distributed import all_reduce, reduce_metrics, world_size
 from ..settings import Settings
 from .balance import balance
 from .entropy import EntropyControl
@@ -471,9 +471,7 @@ class Updater:
             entropy_sum = entropy_sum + (entropy.detach() * mask).sum()
         # every metric over the whole mini-batch: normaliser-weighted sums added up, means over every process's tokens
         # or sequences, maxima of maxima, and the entropy per token over every process's tokens
-        metrics = {key: all_reduce(value, "max" if key.endswith("_max") else "sum") for key, value in sums.items()}
-        for key, count in counts.items():
-            metrics[key] = metrics[key] / all_reduce(count).clamp(min=1)
+        metrics = reduce_metrics(sums, counts)
         batch.tokens = tokens = all_reduce(full_mask.sum().to(entropy_sum))
         metrics["entropy"] = all_reduce(entropy_sum.detach()) / tokens.clamp(min=1)
         for term in self.terms:
