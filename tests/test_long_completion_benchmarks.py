@@ -1,8 +1,9 @@
 """The long-completion benchmarks' smoke runs: benchmarks/lm_head.py (the head's three implementations: the fused head,
 the head's own product with the chunked log-softmax, TRL's where installed), benchmarks/passes.py (the passes padded
 and padding-free), benchmarks/balance.py (two DDP processes with and without token balancing), lengths.py,
-decode_positions.py and decode_attention.py (a cached position's cost in the fused C step and in PyTorch), each case
-in a process of its own, with their ratios."""
+drop_finished.py (a rollout with and without finished rows dropped), decode_positions.py and decode_attention.py
+(a cached position's cost in the fused C step and in PyTorch), each case in a process of its own, with their
+ratios."""
 
 import importlib.util
 import json
@@ -85,6 +86,20 @@ def test_a_small_length_sweep_samples_lengths_below_the_cap_on_both_sides(tmp_pa
     # the folder's generation config is left as it was built: the tokenizer's EOS alone
     assert json.loads((folder / "generation_config.json").read_text())["eos_token_id"] == 1
     assert "cost per generated token" in proc.stdout
+
+
+@pytest.mark.slow  # one process (~15 s): python -m pytest -m slow
+def test_a_small_drop_finished_run_times_both_cases_and_counts_differing_tokens(tmp_path):
+    out = tmp_path / "run.json"
+    proc = subprocess.run([sys.executable, str(SCRIPT.parent / "drop_finished.py"), "--shape", "small",
+                           "--model-dir", str(tmp_path / "model"), "--cap", "128", "--prompts", "2", "--threads", "1",
+                           "--json", str(out)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    keep, drop = json.loads(out.read_text())["rows"]
+    assert (keep["case"], drop["case"]) == ("keep", "drop") and keep["seconds"] > 0 and drop["seconds"] > 0
+    assert len(keep["lengths"]) == 16 and min(keep["lengths"]) < max(keep["lengths"]) <= 128  # sampled lengths
+    # the small shape's 4,096-token vocabulary draws with torch.multinomial: dropping rows draws for fewer of them
+    assert keep["tokens_differing_from_first"] == 0 and "x the time of keep" in proc.stdout
 
 
 @pytest.mark.slow  # one process (~20 s): python -m pytest -m slow

@@ -8,6 +8,7 @@ import torch
 
 from polopt_lightning._hf import cache_argument, preallocated_cache
 from polopt_lightning.accel import trace
+from polopt_lightning.accel.lean_step import llama_like
 from polopt_lightning.models import build_tiny_model, char_tokenizer, load_pretrained, prepare_tokenizer
 from polopt_lightning.rollout import HFRolloutEngine, SamplingConfig
 from polopt_lightning.step.logprobs import completion_logprobs, selective_log_softmax
@@ -249,26 +250,46 @@ def _decoded_rows(model):
 def test_finished_rows_leave_the_decoding_batch_with_the_same_completions(path):
     """``drop_finished`` (on by default from 128 new tokens): rows stop being decoded once a quarter of the batch has
     ended, and the completions, their log-probs and ``finished`` are those of the full batch: a large vocabulary's
-    inverse-CDF draw takes the same uniform numbers for the rows left (a wrong index or draw changes the tokens)."""
+    inverse-CDF draw takes the same uniform numbers for the rows left (a wrong index or draw changes the tokens), and
+    left-padded prompts of several lengths keep their own masks and positions. On the fused path the C step takes over
+    once the batch fits it, its row block rebuilt as the batch shrinks."""
+    from polopt_lightning.accel.cpu import decode as cpu_decode
     from polopt_lightning.accel.cpu.linear import OneDNNLinear
+
+    from .helpers.kernel import needs_kernel
+
+    if path == "fused":
+        needs_kernel()
 
     vocab = 128 if path == "greedy-small-vocab" else 40_000
     model, tok = build_tiny_model(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128,
                                   vocab_size=vocab, seed=3)
     greedy = path == "greedy-small-vocab"  # 24 prompts, one completion each: greedy rows of a group would be alike
     ids = torch.randint(10, vocab, (24 if greedy else 2, 5), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[1::2, :2] = 0  # every other prompt left-padded by two
+    ids = ids.masked_fill(mask == 0, 0)
     eos = list(range(vocab - 32, vocab)) if greedy else list(range(100, 500))  # 1% of the large vocabulary
     sampling = SamplingConfig(max_new_tokens=160, temperature=0.0 if greedy else 1.0)
     settings = {"fast_decode": path != "forward", "cpu": {"packed_weights": path == "fused"}}
-    out, decoded = {}, {}
-    for drop in (None, False):
-        rows, hook = _decoded_rows(model)
-        with OneDNNLinear(model) if path == "fused" else contextlib.nullcontext():
-            out[drop] = HFRolloutEngine(drop_finished=drop, **settings).generate(
-                model, ids, torch.ones_like(ids), 1 if greedy else 12, sampling, eos, 0,
-                torch.Generator().manual_seed(1))
-        hook.remove()
-        decoded[drop] = rows[1:]  # the decoding steps' rows
+    out, decoded, fused = {}, {}, []
+    step = cpu_decode.FusedStep.__call__
+
+    def counted(self, token, *args, **kwargs):
+        fused.append((token.shape[0], self.M))
+        return step(self, token, *args, **kwargs)
+
+    cpu_decode.FusedStep.__call__ = counted
+    try:
+        for drop in (None, False):
+            rows, hook = _decoded_rows(model)
+            with OneDNNLinear(model) if path == "fused" else contextlib.nullcontext():
+                out[drop] = HFRolloutEngine(drop_finished=drop, **settings).generate(
+                    model, ids, mask, 1 if greedy else 12, sampling, eos, 0, torch.Generator().manual_seed(1))
+            hook.remove()
+            decoded[drop] = rows[1:]  # the decoding steps' rows
+    finally:
+        cpu_decode.FusedStep.__call__ = step
     lengths = out[False].completion_mask.sum(1)
     assert lengths.min() < lengths.max() == out[False].completion_ids.shape[1]  # rows ended at different steps
     assert torch.equal(out[None].completion_ids, out[False].completion_ids)
@@ -279,6 +300,9 @@ def test_finished_rows_leave_the_decoding_batch_with_the_same_completions(path):
     # every row still decoding is one whose completion goes on: at most a quarter of a batch is already done
     still = [int((lengths > t + 1).sum()) for t in range(len(decoded[None]))]
     assert all(s <= n < max(s + 1, 4 * s / 3 + 1) for s, n in zip(still, decoded[None]))
+    if path == "fused":  # 24 rows on oneDNN's products (no C step), then the C step in blocks of the rows left
+        assert len(fused) == sum(n <= cpu_decode.KERNEL_MAX_ROWS for n in decoded[None]) > 0
+        assert all(M == -(-n // 8) * 8 for n, M in fused), fused
 
 
 def test_finished_rows_stay_below_128_tokens_and_on_the_shared_prompt_path():
@@ -300,13 +324,39 @@ def test_finished_rows_stay_below_128_tokens_and_on_the_shared_prompt_path():
     assert HFRolloutEngine()._share_prompt_kv(None, 0, 0, drop=True) is False
     assert HFRolloutEngine(shared_prompt_kv=True)._share_prompt_kv(None, 0, 0, drop=True) is True
 
-    built = []
-    decoding = cpu_decode.CPUDecoding()
-    decoding.projections = lambda base, rows: built.append(rows) or "built"
-    kept, small, big = object(), cpu_decode.KERNEL_MAX_ROWS, cpu_decode.KERNEL_MAX_ROWS + 1
-    assert decoding.fewer_rows(kept, model, big, big) is kept and decoding.fewer_rows(kept, model, small, 4) is kept
-    assert decoding.fewer_rows(None, model, big, 2) is None  # no prepacked products to begin with
-    assert decoding.fewer_rows(kept, model, big, small) == "built" and built == [small]
+    # no rebuild where the kernel cannot take the rows (here: outside oneDNN's mode, or the kernel off)
+    kept, big = object(), cpu_decode.KERNEL_MAX_ROWS + 1
+    base = llama_like(model)
+    assert cpu_decode.CPUDecoding().fewer_rows(kept, base, big, 4) is kept
+    assert cpu_decode.CPUDecoding(decode_kernel=False).fewer_rows(kept, base, big, 4) is kept
+
+
+def test_a_shrinking_batch_gets_the_few_row_kernel_also_for_lora():
+    """Where the batch shrinks into the kernel's rows (or by a row block), the products are built afresh, for a LoRA
+    policy too (whose products above 16 rows are its modules'); not where rows stay within the block."""
+    from peft import LoraConfig, get_peft_model
+
+    from polopt_lightning.accel.cpu import decode as cpu_decode
+    from polopt_lightning.accel.cpu.linear import OneDNNLinear
+
+    from .helpers.kernel import needs_kernel
+
+    needs_kernel()  # a head of 40k x 64 weights: oneDNN's mode takes the model (a weight >= 2**18 elements)
+    model, _ = build_tiny_model(hidden_size=64, num_layers=1, num_heads=2, intermediate_size=64, vocab_size=40_000,
+                                seed=1)
+    lora = get_peft_model(copy.deepcopy(model), LoraConfig(r=4, target_modules="all-linear")).eval()  # as it samples
+    decoding, kept, big = cpu_decode.CPUDecoding(), object(), cpu_decode.KERNEL_MAX_ROWS + 8
+    with OneDNNLinear(model), OneDNNLinear(lora):
+        base = llama_like(model)
+        assert decoding.fewer_rows(kept, base, 8, 5) is kept  # one row block either way
+        assert decoding.fewer_rows(kept, base, big, big) is kept
+        for before, after in ((big, 12), (16, 8)):
+            got = decoding.fewer_rows(kept, base, before, after)
+            assert isinstance(got, cpu_decode.PackedProjections) and got.kernel and got.fused.M == -(-after // 8) * 8
+        lora_base = llama_like(lora)
+        assert decoding.projections(lora_base, big) is None  # its modules' products above the kernel's rows
+        got = decoding.fewer_rows(None, lora_base, big, 12)
+        assert isinstance(got, cpu_decode.AdapterProjections) and got.fused is not None
 
 
 def test_shared_prompt_kv_is_chosen_where_it_measured_faster():

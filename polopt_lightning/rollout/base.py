@@ -208,6 +208,8 @@ def sample_tokens(probs: Tensor, generator: torch.Generator | None = None, rows:
     """
     if probs.shape[-1] < INVERSE_CDF_VOCAB:
         return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    if rows is not None and total is None:
+        raise ValueError("sample_tokens: rows needs total, the number of rows they are taken from")
     cdf = probs.double().cumsum(-1)  # [N, V]
     u = torch.rand(probs.shape[0] if rows is None else total, 1, generator=generator, device=probs.device,
                    dtype=torch.float64)

@@ -67,11 +67,13 @@ class HFRolloutEngine(RolloutEngine):
             spread below the cap most rows end early while the batch decodes on to the longest. ``None`` decides: on
             where ``max_new_tokens`` is at least :data:`DROP_FINISHED_MIN_TOKENS` and the step is not compiled
             (static shapes); never on the shared-prompt path (rows in whole groups), which ``shared_prompt_kv=None``
-            then leaves off. Where the batch shrinks to the few-row kernel's size the CPU's products are built
-            afresh for it. The same completions where
-            sampling is greedy or the vocabulary draws by inverse CDF (:func:`~polopt_lightning.rollout.base.sample_tokens`,
-            log-probs within float32 rounding); below that vocabulary size ``torch.multinomial`` draws for fewer rows,
-            so a seed gives other (equally distributed) completions than without it.
+            then leaves off; nor with a cache other than the preallocated one. Where the batch shrinks to the
+            few-row kernel's size (or by a row block of it) the CPU's products are built afresh for it. The same
+            completions where sampling is greedy or the vocabulary draws by inverse CDF
+            (:func:`~polopt_lightning.rollout.base.sample_tokens`), up to float32 rounding: where the products move
+            to the kernel, a draw within rounding of a token's edge can take its neighbour (27 of 4,453 tokens
+            measured at 0.5B); below that vocabulary size ``torch.multinomial`` draws for fewer rows, so a seed gives
+            other (equally distributed) completions than without it.
     """
 
     def __init__(self, fast_decode: bool = True, dtype: torch.dtype | str | None = None, compile: bool = False,
@@ -223,7 +225,9 @@ class HFRolloutEngine(RolloutEngine):
         next_position = position_ids[:, -1:].repeat_interleave(G, dim=0) + 1  # [N, 1]
         N, Lp = attention_mask.shape
         fast = llama_like(model) if (self.fast_decode and extra) else None
-        drop = self._drops_finished(sampling.max_new_tokens)
+        # rows drop from the preallocated cache only (other caches' layers may not select all they hold)
+        drop = self._drops_finished(sampling.max_new_tokens) and cache is not None and all(
+            hasattr(layer, "_reindex") for layer in getattr(cache, "layers", [None]))
         shared = fast is not None and not self.compile and self._share_prompt_kv(cache, N, Lp, drop)
         drop = drop and not shared  # the shared prompt's rows go in whole groups
         packed = self.cpu.projections(fast, N) if fast is not None and not self.compile else None

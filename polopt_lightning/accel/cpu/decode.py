@@ -115,12 +115,21 @@ class CPUDecoding:
     def fewer_rows(self, projections: Projections | None, base: nn.Module, before: int,
                    after: int) -> Projections | None:
         """The projections for a rollout whose decoding batch shrank from ``before`` to ``after`` rows (finished
-        completions dropped): built afresh where the batch now fits the few-row kernel
-        (:data:`KERNEL_MAX_ROWS`), else ``projections`` as they are (prepacked products take fewer rows as they
-        are)."""
-        if projections is None or not before > KERNEL_MAX_ROWS >= after:
+        completions dropped): built afresh where the few-row kernel runs them at ``after`` rows and either did not at
+        ``before`` (more than :data:`KERNEL_MAX_ROWS` rows) or its row blocks (:data:`rowdot.ROWS`) are now fewer
+        (the kernel's products and the fused step compute whole blocks); else ``projections`` as they are (oneDNN's
+        blocked weights take any number of rows; MKL's packed ones fall back to the unpacked product for another
+        number, and packing them again would copy every weight). The kernel's projections use the weights as they
+        are: rebuilding them copies nothing."""
+        if not self.packed_weights or after >= before:
             return projections
-        return self.projections(base, after)
+        blocks = -(-after // rowdot.ROWS) < -(-before // rowdot.ROWS)
+        if not (before > KERNEL_MAX_ROWS or blocks):
+            return projections
+        kernel = (AdapterProjections.applies(base, after, self.decode_kernel)
+                  or (PackedProjections.supported(base) and PackedProjections.onednn_float32(base)
+                      and PackedProjections.kernel_fits(base, after, self.decode_kernel)))
+        return self.projections(base, after) if kernel else projections
 
 
 def _groups(layer: nn.Module) -> tuple[list[nn.Module], ...]:
