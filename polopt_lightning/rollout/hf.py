@@ -226,7 +226,7 @@ class HFRolloutEngine(RolloutEngine):
         N, Lp = attention_mask.shape
         fast = llama_like(model) if (self.fast_decode and extra) else None
         # rows drop from the preallocated cache only (other caches' layers may not select all they hold)
-        drop = self._drops_finished(sampling.max_new_tokens) and cache is not None and all(
+        drop = self._drops_finished(sampling.max_new_tokens) and all(
             hasattr(layer, "_reindex") for layer in getattr(cache, "layers", [None]))
         shared = fast is not None and not self.compile and self._share_prompt_kv(cache, N, Lp, drop)
         drop = drop and not shared  # the shared prompt's rows go in whole groups
@@ -280,9 +280,10 @@ class HFRolloutEngine(RolloutEngine):
                 logps.append(logp)
                 finished |= is_eos
             done |= is_eos
-            if bool(done.all()) or step == sampling.max_new_tokens - 1:
+            ended = int(done.sum())  # one read from the device a step: all done, or a quarter to drop
+            if ended == done.shape[0] or step == sampling.max_new_tokens - 1:
                 break
-            if drop and 4 * int(done.sum()) >= done.shape[0]:  # a quarter of the rows done: the rest decode alone
+            if drop and 4 * ended >= done.shape[0]:  # a quarter of the rows done: the rest decode alone
                 keep = (~done).nonzero().squeeze(-1)
                 if fast is not None:
                     key_mask = key_mask[keep]

@@ -111,7 +111,6 @@ class CPUDecoding:
             self.packed_weights = False
             return None
 
-
     def fewer_rows(self, projections: Projections | None, base: nn.Module, before: int,
                    after: int) -> Projections | None:
         """The projections for a rollout whose decoding batch shrank from ``before`` to ``after`` rows (finished
