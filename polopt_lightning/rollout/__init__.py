@@ -14,7 +14,8 @@ from .hf import HFRolloutEngine
 
 # name: "module:class", imported when chosen (a backend may need a package only its users install)
 ENGINES: dict[str, str] = {"hf": "polopt_lightning.rollout.hf:HFRolloutEngine",
-                           "vllm": "polopt_lightning.rollout.vllm:VLLMRolloutEngine"}
+                           "vllm": "polopt_lightning.rollout.vllm:VLLMRolloutEngine",
+                           "server": "polopt_lightning.rollout.server:ServerRolloutEngine"}
 
 
 def build_engine(spec: RolloutEngine | str | Mapping[str, Any] | None = None, key: str = "rollout_engine",

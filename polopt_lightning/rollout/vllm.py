@@ -31,15 +31,15 @@ def vllm_available() -> bool:
     return importlib.util.find_spec("vllm") is not None
 
 
-def policy_weights(model: nn.Module) -> dict[str, Tensor]:
-    """The weights vLLM loads for ``model``, by the names of its plain ``transformers`` form: a peft policy's adapters
-    merged into its base (the base's own tensors left as they are). A quantized (bitsandbytes) base has no plain
-    form to push: refused with a ValueError."""
+def policy_weights(model: nn.Module, key: str = "rollout=vllm") -> dict[str, Tensor]:
+    """The weights vLLM (or a generation server) loads for ``model``, by the names of its plain ``transformers`` form:
+    a peft policy's adapters merged into its base (the base's own tensors left as they are). A quantized
+    (bitsandbytes) base has no plain form to push: refused with a ValueError naming ``key``."""
     from ..models import has_adapter, is_quantized
 
     if is_quantized(model):
-        raise ValueError("rollout=vllm with a quantized policy (quantization=int8/nf4): its weights have no plain form "
-                         "to push into vLLM; use rollout=hf, or quantization=none with adapter=lora")
+        raise ValueError(f"{key} with a quantized policy (quantization=int8/nf4): its weights have no plain form to "
+                         "push; use rollout=hf, or quantization=none with adapter=lora")
     if not has_adapter(model):
         return {k: _whole(v) for k, v in model.state_dict().items()}
     base = model.get_base_model()

@@ -187,3 +187,39 @@ def greedy_on_the_modules():
     want = HFRolloutEngine(cpu={"packed_weights": False}).generate(model, ids, mask, 2, sampling, tok.eos_token_id,
                                                           tok.pad_token_id)
     return model, tok, ids, mask, sampling, want
+
+
+def free_port() -> int:
+    """A TCP port nothing listens on now."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(port: int, *args: str, command: list[str] | None = None, timeout: float = 120.0,
+                 env: dict | None = None):
+    """``polopt-serve --port PORT *args`` in a process of its own (``command``: another command line for it, ``env``
+    its environment), once it answers its health check; the caller kills it."""
+    import tempfile
+    import time
+    import urllib.request
+
+    command = command or [sys.executable, "-m", "polopt_lightning.serve", "--port", str(port), *args]
+    log = tempfile.TemporaryFile("w+")  # not a pipe: a server that logs much would block on a full one
+    proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, text=True, env=env)
+    proc.log = log
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2).read()
+            return proc
+        except OSError:
+            if proc.poll() is not None:
+                log.seek(0)
+                raise RuntimeError(f"polopt-serve exited with {proc.returncode}: {log.read()[-3000:]}") from None
+            if time.monotonic() > deadline:
+                proc.kill()
+                raise RuntimeError(f"polopt-serve did not answer within {timeout} s") from None
+            time.sleep(0.2)

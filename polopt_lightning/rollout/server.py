@@ -1,0 +1,219 @@
+"""The generation-server backend (``rollout=server``): rollouts sampled by one or more ``polopt-serve`` processes
+(:mod:`polopt_lightning.serve`) on other devices, processes or machines, the trainer's prompts spread over them.
+
+The trainer's rank 0 sends the policy's config and weights at the first rollout and pushes the weights again after
+each optimizer step, before the next rollout: in buckets over a ``torch.distributed`` group of its own with the
+servers (gloo on CPUs, NCCL where policy and servers are on GPUs; :mod:`~polopt_lightning.rollout.wire`). Requests and
+collectives have time limits: a server that dies or stops answering is an error naming it
+(``rollout.servers[i]``), and the run's checkpoints so far stay as they are.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from .._hf import peft_base
+from .base import RolloutBatch, RolloutEngine, SamplingConfig
+from .wire import ServerError, base_url, broadcast, buckets, call, open_store, pack, tensor_layout, weight_group
+
+
+def rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+class ServerRolloutEngine(RolloutEngine):
+    """Rollouts from generation servers (``polopt-serve``; docs/async.md).
+
+    Args:
+        servers: the servers' addresses (``host:port`` or URLs; one as a string, several as a list); a batch's prompts
+            are split over them in order,
+            each share sampled with a seed of its own drawn from the trainer's generator (the same rollouts for the
+            same seed and servers).
+        timeout_s: the longest a request (a rollout, a push) or a collective may take before the server is reported
+            as not answering.
+        connect_timeout_s: how long the first rollout waits for the servers to answer at all (they may be starting).
+        group_host: the address the servers reach the trainer's weight group at (its store and gloo connections):
+            127.0.0.1 where they run on this machine.
+        group_port: the port of the weight group's store; 0: a free one.
+        group_backend: ``gloo`` or ``nccl``; ``None``: NCCL where the policy and every server are on CUDA, gloo
+            otherwise.
+        bucket_mib: the weights travel in buckets of at most this many MiB (a larger tensor alone).
+    """
+
+    corrects_sampler = True  # another process's numerics (and, with vLLM, another's kernels): corrected by default
+
+    def __init__(self, servers: Sequence[str] | str = "127.0.0.1:8000", timeout_s: float = 600.0,
+                 connect_timeout_s: float = 120.0, group_host: str = "127.0.0.1", group_port: int = 0,
+                 group_backend: str | None = None, bucket_mib: int = 256) -> None:
+        servers = [servers] if isinstance(servers, str) else list(servers)
+        if not servers:
+            raise ValueError("rollout.servers: at least one generation server (host:port)")
+        if group_backend not in (None, "gloo", "nccl"):
+            raise ValueError(f"rollout.group_backend: gloo, nccl or null, got {group_backend!r}")
+        for key, value in (("timeout_s", timeout_s), ("connect_timeout_s", connect_timeout_s),
+                           ("bucket_mib", bucket_mib)):
+            if value <= 0:
+                raise ValueError(f"rollout.{key} must be > 0, got {value}")
+        self.urls = [base_url(s) for s in servers]
+        self.names = [f"rollout.servers[{i}]" for i in range(len(servers))]
+        self.timeout_s, self.connect_timeout_s = float(timeout_s), float(connect_timeout_s)
+        self.group_host, self.group_port, self.group_backend = group_host, int(group_port), group_backend
+        self.bucket_bytes = int(bucket_mib * 2**20)
+        self.version = 0  # pushes made so far (the servers' weights' version)
+        self.last_versions: list[int] = []  # the weights' version that sampled each row of the last rollout
+        self._group: Any = None
+        self._store: Any = None
+        self._wire = "gloo"
+        self._stale = True
+        self._source: nn.Module | None = None
+
+    # ------------------------------------------------------------------------------------------------------------
+    def _ask(self, paths: str | Sequence[str], payloads: Sequence[dict[str, Any] | None], timeout: float
+             ) -> list[dict[str, Any]]:
+        """One request per server at once (``payloads[i]`` to server i; ``None``: a GET), their answers in order."""
+        paths = [paths] * len(payloads) if isinstance(paths, str) else list(paths)
+        with ThreadPoolExecutor(len(payloads)) as pool:
+            futures = [pool.submit(call, self.urls[i], path, payload, timeout, self.names[i])
+                       for i, (path, payload) in enumerate(zip(paths, payloads))]
+            return [f.result() for f in futures]
+
+    def _wait_until_up(self) -> list[dict[str, Any]]:
+        """Each server's health, waiting up to ``connect_timeout_s`` for each to answer."""
+        answers = []
+        for url, name in zip(self.urls, self.names):
+            deadline = time.monotonic() + self.connect_timeout_s
+            while True:
+                try:
+                    answers.append(call(url, "/health", None, min(10.0, self.connect_timeout_s), name))
+                    break
+                except ServerError as err:
+                    if time.monotonic() > deadline:
+                        raise ServerError(f"{err} (waited {self.connect_timeout_s:g} s, rollout.connect_timeout_s; "
+                                          f"is `polopt-serve` running there?)") from None
+                    time.sleep(0.5)
+        return answers
+
+    def _connect(self, model: nn.Module) -> None:
+        """The weight group of this process (rank 0) and the servers."""
+        health = self._wait_until_up()
+        on_cuda = next(model.parameters()).is_cuda
+        self._wire = self.group_backend or ("nccl" if on_cuda and all(h["device"].startswith("cuda") for h in health)
+                                            else "gloo")
+        world = len(self.urls) + 1
+        self._store = open_store(self.group_host, self.group_port, world, True, self.timeout_s)
+        prefix = f"polopt/{uuid.uuid4().hex}"  # a new group's keys apart from an earlier one's
+        self._ask("/join", [{"host": self.group_host, "port": self._store.port, "rank": i + 1, "world_size": world,
+                             "timeout_s": self.timeout_s, "backend": self._wire, "prefix": prefix}
+                            for i in range(len(self.urls))], self.timeout_s)
+        try:
+            self._group = weight_group(self._store, 0, world, self.timeout_s, self._wire, prefix)
+        except Exception as err:
+            raise ServerError(f"rollout.servers: the weight group did not form within {self.timeout_s:g} s "
+                              f"(rollout.timeout_s; {self._unanswered()}): {err}") from None
+
+    def _unanswered(self) -> str:
+        """Which servers answer a health check now, for an error's message."""
+        states = []
+        for url, name in zip(self.urls, self.names):
+            try:
+                health = call(url, "/health", None, 5.0, name)
+                states.append(f"{name} {url} answers" + (f" ({health['join_error']})" if health.get("join_error")
+                                                         else ""))
+            except ServerError:
+                states.append(f"{name} {url} does not answer")
+        return "; ".join(states)
+
+    def push(self, model: nn.Module) -> None:
+        """The policy's weights to every server (collective under FSDP: every process gathers, rank 0 sends)."""
+        from .vllm import policy_weights
+
+        weights = policy_weights(model, key="rollout=server")
+        if rank() != 0:
+            return
+        config = peft_base(model).config
+        if getattr(config, "tie_word_embeddings", False):  # one tensor: the server ties them again
+            weights.pop("lm_head.weight", None)
+        if self._group is None:
+            self._connect(model)
+        layout = tensor_layout(weights)
+        plan = buckets(layout, self.bucket_bytes)
+        request = {"layout": layout, "buckets": plan, "config": json.loads(config.to_json_string(use_diff=False)),
+                   "version": self.version + 1, "timeout_s": self.timeout_s, "backend": self._wire}
+        tensors = list(weights.values())
+        device = "cuda" if self._wire == "nccl" else "cpu"
+        with ThreadPoolExecutor(len(self.urls)) as pool:
+            answers = [pool.submit(call, url, "/weights", request, self.timeout_s, name)
+                       for url, name in zip(self.urls, self.names)]
+            try:
+                for indices in plan:
+                    broadcast(self._group, pack([tensors[i] for i in indices], device), self.timeout_s)
+            except Exception as err:
+                self._group = None  # broken: the next push forms a new one
+                raise ServerError(f"rollout.servers: pushing the weights failed ({self._unanswered()}): "
+                                  f"{type(err).__name__}: {str(err).splitlines()[0]}") from None
+            for future in answers:
+                future.result()
+        self.version += 1
+
+    def policy_updated(self, model: nn.Module) -> None:
+        self._stale = True
+
+    def logprobs_match(self, model: nn.Module) -> bool:
+        return False
+
+    def close(self) -> None:
+        """Leave the weight group (the servers keep running, and form a new group with the next trainer)."""
+        self._group, self._store, self._stale, self._source = None, None, True, None
+
+    # ------------------------------------------------------------------------------------------------------------
+    def generate(self, model: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, num_generations: int,
+                 sampling: SamplingConfig, eos_token_id: int | list[int], pad_token_id: int,
+                 generator: torch.Generator | None = None) -> RolloutBatch:
+        if self._stale or model is not self._source:
+            self.push(model)
+            if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+                dist.barrier()  # no process samples before the servers hold the new weights
+            self._stale, self._source = False, model
+        eos = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
+        prompts = [row[mask.bool()].tolist() for row, mask in zip(prompt_ids, prompt_mask)]
+        shares = [s.tolist() for s in torch.arange(len(prompts)).tensor_split(len(self.urls))]
+        device = generator.device if generator is not None else "cpu"
+        payloads = []
+        for share in shares:
+            seed = int(torch.randint(0, 2**31 - 1, (1,), generator=generator, device=device))
+            payloads.append({"prompts": [prompts[i] for i in share], "n": num_generations, "pad": pad_token_id,
+                             "sampling": asdict(sampling), "eos": eos, "seed": seed} if share else None)
+        asked = [i for i, p in enumerate(payloads) if p is not None]
+        with ThreadPoolExecutor(len(asked)) as pool:
+            futures = {i: pool.submit(call, self.urls[i], "/generate", payloads[i], self.timeout_s, self.names[i])
+                       for i in asked}
+            answers = [futures[i].result() for i in asked]
+        tokens = [row for a in answers for row in a["tokens"]]
+        logprobs = [row for a in answers for row in a["logprobs"]]
+        finished = [f for a in answers for f in a["finished"]]
+        self.last_versions = [a["version"] for a in answers for _ in a["tokens"]]
+        N, width = len(tokens), max(1, max(len(t) for t in tokens))
+        ids = torch.full((N, width), pad_token_id, dtype=torch.long)
+        mask = torch.zeros(N, width, dtype=torch.long)
+        lp = torch.zeros(N, width)
+        for i, (row, row_lp) in enumerate(zip(tokens, logprobs)):
+            ids[i, :len(row)] = torch.tensor(row, dtype=torch.long)
+            mask[i, :len(row)] = 1
+            lp[i, :len(row_lp)] = torch.tensor(row_lp)
+        out_device = prompt_ids.device
+        return RolloutBatch(prompt_ids=prompt_ids.repeat_interleave(num_generations, 0),
+                            prompt_mask=prompt_mask.repeat_interleave(num_generations, 0),
+                            completion_ids=ids.to(out_device), completion_mask=mask.to(out_device),
+                            sampling_logprobs=lp.to(out_device),
+                            finished=torch.tensor(finished, dtype=torch.bool, device=out_device),
+                            group_size=num_generations)

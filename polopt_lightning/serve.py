@@ -1,0 +1,263 @@
+"""``polopt-serve``: a generation server in a process of its own (another device, another machine), which a trainer
+samples from with ``rollout=server`` (:class:`~polopt_lightning.rollout.server.ServerRolloutEngine`).
+
+The server starts bare: the trainer sends the policy's config and weights at its first rollout and pushes the weights
+again after its optimizer steps, over a ``torch.distributed`` group of its own (:mod:`~polopt_lightning.rollout.wire`).
+Sampling runs on a rollout backend of this package (``--backend hf``: transformers, the default; ``--backend vllm``:
+vLLM, in its environment, docs/vllm.md), so the completions are the ones that backend gives in the trainer's process.
+The server binds to 127.0.0.1 unless ``--host`` says otherwise: it runs whatever weights it is sent.
+
+    polopt-serve --port 8000 [--backend vllm] [--set dtype=bfloat16 ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import torch
+from torch import nn
+
+from . import accel
+from .rollout import SamplingConfig, build_engine
+from .rollout.wire import broadcast, nbytes, open_store, unpack, weight_group
+
+log = logging.getLogger("polopt_lightning.serve")
+
+
+class GenerationServer:
+    """The server's state: the backend, the model the trainer sent (``None`` before the first push), the weight
+    group, and the version of the weights it holds (the trainer's count of pushes). One request works on the model
+    at a time: a push waits for the rollout in progress and the next rollout for the push."""
+
+    def __init__(self, backend: str = "hf", device: str = "auto", **backend_args: Any) -> None:
+        self.backend = backend
+        self.engine = build_engine({"name": backend, **backend_args}, key="--backend")
+        self.device = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else
+                                   "cpu" if device == "auto" else device)
+        self.model: nn.Module | None = None
+        self.config: dict[str, Any] | None = None
+        self.version = -1
+        self.lock = threading.Lock()
+        self.group: Any = None
+        self._store: Any = None
+        self._joining: threading.Thread | None = None
+        self._join_error: str | None = None
+        self._fast_path = accel.training(None)
+
+    # -- requests ----------------------------------------------------------------------------------------------
+    def health(self, _: dict[str, Any] | None = None) -> dict[str, Any]:
+        return {"ok": True, "backend": self.backend, "device": str(self.device), "version": self.version,
+                "group": self.group is not None, "join_error": self._join_error}
+
+    def join(self, request: dict[str, Any]) -> dict[str, Any]:
+        """Join the trainer's weight group (in the background: the group forms once every server has joined)."""
+        def run() -> None:
+            try:
+                world, timeout = request["world_size"], request["timeout_s"]
+                self._store = open_store(request["host"], request["port"], world, False, timeout)
+                self.group = weight_group(self._store, request["rank"], world, timeout, request.get("backend", "gloo"),
+                                          request.get("prefix", "polopt"))
+                self._join_error = None
+            except Exception as err:  # the trainer's health check reports it
+                self._join_error = f"{type(err).__name__}: {err}"
+                log.error("joining the weight group failed: %s", self._join_error)
+
+        self.group, self._join_error = None, None
+        self._joining = threading.Thread(target=run, daemon=True)
+        self._joining.start()
+        return {"ok": True}
+
+    def weights(self, request: dict[str, Any]) -> dict[str, Any]:
+        """Receive a push: ``layout`` (``[name, dtype, shape]`` each), ``buckets`` (indices into it, broadcast one
+        after another), ``config`` (the policy's, to build the model from; ``None``: the model held) and
+        ``version``."""
+        if self._joining is not None:
+            self._joining.join(request["timeout_s"])
+        if self.group is None:
+            raise RuntimeError(f"no weight group to receive on ({self._join_error or 'not joined'})")
+        started = time.perf_counter()
+        with self.lock:
+            layout, timeout = request["layout"], request["timeout_s"]
+            received: dict[str, torch.Tensor] = {}
+            wire_device = "cuda" if request.get("backend") == "nccl" else "cpu"
+            for indices in request["buckets"]:
+                entries = [layout[i] for i in indices]
+                size = sum(nbytes(e) for e in entries)
+                buffer = torch.empty(size, dtype=torch.uint8, device=wire_device)
+                broadcast(self.group, buffer, timeout)
+                received.update(unpack(buffer, entries))
+            if request.get("config") is not None and (self.model is None or request["config"] != self.config):
+                self.model = build_model(request["config"], received, self.device)
+                self.config = request["config"]
+            elif self.model is None:
+                raise RuntimeError("the first push carries no config: nothing to build the model from")
+            else:
+                load_weights(self.model, received)
+            self.engine.policy_updated(self.model)
+            self.version = int(request["version"])
+        log.info("weights version %d received (%d tensors, %.1f MiB) in %.2f s", self.version, len(layout),
+                 sum(nbytes(e) for e in layout) / 2**20, time.perf_counter() - started)
+        return {"ok": True, "version": self.version}
+
+    def generate(self, request: dict[str, Any]) -> dict[str, Any]:
+        """``prompts`` (token id lists), ``n`` completions each, ``sampling`` (SamplingConfig's fields), ``eos``,
+        ``pad`` and ``seed``: each completion's tokens, sampling log-probs and whether it ended with EOS, and the
+        version of the weights that sampled them."""
+        if self.model is None:
+            raise RuntimeError("no policy yet: the trainer pushes its weights before its first rollout")
+        prompts, pad = request["prompts"], int(request["pad"])
+        width = max(1, max(len(p) for p in prompts))
+        ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+        mask = torch.zeros(len(prompts), width, dtype=torch.long)
+        for i, prompt in enumerate(prompts):  # left-padded, as the trainer's batches are
+            if prompt:
+                ids[i, width - len(prompt):] = torch.tensor(prompt)
+                mask[i, width - len(prompt):] = 1
+        generator = torch.Generator(device=self.device)
+        generator.manual_seed(int(request["seed"]))
+        with self.lock:
+            started = time.perf_counter()
+            with self._fast_path.compute(self.model, self.device):
+                batch = self.engine.generate(self.model, ids.to(self.device), mask.to(self.device), int(request["n"]),
+                                             SamplingConfig(**request["sampling"]), list(request["eos"]), pad,
+                                             generator=generator)
+            seconds = time.perf_counter() - started
+            version = self.version
+        log.info("sampled %d x %d completions with weights version %d in %.2f s", len(prompts), int(request["n"]),
+                 version, seconds)
+        lengths = batch.completion_mask.sum(-1).tolist()
+        tokens = batch.completion_ids.tolist()
+        logprobs = batch.sampling_logprobs.float().tolist()
+        return {"tokens": [row[:n] for row, n in zip(tokens, lengths)],
+                "logprobs": [row[:n] for row, n in zip(logprobs, lengths)],
+                "finished": batch.finished.tolist(), "version": version, "seconds": seconds}
+
+
+def build_model(config: dict[str, Any], weights: dict[str, torch.Tensor], device: torch.device) -> nn.Module:
+    """A ``transformers`` causal LM of the trainer's config, holding ``weights`` (every one of them), on ``device``."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    settings = dict(config)
+    model_type = settings.pop("model_type")
+    model_config = AutoConfig.for_model(model_type, **settings)
+    floating = [t.dtype for t in weights.values() if t.is_floating_point()]
+    dtype = max(set(floating), key=floating.count) if floating else torch.float32
+    model = AutoModelForCausalLM.from_config(model_config, dtype=dtype).to(device)
+    load_weights(model, weights, strict=True)
+    model.eval()
+    return model
+
+
+def load_weights(model: nn.Module, weights: dict[str, torch.Tensor], strict: bool = False) -> None:
+    """``weights`` copied into ``model``'s tensors of the same names; a name the model lacks is an error (a push of
+    another architecture), and with ``strict`` so is a parameter of the model's left without a value (tied ones named
+    once; buffers come from the config)."""
+    own = model.state_dict(keep_vars=True)
+    unknown = sorted(set(weights) - set(own))
+    if unknown:
+        raise RuntimeError(f"the pushed weights name tensors this model lacks: {unknown[:5]}")
+    missing = sorted({name for name, _ in model.named_parameters()} - set(weights))  # tied weights named once
+    if strict and missing:
+        raise RuntimeError(f"the pushed weights lack {missing[:5]}")
+    with torch.no_grad():
+        for name, value in weights.items():
+            own[name].copy_(value)
+
+
+class Handler(BaseHTTPRequestHandler):
+    """Routes ``GET /health`` and ``POST /join``, ``/weights``, ``/generate`` to the server; an exception is a 500
+    answer whose ``error`` the trainer raises with the server's name."""
+
+    server_state: GenerationServer
+    routes = {"/join": "join", "/weights": "weights", "/generate": "generate"}
+
+    def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+        if self.path == "/health":
+            self._answer(200, self.server_state.health())
+        else:
+            self._answer(404, {"error": f"no route {self.path}"})
+
+    def do_POST(self) -> None:  # noqa: N802
+        method = self.routes.get(self.path)
+        if method is None:
+            self._answer(404, {"error": f"no route {self.path}"})
+            return
+        try:
+            request = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
+            self._answer(200, getattr(self.server_state, method)(request))
+        except Exception as err:
+            log.exception("%s failed", self.path)
+            self._answer(500, {"error": f"{type(err).__name__}: {err}"})
+
+    def _answer(self, status: int, body: dict[str, Any]) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, format: str, *args: Any) -> None:  # requests at debug level, not on stderr
+        log.debug(format, *args)
+
+
+def parse_settings(pairs: list[str]) -> dict[str, Any]:
+    """``key=value`` pairs as the backend's arguments (values read as YAML: ``dtype=bfloat16``, ``compile=true``)."""
+    import yaml
+
+    out = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"polopt-serve: --set expects key=value, got {pair!r}")
+        out[key.strip()] = yaml.safe_load(value)
+    return out
+
+
+def make_server(host: str, port: int, state: GenerationServer) -> ThreadingHTTPServer:
+    handler = type("BoundHandler", (Handler,), {"server_state": state})
+    server = ThreadingHTTPServer((host, port), handler)
+    server.daemon_threads = True
+    return server
+
+
+def main(argv: list[str] | None = None, default_backend: str = "hf") -> None:
+    parser = argparse.ArgumentParser(prog="polopt-serve", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--backend", default=default_backend, help="rollout backend that samples: hf | vllm")
+    parser.add_argument("--device", default="auto", help="where the policy samples: auto (cuda if present) | cpu | "
+                        "cuda[:N]")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a backend argument, as in conf/rollout/<backend>.yaml (repeatable)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    state = GenerationServer(args.backend, args.device, **parse_settings(args.set))
+    server = make_server(args.host, args.port, state)
+    log.info("polopt-serve: backend %s on %s, listening on http://%s:%d", args.backend, state.device,
+             *server.server_address[:2])
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.server_close()
+        state.engine.close()
+
+
+def vllm_main() -> None:
+    """``polopt-vllm-serve``: ``polopt-serve --backend vllm``."""
+    main(default_backend="vllm")
+
+
+if __name__ == "__main__":
+    main()
