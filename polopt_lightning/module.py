@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
 import lightning as L
 import torch
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
 from torchmetrics import MeanMetric
 
@@ -31,6 +33,7 @@ from .settings import MOVED_ARGUMENTS, settings_of, with_moved
 from .step.experience import Experience, ExperienceConfig, ExperienceMaker
 from .step.logprobs import Scorer
 from .step.loop import LightningLoop
+from .step.pipeline import RolloutPipeline
 from .step.reference import ReferenceConfig, build_reference
 from .step.update import UpdateConfig, Updater
 from .strategies import WholeParameters
@@ -141,6 +144,13 @@ class PolicyOptimizationModule(L.LightningModule):
         self.experience = ExperienceMaker(self.tokenizer, self.rewards, self.experience_config, anchor,
                                           objective.advantage_scale, self.reference_config)
         self.engine = build_engine(rollout_engine)
+        staleness = self.experience_config.max_staleness
+        self.pipeline = RolloutPipeline(staleness) if staleness > 0 else None
+        if self.pipeline is not None and not self.engine.samples_apart:
+            rank_zero_warn(f"experience.max_staleness={staleness}: the {type(self.engine).__name__} backend samples in "
+                           "the training process, so its rollouts do not overlap training (rollout=server does): the "
+                           "pipeline only makes them older")
+        self._pending_pipeline: list[Any] | None = None
         if getattr(self.engine, "tokenizer", False) is None:  # a multi-turn engine renders turns with the policy's
             self.engine.set_tokenizer(self.tokenizer)
         if config.gradient_checkpointing:
@@ -193,14 +203,21 @@ class PolicyOptimizationModule(L.LightningModule):
 
     # ------------------------------------------------------------------------------------------------------------
     def rollout(self, batch: Mapping[str, Any], sampling: SamplingConfig, num_generations: int) -> RolloutBatch:
+        return self._sample(self.engine.generate, batch, sampling, num_generations)
+
+    def submit_rollout(self, batch: Mapping[str, Any]) -> Future[RolloutBatch]:
+        """A training rollout of ``batch`` submitted to the backend (the asynchronous pipeline): sampled from the
+        policy as it is now, returned as a future (:meth:`~polopt_lightning.rollout.RolloutEngine.submit`)."""
+        return self._sample(self.engine.submit, batch, self.sampling, self.experience.num_generations)
+
+    def _sample(self, method: Callable[..., Any], batch: Mapping[str, Any], sampling: SamplingConfig,
+                num_generations: int) -> Any:
         # a multi-turn engine starts each completion's environment from its dataset row
         rows = {"rows": batch_rows(batch)} if getattr(self.engine, "takes_rows", False) else {}
         with self.whole_parameters(getattr(self._trainer, "strategy", None)):
-            return self.engine.generate(
-                self.policy, batch["prompt_ids"], batch["prompt_mask"], num_generations, sampling,
-                stop_token_ids(self.tokenizer, self.policy), self.tokenizer.pad_token_id,
-                generator=self._sampling_generator(), **rows,
-            )
+            return method(self.policy, batch["prompt_ids"], batch["prompt_mask"], num_generations, sampling,
+                          stop_token_ids(self.tokenizer, self.policy), self.tokenizer.pad_token_id,
+                          generator=self._sampling_generator(), **rows)
 
     def configure_model(self) -> None:
         """Under ``strategy=fsdp`` (FSDP2), shard the policy and the reference copy over the processes: each decoder
@@ -227,19 +244,24 @@ class PolicyOptimizationModule(L.LightningModule):
         """Where training stands, as TRL's reward functions read it from their ``trainer_state`` argument."""
         return TrainerState.of(self._trainer)
 
-    def make_experience(self, batch: Mapping[str, Any]) -> tuple[Experience, dict[str, Tensor]]:
+    def make_experience(self, batch: Mapping[str, Any], rollout: Future[RolloutBatch] | None = None
+                        ) -> tuple[Experience, dict[str, Tensor]]:
         """Rollout, rewards and advantages for one training batch (:meth:`ExperienceMaker.make`, with DAPO dynamic
-        sampling if enabled).
+        sampling if enabled). ``rollout``: the batch's rollout, submitted earlier (the asynchronous pipeline); dynamic
+        sampling's further draws are sampled now.
 
         Under a sharded strategy the policy is gathered once for all the step's draws: gathering is collective, and
         dynamic sampling may draw more often on one process than on another.
         """
+        G = self.experience.num_generations
+        submitted = [] if rollout is None else [rollout]
+
+        def sample(prompts: Mapping[str, Any]) -> RolloutBatch:
+            return submitted.pop().result() if submitted else self.rollout(prompts, self.sampling, G)
+
         with self.whole_parameters(getattr(self._trainer, "strategy", None)):
-            G = self.experience.num_generations
-            return self.experience.make(batch, lambda prompts: self.rollout(prompts, self.sampling, G),
-                                        lambda: self.extra_prompts.next(self.trainer, self.device), self.device,
-                                        self.trainer_state(),
-                                        reference=self.scorer.reference)
+            return self.experience.make(batch, sample, lambda: self.extra_prompts.next(self.trainer, self.device),
+                                        self.device, self.trainer_state(), reference=self.scorer.reference)
 
     def reference_logprobs(self, exp: Experience) -> Tensor:
         """Log-probs ``[N, T]`` of the rollout's completions under the KL reference: :meth:`.logprobs.Scorer.reference`,
@@ -251,7 +273,16 @@ class PolicyOptimizationModule(L.LightningModule):
             self._training_step(batch)
 
     def _training_step(self, batch: Mapping[str, Any]) -> None:
-        exp, metrics = self.make_experience(batch)
+        if self.pipeline is None:
+            exp, metrics = self.make_experience(batch)
+        else:  # this batch's rollout submitted; the one due trained on (none while the pipeline fills)
+            self.pipeline.put(batch, self.submit_rollout(batch))
+            if not self.pipeline.ready():
+                return
+            due, staleness = self.pipeline.take()
+            batch = due.batch
+            exp, metrics = self.make_experience(batch, due.rollout)
+            metrics["train/staleness"] = torch.tensor(float(staleness))
         lengths = exp.completion_mask.sum(-1).float()
         # every process holds as many completions (whole groups of equal batches): means of means are exact
         metrics["train/completion_len"] = all_reduce(lengths.mean()) / world_size()
@@ -260,6 +291,8 @@ class PolicyOptimizationModule(L.LightningModule):
         optimizer = self.optimizers()
         metrics.update({f"train/{k}": v for k, v in self.updater.run(exp, optimizer, self.lr_schedulers()).items()})
         metrics["train/lr"] = torch.tensor(optimizer.param_groups[0]["lr"])
+        if self.pipeline is not None:
+            self.pipeline.trained()
         self.log_dict({k: v.float() for k, v in metrics.items()}, on_step=True, on_epoch=False,
                       batch_size=batch["prompt_ids"].shape[0])
         self.log("reward", metrics["train/reward"].float(), prog_bar=True, on_step=True, logger=False)
@@ -343,4 +376,7 @@ class PolicyOptimizationModule(L.LightningModule):
         pending, self._pending_rng = self._pending_rng, None
         if pending is not None:
             restore_rng(pending, self.global_rank, world_size(), self._sampling_generator())
+        pipeline, self._pending_pipeline = self._pending_pipeline, None
+        if pipeline is not None and self.pipeline is not None:  # this process's rollouts in flight at the checkpoint
+            self.pipeline.load_state_dict(pipeline[self.global_rank], self.device)
 

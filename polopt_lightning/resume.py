@@ -46,6 +46,8 @@ def save_state(module: Any, checkpoint: dict[str, Any]) -> None:
         "hf": module._hf_metadata,
         # what the steps computed in: a resumed trainer.precision=auto run keeps it
         "precision": str(module.trainer.precision) if module._trainer is not None else None,
+        # the asynchronous pipeline's rollouts in flight (experience.max_staleness), every process's in rank order
+        "pipeline": (all_gather_objects(module.pipeline.state_dict()) if module.pipeline is not None else None),
     }
 
 
@@ -61,6 +63,8 @@ def restore_state(module: Any, checkpoint: Mapping[str, Any]) -> None:
         module.anchor.load_state_dict(state["anchor"])
     if state.get("entropy"):
         module.updater.entropy.load_state_dict(state["entropy"])
+    if state.get("pipeline") is not None:
+        module._pending_pipeline = state["pipeline"]
     if "rng" in state:
         module._pending_rng = state["rng"]
     else:  # checkpoints of version 0.1.0: the sampler's generator and torch's state of rank 0

@@ -166,6 +166,7 @@ RUNS = {
     "polopt-train rollout.compile=true": Run(ARITHMETIC),
     "polopt-train rollout=vllm rollout.kv_cache_gib=1": Run(ARITHMETIC, marker="vllm"),
     "polopt-train rollout=server": Run(ARITHMETIC, background=SERVER),
+    "polopt-train rollout=server experience.max_staleness=1": Run(ARITHMETIC, background=SERVER),
     "polopt-train trainer=gpu rollout=vllm rollout.gpu_memory_utilization=0.3 rollout.enable_sleep_mode=true":
         Run(ARITHMETIC, marker=GPU),
 }

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -124,6 +125,23 @@ class RolloutEngine(ABC):
 
     # whether the update should correct for this backend's numerics by default (update.is_correction=null)
     corrects_sampler: bool = False
+    # whether it samples apart from the trainer (another process): then a submitted rollout runs while training does
+    samples_apart: bool = False
+
+    def submit(self, model: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, num_generations: int,
+               sampling: SamplingConfig, eos_token_id: int | list[int], pad_token_id: int,
+               generator: torch.Generator | None = None, **kwargs: Any) -> Future[RolloutBatch]:
+        """:meth:`generate`'s rollout as a future, sampled from ``model``'s weights as they are now, the random numbers
+        drawn from ``generator`` now: the asynchronous pipeline (``experience.max_staleness``) submits the next
+        rollouts before it trains on earlier ones. Default: sampled here, before returning; a backend that
+        :attr:`samples_apart` returns at once and samples while the trainer trains."""
+        future: Future[RolloutBatch] = Future()
+        try:
+            future.set_result(self.generate(model, prompt_ids, prompt_mask, num_generations, sampling, eos_token_id,
+                                            pad_token_id, generator=generator, **kwargs))
+        except Exception as err:
+            future.set_exception(err)
+        return future
 
     def logprobs_match(self, model: nn.Module) -> bool:
         """Whether the sampling log-probs equal what a training forward of ``model`` computes (then an off-policy

@@ -14,7 +14,7 @@ import json
 import time
 import uuid
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict
 from typing import Any
 
@@ -51,6 +51,7 @@ class ServerRolloutEngine(RolloutEngine):
     """
 
     corrects_sampler = True  # another process's numerics (and, with vLLM, another's kernels): corrected by default
+    samples_apart = True  # a submitted rollout is sampled while the trainer trains (experience.max_staleness)
 
     def __init__(self, servers: Sequence[str] | str = "127.0.0.1:8000", timeout_s: float = 600.0,
                  connect_timeout_s: float = 120.0, group_host: str = "127.0.0.1", group_port: int = 0,
@@ -76,17 +77,12 @@ class ServerRolloutEngine(RolloutEngine):
         self._wire = "gloo"
         self._stale = True
         self._source: nn.Module | None = None
+        # the requests of a rollout go out at once; rollouts are put together one after another, in order
+        # (a push and the rollouts in flight at once: a few requests a server)
+        self._requests = ThreadPoolExecutor(4 * len(self.urls) + 4, thread_name_prefix="polopt-request")
+        self._collector = ThreadPoolExecutor(1, thread_name_prefix="polopt-rollout")
 
     # ------------------------------------------------------------------------------------------------------------
-    def _ask(self, paths: str | Sequence[str], payloads: Sequence[dict[str, Any] | None], timeout: float
-             ) -> list[dict[str, Any]]:
-        """One request per server at once (``payloads[i]`` to server i; ``None``: a GET), their answers in order."""
-        paths = [paths] * len(payloads) if isinstance(paths, str) else list(paths)
-        with ThreadPoolExecutor(len(payloads)) as pool:
-            futures = [pool.submit(call, self.urls[i], path, payload, timeout, self.names[i])
-                       for i, (path, payload) in enumerate(zip(paths, payloads))]
-            return [f.result() for f in futures]
-
     def _wait_until_up(self) -> list[dict[str, Any]]:
         """Each server's health, waiting up to ``connect_timeout_s`` for each to answer."""
         answers = []
@@ -112,9 +108,10 @@ class ServerRolloutEngine(RolloutEngine):
         world = len(self.urls) + 1
         self._store = open_store(self.group_host, self.group_port, world, True, self.timeout_s)
         prefix = f"polopt/{uuid.uuid4().hex}"  # a new group's keys apart from an earlier one's
-        self._ask("/join", [{"host": self.group_host, "port": self._store.port, "rank": i + 1, "world_size": world,
-                             "timeout_s": self.timeout_s, "backend": self._wire, "prefix": prefix}
-                            for i in range(len(self.urls))], self.timeout_s)
+        for i, (url, name) in enumerate(zip(self.urls, self.names)):  # each joins in the background: answers at once
+            call(url, "/join", {"host": self.group_host, "port": self._store.port, "rank": i + 1, "world_size": world,
+                                "timeout_s": self.timeout_s, "backend": self._wire, "prefix": prefix},
+                 self.timeout_s, name)
         try:
             self._group = weight_group(self._store, 0, world, self.timeout_s, self._wire, prefix)
         except Exception as err:
@@ -151,18 +148,17 @@ class ServerRolloutEngine(RolloutEngine):
                    "version": self.version + 1, "timeout_s": self.timeout_s, "backend": self._wire}
         tensors = list(weights.values())
         device = "cuda" if self._wire == "nccl" else "cpu"
-        with ThreadPoolExecutor(len(self.urls)) as pool:
-            answers = [pool.submit(call, url, "/weights", request, self.timeout_s, name)
-                       for url, name in zip(self.urls, self.names)]
-            try:
-                for indices in plan:
-                    broadcast(self._group, pack([tensors[i] for i in indices], device), self.timeout_s)
-            except Exception as err:
-                self._group = None  # broken: the next push forms a new one
-                raise ServerError(f"rollout.servers: pushing the weights failed ({self._unanswered()}): "
-                                  f"{type(err).__name__}: {str(err).splitlines()[0]}") from None
-            for future in answers:
-                future.result()
+        answers = [self._requests.submit(call, url, "/weights", request, self.timeout_s, name)
+                   for url, name in zip(self.urls, self.names)]
+        try:
+            for indices in plan:
+                broadcast(self._group, pack([tensors[i] for i in indices], device), self.timeout_s)
+        except Exception as err:
+            self._group = None  # broken: the next push forms a new one
+            raise ServerError(f"rollout.servers: pushing the weights failed ({self._unanswered()}): "
+                              f"{type(err).__name__}: {str(err).splitlines()[0]}") from None
+        for future in answers:
+            future.result()
         self.version += 1
 
     def policy_updated(self, model: nn.Module) -> None:
@@ -179,6 +175,14 @@ class ServerRolloutEngine(RolloutEngine):
     def generate(self, model: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, num_generations: int,
                  sampling: SamplingConfig, eos_token_id: int | list[int], pad_token_id: int,
                  generator: torch.Generator | None = None) -> RolloutBatch:
+        return self.submit(model, prompt_ids, prompt_mask, num_generations, sampling, eos_token_id, pad_token_id,
+                           generator).result()
+
+    def submit(self, model: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, num_generations: int,
+               sampling: SamplingConfig, eos_token_id: int | list[int], pad_token_id: int,
+               generator: torch.Generator | None = None) -> Future[RolloutBatch]:
+        """The weights pushed where they moved (every process waits for it), the seeds drawn, the requests sent: the
+        rollout comes back as a future while the servers sample."""
         if self._stale or model is not self._source:
             self.push(model)
             if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
@@ -188,20 +192,24 @@ class ServerRolloutEngine(RolloutEngine):
         prompts = [row[mask.bool()].tolist() for row, mask in zip(prompt_ids, prompt_mask)]
         shares = [s.tolist() for s in torch.arange(len(prompts)).tensor_split(len(self.urls))]
         device = generator.device if generator is not None else "cpu"
-        payloads = []
-        for share in shares:
+        payloads = {}
+        for i, share in enumerate(shares):
             seed = int(torch.randint(0, 2**31 - 1, (1,), generator=generator, device=device))
-            payloads.append({"prompts": [prompts[i] for i in share], "n": num_generations, "pad": pad_token_id,
-                             "sampling": asdict(sampling), "eos": eos, "seed": seed} if share else None)
-        asked = [i for i, p in enumerate(payloads) if p is not None]
-        with ThreadPoolExecutor(len(asked)) as pool:
-            futures = {i: pool.submit(call, self.urls[i], "/generate", payloads[i], self.timeout_s, self.names[i])
-                       for i in asked}
-            answers = [futures[i].result() for i in asked]
+            if share:
+                payloads[i] = {"prompts": [prompts[j] for j in share], "n": num_generations, "pad": pad_token_id,
+                               "sampling": asdict(sampling), "eos": eos, "seed": seed}
+        answers = [self._requests.submit(call, self.urls[i], "/generate", payload, self.timeout_s, self.names[i])
+                   for i, payload in payloads.items()]
+        return self._collector.submit(self._collect, answers, prompt_ids, prompt_mask, num_generations, pad_token_id)
+
+    def _collect(self, answers: list[Future], prompt_ids: Tensor, prompt_mask: Tensor, num_generations: int,
+                 pad_token_id: int) -> RolloutBatch:
+        """The servers' answers, in order, as one :class:`RolloutBatch` (``versions``: the weights that sampled each
+        row)."""
+        answers = [a.result() for a in answers]
         tokens = [row for a in answers for row in a["tokens"]]
         logprobs = [row for a in answers for row in a["logprobs"]]
         finished = [f for a in answers for f in a["finished"]]
-        self.last_versions = [a["version"] for a in answers for _ in a["tokens"]]
         N, width = len(tokens), max(1, max(len(t) for t in tokens))
         ids = torch.full((N, width), pad_token_id, dtype=torch.long)
         mask = torch.zeros(N, width, dtype=torch.long)
@@ -211,9 +219,11 @@ class ServerRolloutEngine(RolloutEngine):
             mask[i, :len(row)] = 1
             lp[i, :len(row_lp)] = torch.tensor(row_lp)
         out_device = prompt_ids.device
-        return RolloutBatch(prompt_ids=prompt_ids.repeat_interleave(num_generations, 0),
-                            prompt_mask=prompt_mask.repeat_interleave(num_generations, 0),
-                            completion_ids=ids.to(out_device), completion_mask=mask.to(out_device),
-                            sampling_logprobs=lp.to(out_device),
-                            finished=torch.tensor(finished, dtype=torch.bool, device=out_device),
-                            group_size=num_generations)
+        batch = RolloutBatch(prompt_ids=prompt_ids.repeat_interleave(num_generations, 0),
+                             prompt_mask=prompt_mask.repeat_interleave(num_generations, 0),
+                             completion_ids=ids.to(out_device), completion_mask=mask.to(out_device),
+                             sampling_logprobs=lp.to(out_device),
+                             finished=torch.tensor(finished, dtype=torch.bool, device=out_device),
+                             group_size=num_generations)
+        self.last_versions = [a["version"] for a in answers for _ in a["tokens"]]
+        return batch

@@ -47,6 +47,11 @@ class ExperienceConfig(Settings):
         dynamic_sampling: DAPO's dynamic sampling: drop groups whose rewards are all equal and draw more prompts
             until the batch is full again, at most ``max_extra_draws`` extra batches per step.
         mask_truncated_completions: DAPO's overlong filtering: completions cut by ``max_new_tokens`` do not count.
+        max_staleness: the asynchronous pipeline (:mod:`~polopt_lightning.step.pipeline`): each rollout is submitted
+            this many training steps before the update that trains on it, so a backend that samples apart from the
+            trainer (``rollout=server``) samples the next rollouts while the current one trains; a rollout then comes
+            from a policy this many rollouts' updates old, which the sampler correction weighs. 0: sample, then train
+            (synchronous).
     """
 
     num_generations: int = 8
@@ -56,6 +61,7 @@ class ExperienceConfig(Settings):
     dynamic_sampling: bool = False
     max_extra_draws: int = 4
     mask_truncated_completions: bool = False
+    max_staleness: int = 0
 
     KEY = "experience"
     RULES = {
@@ -64,6 +70,7 @@ class ExperienceConfig(Settings):
         "advantage_scale": (lambda v: v is None or v in ADVANTAGE_SCALES, f"one of {ADVANTAGE_SCALES} or None"),
         "whitening": (lambda v: v in WHITENINGS, f"one of {WHITENINGS}"),
         "max_extra_draws": (lambda v: v >= 0, ">= 0"),
+        "max_staleness": (lambda v: v >= 0, ">= 0 (0: synchronous)"),
     }
 
     def scale(self, objective_scale: str | None = None) -> str | None:
