@@ -68,7 +68,15 @@ section() {  # section NAME SECONDS COMMAND...: run it under its limit and say h
       long) section "lengths cuda" 240 python3 benchmarks/lengths.py --device cuda --shape qwen2.5-0.5b \
             --lengths 512 1024 --impls polopt 'polopt:update={"padding_free":true}' trl --threads 8 \
             --model-dir /tmp/qwen-shape --json "$OUT/lengths_gpu.json" --plot "$OUT/lengths_gpu.png" ;;
-      *) echo "unknown section $name (tests, fp32, nf4, tiny, vllm, long)"; exit 2 ;;
+      # generation apart from training (issue 52): the weight group over NCCL (tests/test_gpu.py's server test), then a
+      # server and the trainer on one device, taking turns and overlapping (experience.max_staleness=1); with two
+      # devices, the server on the second ("bash benchmarks/gpu_check.sh async")
+      async) section "pytest -m gpu -k server" 120 python3 -m pytest -m gpu tests/test_gpu.py -k server -q \
+            -p no:cacheprovider
+        section "async pipeline cuda" 240 python3 benchmarks/async_pipeline.py --shape heavy --seeds 0 \
+            --modes server server-async --server-args "--device cuda:$(($(nvidia-smi -L | wc -l) - 1))" \
+            --json "$OUT/async_gpu.json" -- trainer=gpu ;;
+      *) echo "unknown section $name (tests, fp32, nf4, tiny, vllm, long, async)"; exit 2 ;;
     esac
   done
 } 2>&1 | tee "$OUT/gpu_check.txt"

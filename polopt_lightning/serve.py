@@ -25,6 +25,7 @@ from torch import nn
 
 from . import accel
 from .rollout import SamplingConfig, build_engine
+from .rollout.server import LORA_A, LORA_B
 from .rollout.wire import broadcast, nbytes, open_store, unpack, weight_group
 
 log = logging.getLogger("polopt_lightning.serve")
@@ -40,8 +41,11 @@ class GenerationServer:
         self.engine = build_engine({"name": backend, **backend_args}, key="--backend")
         self.device = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else
                                    "cpu" if device == "auto" else device)
+        if self.device.type == "cuda":  # NCCL's communicator and the model on the device asked for
+            torch.cuda.set_device(self.device)
         self.model: nn.Module | None = None
         self.config: dict[str, Any] | None = None
+        self.pristine: dict[str, torch.Tensor] = {}  # a LoRA policy's base of the weights its adapters change
         self.version = -1
         self.lock = threading.Lock()
         self.group: Any = None
@@ -85,25 +89,47 @@ class GenerationServer:
         with self.lock:
             layout, timeout = request["layout"], request["timeout_s"]
             received: dict[str, torch.Tensor] = {}
-            wire_device = "cuda" if request.get("backend") == "nccl" else "cpu"
+            wire_device = self.device if request.get("backend") == "nccl" else "cpu"
             for indices in request["buckets"]:
                 entries = [layout[i] for i in indices]
                 size = sum(nbytes(e) for e in entries)
                 buffer = torch.empty(size, dtype=torch.uint8, device=wire_device)
                 broadcast(self.group, buffer, timeout)
                 received.update(unpack(buffer, entries))
-            if request.get("config") is not None and (self.model is None or request["config"] != self.config):
+            adapters = {name: received.pop(name) for name in list(received) if name.startswith((LORA_A, LORA_B))}
+            scalings = request.get("scalings")
+            if received and request.get("config") is not None and (self.model is None or
+                                                                   request["config"] != self.config):
                 self.model = build_model(request["config"], received, self.device)
                 self.config = request["config"]
             elif self.model is None:
-                raise RuntimeError("the first push carries no config: nothing to build the model from")
+                raise RuntimeError("the first push carries no config and no base: nothing to build the model from")
             else:
                 load_weights(self.model, received)
+            if scalings:
+                self.merge(received, adapters, scalings)
+            else:
+                self.pristine = {}
             self.engine.policy_updated(self.model)
             self.version = int(request["version"])
         log.info("weights version %d received (%d tensors, %.1f MiB) in %.2f s", self.version, len(layout),
                  sum(nbytes(e) for e in layout) / 2**20, time.perf_counter() - started)
         return {"ok": True, "version": self.version}
+
+    def merge(self, base: dict[str, torch.Tensor], adapters: dict[str, torch.Tensor], scalings: dict[str, float]
+              ) -> None:
+        """A LoRA policy's adapters merged into the model: each adapted weight ``base + scaling x B @ A`` (in float32),
+        from the copy of the base kept since the push that carried it (``base`` holds it on that push)."""
+        if base:
+            self.pristine = {name: base[name].clone() for name in scalings}
+        missing = sorted(set(scalings) - set(self.pristine))
+        if missing:
+            raise RuntimeError(f"an adapter-only push for weights whose base this server has not received: {missing[:3]}")
+        own = self.model.state_dict(keep_vars=True)
+        with torch.no_grad():
+            for name, scaling in scalings.items():
+                A, B, W = adapters[LORA_A + name].float(), adapters[LORA_B + name].float(), self.pristine[name]
+                own[name].copy_((W.float() + scaling * (B @ A)).to(own[name].dtype))
 
     def generate(self, request: dict[str, Any]) -> dict[str, Any]:
         """``prompts`` (token id lists), ``n`` completions each, ``sampling`` (SamplingConfig's fields), ``eos``,

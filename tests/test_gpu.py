@@ -92,3 +92,34 @@ def test_strategy_on_two_devices(strategy, tmp_path):
     results, rows = _strategy_run(tmp_path, strategy, [f"strategy={strategy}", "trainer.devices=2"])
     assert results["world_size"] == 2 and len(rows) == 2
     assert all(float(r["train/entropy"]) > 0 for r in rows)
+
+
+def test_a_server_on_cuda_receives_the_weights_over_nccl_and_samples_the_trainers_tokens():
+    """``rollout=server`` with the policy and the server on CUDA: the weight group is NCCL's (the server on the last
+    device: another GPU where there are two), and after each push the server's greedy tokens are the trainer's."""
+    from polopt_lightning.rollout import HFRolloutEngine, SamplingConfig, build_engine
+
+    from .helpers import free_port, start_server
+
+    port = free_port()
+    proc = start_server(port, "--device", f"cuda:{torch.cuda.device_count() - 1}")
+    try:
+        model, tok = build_tiny_model(hidden_size=64, num_layers=2, seed=0)
+        model = model.cuda()
+        engine = build_engine({"name": "server", "servers": f"127.0.0.1:{port}", "timeout_s": 120})
+        enc = tok(["12+34=", "7*8="], return_tensors="pt", padding=True, padding_side="left").to("cuda")
+        greedy = SamplingConfig(max_new_tokens=8, temperature=0.0)
+        for push in (1, 2):
+            got = engine.generate(model, enc.input_ids, enc.attention_mask, 2, greedy, tok.eos_token_id,
+                                  tok.pad_token_id)
+            want = HFRolloutEngine().generate(model, enc.input_ids, enc.attention_mask, 2, greedy, tok.eos_token_id,
+                                              tok.pad_token_id)
+            assert engine._wire == "nccl" and engine.version == push
+            assert torch.equal(got.completion_ids, want.completion_ids), push
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(torch.randn_like(p) * 0.05)
+            engine.policy_updated(model)
+    finally:
+        proc.kill()
+        proc.wait()

@@ -73,6 +73,51 @@ def test_the_servers_sample_with_the_trainers_weights_after_every_push(servers, 
     assert engine.version == 4  # no push without an optimizer step
 
 
+@pytest.mark.parametrize("servers", [1], indirect=True)
+@pytest.mark.parametrize("quantization", ["none", "nf4"])
+def test_a_lora_policy_sends_its_base_once_then_only_its_adapters(servers, quantization):
+    """Adapter-only sync: the first push carries the base (a 4-bit base dequantized: QLoRA policies sample on servers
+    too) and the adapters, the next ones the adapters alone (a small share of the bytes); the server's merged weights
+    sample the trainer's greedy tokens after each; with ``adapter_only=false`` every push carries the merged weights
+    (refused for a quantized base, which has no plain form)."""
+    from polopt_lightning.models import Adapter, Quantization, apply_adapter, quantized_copy
+
+    addresses, _ = servers
+    base, tok = build_tiny_model(hidden_size=64, num_layers=2, seed=0)
+    full = sum(p.numel() * p.element_size() for p in base.parameters())
+    if quantization != "none":
+        base = quantized_copy(base, Quantization(mode=quantization))
+    model = apply_adapter(base, Adapter(kind="lora", r=4, alpha=8.0)).eval()
+    ids, mask = prompts(tok)
+    greedy = SamplingConfig(max_new_tokens=8, temperature=0.0)
+    engine = build_engine({"name": "server", "servers": addresses, "timeout_s": 60})
+    sizes = []
+    for push in range(1, 4):
+        got = engine.generate(model, ids, mask, 2, greedy, tok.eos_token_id, tok.pad_token_id)
+        want = local(model, tok, ids, mask, greedy)
+        assert torch.equal(got.completion_ids, want.completion_ids), push
+        assert torch.allclose(got.sampling_logprobs, want.sampling_logprobs, atol=1e-4)
+        sizes.append(engine.last_push_bytes)
+        gen = torch.Generator().manual_seed(push)
+        with torch.no_grad():  # the adapters move (B starts at zero: the first push's merge changes nothing)
+            for name, p in model.named_parameters():
+                if "lora_" in name:
+                    p.add_(torch.randn(p.shape, generator=gen) * 0.3)
+        engine.policy_updated(model)
+    adapters = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "lora_" in n)
+    assert sizes[0] >= full + adapters and sizes[1] == sizes[2] == adapters < full / 10, (sizes, full)
+    merged = build_engine({"name": "server", "servers": addresses, "timeout_s": 60, "adapter_only": False})
+    if quantization != "none":
+        with pytest.raises(ValueError, match=r"rollout=server with a quantized policy"):
+            merged.push(model)
+        return
+    merged.generate(model, ids, mask, 2, greedy, tok.eos_token_id, tok.pad_token_id)
+    assert merged.last_push_bytes >= full  # the merged weights (tied embeddings once)
+    plain, _ = build_tiny_model(hidden_size=64, num_layers=2, seed=0)
+    with pytest.raises(ValueError, match=r"rollout\.adapter_only=true: the policy is not a plain LoRA policy"):
+        build_engine({"name": "server", "servers": addresses, "adapter_only": True}).push(plain)
+
+
 @pytest.mark.vllm
 @run_if("vllm")
 def test_a_vllm_server_samples_with_the_trainers_weights_after_every_push():

@@ -34,6 +34,9 @@ def test_pytest_m_vllm_fails_where_vllm_is_missing():
     assert "-m 'vllm' selects this test, but needs vLLM" in proc.stdout, proc.stdout[-2000:]
 
 
+KEPT = []  # engines made by one test, alive until the process ends (see their test)
+
+
 @pytest.fixture(scope="module")
 def engine():
     """The engine as `polopt-train rollout=vllm` builds it: conf/rollout/vllm.yaml's shipped settings, none changed."""
@@ -243,9 +246,49 @@ def test_polopt_train_with_rollout_vllm(tmp_path):
 
 @pytest.mark.vllm
 @run_if("vllm")
+@pytest.mark.parametrize("quantization", ["none", "nf4"])
+def test_an_engine_started_on_a_lora_policy_loads_its_adapters_alone(quantization, monkeypatch):
+    """``rollout.adapter_only`` (on by default for a LoRA policy): vLLM holds the base (a 4-bit base dequantized) and
+    gets the adapters through its LoRA support at each push, never the merged weights; its greedy tokens equal the
+    transformers backend's on the (unmerged) policy before and after the adapters move."""
+    from hydra.utils import instantiate
+
+    from polopt_lightning.models import Adapter, Quantization, prepare_policy
+    from polopt_lightning.rollout import vllm as vllm_backend
+
+    model, tok = build_tiny_model(hidden_size=128, num_layers=2, num_heads=2, intermediate_size=256, seed=6)
+    policy = prepare_policy(model, Quantization(mode=quantization), Adapter(kind="lora", r=4, alpha=8)).eval()
+    ids, mask = _prompts(tok)
+    greedy = SamplingConfig(max_new_tokens=6, temperature=0.0)
+    fresh = instantiate(option("rollout", "vllm", ["rollout.kv_cache_gib=1"]))
+
+    def merged(*args, **kwargs):
+        raise AssertionError("the merged weights were pushed")
+
+    monkeypatch.setattr(vllm_backend, "policy_weights", merged)
+    seen = []
+    for _ in range(3):
+        out = fresh.generate(policy, ids, mask, 1, greedy, tok.eos_token_id, tok.pad_token_id)
+        hf_ids, hf_mask = _greedy_hf(policy, tok, ids, mask, 6)
+        width = out.completion_ids.shape[1]
+        assert torch.equal(out.completion_ids * out.completion_mask, (hf_ids * hf_mask)[:, :width])
+        seen.append(out.completion_ids)
+        with torch.no_grad():  # the adapters move (B starts at zero: without this they add nothing)
+            for name, p in policy.named_parameters():
+                if "lora_B" in name:
+                    p.add_(torch.randn_like(p) * 0.5)
+        fresh.policy_updated(policy)
+    assert fresh.lora_rank == 4 and not torch.equal(seen[0], seen[2])
+    # kept to the end of the session: an engine closed or collected tears down vLLM's process-wide groups, which the
+    # module's engine still uses
+    KEPT.append(fresh)
+
+
+@pytest.mark.vllm
+@run_if("vllm")
 def test_a_lora_policy_is_pushed_merged(engine):
-    """A peft policy: vLLM samples its base with the adapters merged, before and after the adapters move; the
-    policy's own modules stay unmerged."""
+    """A peft policy on an engine that holds another model (started on a plain policy): vLLM samples its base with the
+    adapters merged, before and after the adapters move; the policy's own modules stay unmerged."""
     from polopt_lightning.models import Adapter, Quantization, prepare_policy
 
     model, tok = build_tiny_model(hidden_size=128, num_layers=2, num_heads=2, intermediate_size=256, seed=6)

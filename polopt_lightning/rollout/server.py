@@ -26,9 +26,53 @@ from .._hf import peft_base
 from .base import RolloutBatch, RolloutEngine, SamplingConfig
 from .wire import ServerError, base_url, broadcast, buckets, call, open_store, pack, tensor_layout, weight_group
 
+LORA_A, LORA_B = "lora_A::", "lora_B::"  # an adapter's tensors in a push, before the name of the weight they adapt
+
 
 def rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def lora_layers(model: nn.Module) -> dict[str, tuple[Tensor, Tensor, float]] | None:
+    """``{weight name: (A, B, scaling)}`` of a LoRA policy (by the names of its plain ``transformers`` form, e.g.
+    ``model.layers.0.self_attn.q_proj.weight``), whose weights are then ``base + scaling x B @ A``: peft LoRA layers
+    over ``nn.Linear`` or bitsandbytes' quantized layers (QLoRA), one adapter each, no variant (DoRA), nothing but
+    the adapters trainable. ``None`` for any other policy (its weights are pushed merged)."""
+    from ..models import has_adapter, is_quantized_layer
+
+    if not has_adapter(model):
+        return None
+    if any(p.requires_grad and "lora_" not in name for name, p in model.named_parameters()):
+        return None  # modules_to_save and the like: trained weights outside the adapters
+    out = {}
+    for name, module in model.get_base_model().named_modules():
+        if not hasattr(module, "lora_A") or not hasattr(module, "base_layer"):
+            continue
+        active = [a for a in module.active_adapters if a in module.lora_A]
+        if not active:
+            continue
+        a = active[0]
+        A, B = module.lora_A[a], module.lora_B[a]
+        plain = type(module.base_layer) is nn.Linear or is_quantized_layer(module.base_layer)
+        if (len(active) != 1 or not plain or type(A) is not nn.Linear
+                or type(B) is not nn.Linear or B.bias is not None or getattr(module, "fan_in_fan_out", False)
+                or getattr(module, "use_dora", {}).get(a) or getattr(module, "merged", False)):
+            return None
+        out[f"{name}.weight"] = (A.weight, B.weight, float(module.scaling[a]))
+    return out or None
+
+
+def base_weights(model: nn.Module) -> dict[str, Tensor]:
+    """A LoRA policy's base weights, unmerged, by their plain ``transformers`` names; a quantized base's weights as
+    the floating-point values its layers compute with (in the dtype of its other weights)."""
+    from ..export import dequantized_state
+    from ..models import float_dtype, is_quantized
+    from .vllm import _whole
+
+    state = {k: _whole(v) for k, v in model.get_base_model().state_dict().items() if "lora_" not in k}
+    if is_quantized(model):
+        state = dequantized_state(state, float_dtype(model))
+    return {k.replace(".base_layer", ""): v for k, v in state.items()}
 
 
 class ServerRolloutEngine(RolloutEngine):
@@ -48,6 +92,10 @@ class ServerRolloutEngine(RolloutEngine):
         group_backend: ``gloo`` or ``nccl``; ``None``: NCCL where the policy and every server are on CUDA, gloo
             otherwise.
         bucket_mib: the weights travel in buckets of at most this many MiB (a larger tensor alone).
+        adapter_only: a LoRA policy sends its base weights once and then only its adapters (the servers merge them
+            into their copy of the base), instead of the merged weights at every push. ``None``: where the policy is a
+            plain LoRA policy (:func:`lora_layers`); ``False``: always the merged weights; ``True``: an error where it
+            is not.
     """
 
     corrects_sampler = True  # another process's numerics (and, with vLLM, another's kernels): corrected by default
@@ -55,7 +103,7 @@ class ServerRolloutEngine(RolloutEngine):
 
     def __init__(self, servers: Sequence[str] | str = "127.0.0.1:8000", timeout_s: float = 600.0,
                  connect_timeout_s: float = 120.0, group_host: str = "127.0.0.1", group_port: int = 0,
-                 group_backend: str | None = None, bucket_mib: int = 256) -> None:
+                 group_backend: str | None = None, bucket_mib: int = 256, adapter_only: bool | None = None) -> None:
         servers = [servers] if isinstance(servers, str) else list(servers)
         if not servers:
             raise ValueError("rollout.servers: at least one generation server (host:port)")
@@ -70,6 +118,9 @@ class ServerRolloutEngine(RolloutEngine):
         self.timeout_s, self.connect_timeout_s = float(timeout_s), float(connect_timeout_s)
         self.group_host, self.group_port, self.group_backend = group_host, int(group_port), group_backend
         self.bucket_bytes = int(bucket_mib * 2**20)
+        self.adapter_only = adapter_only
+        self._base_sent = False  # whether the servers hold the LoRA policy's base (adapter-only pushes)
+        self.last_push_bytes = 0
         self.version = 0  # pushes made so far (the servers' weights' version)
         self.last_versions: list[int] = []  # the weights' version that sampled each row of the last rollout
         self._group: Any = None
@@ -131,10 +182,22 @@ class ServerRolloutEngine(RolloutEngine):
         return "; ".join(states)
 
     def push(self, model: nn.Module) -> None:
-        """The policy's weights to every server (collective under FSDP: every process gathers, rank 0 sends)."""
-        from .vllm import policy_weights
+        """The policy's weights to every server (collective under FSDP: every process gathers, rank 0 sends). A LoRA
+        policy (:func:`lora_layers`, ``adapter_only``) sends its base once per weight group and then its adapters
+        alone: the servers merge them into their copy of the base."""
+        from .vllm import _whole, policy_weights
 
-        weights = policy_weights(model, key="rollout=server")
+        layers = lora_layers(model) if self.adapter_only is not False else None
+        if self.adapter_only and layers is None:
+            raise ValueError("rollout.adapter_only=true: the policy is not a plain LoRA policy (peft LoRA adapters, no "
+                             "DoRA or other variant, nothing else trainable); use rollout.adapter_only=null")
+        if layers is not None:  # the base once (while the servers hold it), the adapters every time
+            weights = {} if self._base_sent else base_weights(model)
+            for name, (A, B, _) in layers.items():
+                weights[f"{LORA_A}{name}"], weights[f"{LORA_B}{name}"] = _whole(A), _whole(B)
+        else:
+            weights = policy_weights(model, key="rollout=server")
+        self._base_sent = layers is not None  # on every process alike: gathering a sharded base is collective
         if rank() != 0:
             return
         config = peft_base(model).config
@@ -144,21 +207,25 @@ class ServerRolloutEngine(RolloutEngine):
             self._connect(model)
         layout = tensor_layout(weights)
         plan = buckets(layout, self.bucket_bytes)
-        request = {"layout": layout, "buckets": plan, "config": json.loads(config.to_json_string(use_diff=False)),
-                   "version": self.version + 1, "timeout_s": self.timeout_s, "backend": self._wire}
+        settings = json.loads(config.to_json_string(use_diff=False))
+        settings.pop("quantization_config", None)  # a quantized base goes over dequantized (adapter-only)
+        request = {"layout": layout, "buckets": plan, "config": settings,
+                   "version": self.version + 1, "timeout_s": self.timeout_s, "backend": self._wire,
+                   "scalings": None if layers is None else {name: float(s) for name, (_, _, s) in layers.items()}}
         tensors = list(weights.values())
-        device = "cuda" if self._wire == "nccl" else "cpu"
+        device = next(model.parameters()).device if self._wire == "nccl" else "cpu"
         answers = [self._requests.submit(call, url, "/weights", request, self.timeout_s, name)
                    for url, name in zip(self.urls, self.names)]
         try:
             for indices in plan:
                 broadcast(self._group, pack([tensors[i] for i in indices], device), self.timeout_s)
         except Exception as err:
-            self._group = None  # broken: the next push forms a new one
+            self._group, self._base_sent = None, False  # broken: the next push forms a new one, the base again
             raise ServerError(f"rollout.servers: pushing the weights failed ({self._unanswered()}): "
                               f"{type(err).__name__}: {str(err).splitlines()[0]}") from None
         for future in answers:
             future.result()
+        self.last_push_bytes = sum(t.numel() * t.element_size() for t in tensors)
         self.version += 1
 
     def policy_updated(self, model: nn.Module) -> None:
@@ -169,7 +236,7 @@ class ServerRolloutEngine(RolloutEngine):
 
     def close(self) -> None:
         """Leave the weight group (the servers keep running, and form a new group with the next trainer)."""
-        self._group, self._store, self._stale, self._source = None, None, True, None
+        self._group, self._store, self._stale, self._source, self._base_sent = None, None, True, None, False
 
     # ------------------------------------------------------------------------------------------------------------
     def generate(self, model: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, num_generations: int,

