@@ -297,6 +297,14 @@ class PolicyOptimizationModule(L.LightningModule):
                       batch_size=batch["prompt_ids"].shape[0])
         self.log("reward", metrics["train/reward"].float(), prog_bar=True, on_step=True, logger=False)
 
+    def policy_replaced(self) -> None:
+        """The policy's weights were set outside an optimizer step (the collapse monitor's rollback): a backend that
+        samples from weights of its own gets them again before its next rollout, and the pipeline's rollouts in
+        flight, sampled by the weights replaced, are dropped (the next batches fill it again)."""
+        self.engine.policy_updated(self.policy)
+        if self.pipeline is not None:
+            self.pipeline.queue.clear()
+
     def accumulate_gradients(self, exp: Experience, rows: Tensor, record_old: bool = False) -> dict[str, Tensor]:
         """Backward of the objective (and the anchor) on the completions ``rows``, in micro-batches; returns the
         step's metrics (:meth:`.update.Updater.accumulate`)."""

@@ -110,9 +110,11 @@ def test_rollback_restores_weights_and_optimizer_exactly_and_scales_the_rate(tmp
     state = {k: {n: t.clone() for n, t in v.items()} for k, v in optimizer.state_dict()["state"].items()}
     train(5)
     assert not torch.equal(module.weight, weights["weight"])
+    replaced = []  # the module is told (a backend with weights of its own syncs them again)
+    module.policy_replaced = lambda: replaced.append(True)
     monitor.rules.observe_validation(8, 8, {"val/accuracy": 0.9})
     monitor.handle(trainer, module, monitor.rules.observe_validation(9, 9, {"val/accuracy": 0.1}))
-    assert monitor.rollbacks == 1 and not trainer.should_stop
+    assert monitor.rollbacks == 1 and not trainer.should_stop and replaced == [True]
     for k, v in module.state_dict().items():
         assert torch.equal(v, weights[k]), k
     for k, v in optimizer.state_dict()["state"].items():

@@ -16,6 +16,7 @@ from polopt_lightning.callbacks import RolloutCheckpoint
 from polopt_lightning.data import ArithmeticTask
 from polopt_lightning.models import build_tiny_model
 from polopt_lightning.rewards import ExactMatchReward
+from polopt_lightning.rollout import build_engine
 from polopt_lightning.step.experience import ExperienceConfig
 from polopt_lightning.step.pipeline import RolloutPipeline
 
@@ -108,8 +109,15 @@ def test_with_a_server_each_rollout_is_trained_max_staleness_updates_later_in_th
 def test_an_in_process_backend_is_told_it_does_not_overlap_and_still_keeps_the_bound(tmp_path):
     with pytest.warns(UserWarning, match=r"experience\.max_staleness=1: the HFRolloutEngine backend samples in the "
                                          r"training process"):
-        _, _, trainer = fit(tmp_path, 3, None, 1)
+        module, _, trainer = fit(tmp_path, 3, None, 1)
     assert logged(trainer, "train/staleness") == [0.0, 1.0, 1.0]
+    # a rollback (the weights replaced outside an optimizer step): the rollouts in flight, sampled by the weights
+    # replaced, are dropped, and a backend with weights of its own is told to push again
+    assert len(module.pipeline.queue) == 1
+    module.engine = build_engine({"name": "server", "servers": "127.0.0.1:1"})
+    module.engine._stale = False
+    module.policy_replaced()
+    assert not module.pipeline.queue and module.engine._stale
 
 
 def test_a_run_resumed_with_rollouts_in_flight_ends_with_the_uninterrupted_runs_weights(tmp_path):

@@ -351,6 +351,9 @@ class CollapseMonitor(L.Callback):
             for name, param in pl_module.named_parameters():
                 if name in self._healthy["params"]:
                     param.copy_(self._healthy["params"][name].to(param.device))
+        replaced = getattr(pl_module, "policy_replaced", None)
+        if callable(replaced):  # a backend with weights of its own syncs them; stale rollouts in flight are dropped
+            replaced()
         for optimizer, state in zip(trainer.optimizers, self._healthy["optimizers"]):
             optimizer.load_state_dict(state)
             for group in optimizer.param_groups:
