@@ -8,6 +8,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -119,6 +120,10 @@ class PolicyOptimizationModule(L.LightningModule):
                                "reference": reference}, moved, MOVED_ARGUMENTS, type(self).__name__)
         self.experience_config = ExperienceConfig.of(concerns["experience"])
         self.update_config = config = UpdateConfig.of(concerns["update"])
+        if self.experience_config.max_staleness > 0:  # stale samples: never the current policy's log-probs, corrected
+            config = self.update_config = replace(config, reuse_sampling_logprobs=False,
+                                                  is_correction=True if config.is_correction is None
+                                                  else config.is_correction)
         self.reference_config = ReferenceConfig.of(concerns["reference"])
         self.optimizer_factory = optimizer_factory(concerns["optimizer"])
         self.automatic_optimization = False
@@ -280,8 +285,20 @@ class PolicyOptimizationModule(L.LightningModule):
             if not self.pipeline.ready():
                 return
             due, staleness = self.pipeline.take()
-            batch = due.batch
-            exp, metrics = self.make_experience(batch, due.rollout)
+            try:
+                if due.rollout is None:  # lost with a failure before a resume: sampled again, now
+                    due.rollout, staleness = self.submit_rollout(due.batch), 0
+                self._train(due.batch, *self.make_experience(due.batch, due.rollout), staleness)
+            except BaseException:  # the pipeline as before this step: an exception checkpoint resumes from it
+                self.pipeline.undo(due)
+                raise
+            self.pipeline.trained()
+            return
+        self._train(batch, exp, metrics)
+
+    def _train(self, batch: Mapping[str, Any], exp: Experience, metrics: dict[str, Tensor],
+               staleness: int | None = None) -> None:
+        if staleness is not None:
             metrics["train/staleness"] = torch.tensor(float(staleness))
         lengths = exp.completion_mask.sum(-1).float()
         # every process holds as many completions (whole groups of equal batches): means of means are exact
@@ -291,8 +308,6 @@ class PolicyOptimizationModule(L.LightningModule):
         optimizer = self.optimizers()
         metrics.update({f"train/{k}": v for k, v in self.updater.run(exp, optimizer, self.lr_schedulers()).items()})
         metrics["train/lr"] = torch.tensor(optimizer.param_groups[0]["lr"])
-        if self.pipeline is not None:
-            self.pipeline.trained()
         self.log_dict({k: v.float() for k, v in metrics.items()}, on_step=True, on_epoch=False,
                       batch_size=batch["prompt_ids"].shape[0])
         self.log("reward", metrics["train/reward"].float(), prog_bar=True, on_step=True, logger=False)
@@ -385,6 +400,12 @@ class PolicyOptimizationModule(L.LightningModule):
         if pending is not None:
             restore_rng(pending, self.global_rank, world_size(), self._sampling_generator())
         pipeline, self._pending_pipeline = self._pending_pipeline, None
-        if pipeline is not None and self.pipeline is not None:  # this process's rollouts in flight at the checkpoint
+        if pipeline is not None:  # this process's rollouts in flight at the checkpoint
+            saved = pipeline[0].get("max_staleness")
+            if self.pipeline is None or len(pipeline) != world_size() or saved != self.pipeline.max_staleness:
+                raise ValueError(f"ckpt_path: the checkpoint holds the asynchronous pipeline of {len(pipeline)} "
+                                 f"process(es) with experience.max_staleness={saved}; resume with the same "
+                                 f"experience.max_staleness and processes (this run: "
+                                 f"{0 if self.pipeline is None else self.pipeline.max_staleness}, {world_size()})")
             self.pipeline.load_state_dict(pipeline[self.global_rank], self.device)
 

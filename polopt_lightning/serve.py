@@ -47,7 +47,10 @@ class GenerationServer:
         self.config: dict[str, Any] | None = None
         self.pristine: dict[str, torch.Tensor] = {}  # a LoRA policy's base of the weights its adapters change
         self.version = -1
-        self.lock = threading.Lock()
+        # one request works on the model at a time, in the trainer's order: a rollout waits for the weights version it
+        # was asked of, a push for the rollouts the trainer asked of the version before (served: count per version)
+        self.turn = threading.Condition()
+        self.served: dict[int, int] = {}
         self.group: Any = None
         self._store: Any = None
         self._joining: threading.Thread | None = None
@@ -56,8 +59,8 @@ class GenerationServer:
 
     # -- requests ----------------------------------------------------------------------------------------------
     def health(self, _: dict[str, Any] | None = None) -> dict[str, Any]:
-        return {"ok": True, "backend": self.backend, "device": str(self.device), "version": self.version,
-                "group": self.group is not None, "join_error": self._join_error}
+        return {"ok": True, "backend": self.backend, "device": str(self.device), "gpu": gpu_id(self.device),
+                "version": self.version, "group": self.group is not None, "join_error": self._join_error}
 
     def join(self, request: dict[str, Any]) -> dict[str, Any]:
         """Join the trainer's weight group (in the background: the group forms once every server has joined)."""
@@ -86,8 +89,12 @@ class GenerationServer:
         if self.group is None:
             raise RuntimeError(f"no weight group to receive on ({self._join_error or 'not joined'})")
         started = time.perf_counter()
-        with self.lock:
+        with self.turn:
             layout, timeout = request["layout"], request["timeout_s"]
+            before, due = int(request["version"]) - 1, int(request.get("after", 0))
+            if not self.turn.wait_for(lambda: self.served.get(before, 0) >= due, timeout):
+                raise RuntimeError(f"weights version {before + 1}: {due} rollouts of version {before} were asked, "
+                                   f"{self.served.get(before, 0)} arrived within {timeout:g} s")
             received: dict[str, torch.Tensor] = {}
             wire_device = self.device if request.get("backend") == "nccl" else "cpu"
             for indices in request["buckets"]:
@@ -112,6 +119,8 @@ class GenerationServer:
                 self.pristine = {}
             self.engine.policy_updated(self.model)
             self.version = int(request["version"])
+            self.served = {v: n for v, n in self.served.items() if v >= before}
+            self.turn.notify_all()
         log.info("weights version %d received (%d tensors, %.1f MiB) in %.2f s", self.version, len(layout),
                  sum(nbytes(e) for e in layout) / 2**20, time.perf_counter() - started)
         return {"ok": True, "version": self.version}
@@ -147,14 +156,23 @@ class GenerationServer:
                 mask[i, width - len(prompt):] = 1
         generator = torch.Generator(device=self.device)
         generator.manual_seed(int(request["seed"]))
-        with self.lock:
-            started = time.perf_counter()
-            with self._fast_path.compute(self.model, self.device):
-                batch = self.engine.generate(self.model, ids.to(self.device), mask.to(self.device), int(request["n"]),
-                                             SamplingConfig(**request["sampling"]), list(request["eos"]), pad,
-                                             generator=generator)
+        wanted = request.get("version")
+        with self.turn:
+            if wanted is not None and not self.turn.wait_for(lambda: self.version >= wanted, request["timeout_s"]):
+                raise RuntimeError(f"asked to sample with weights version {wanted}, which did not arrive within "
+                                   f"{request['timeout_s']:g} s (holding {self.version})")
+            if wanted is not None and self.version != wanted:  # the trainer's order broken: never sample stale
+                raise RuntimeError(f"asked to sample with weights version {wanted}, holding {self.version}")
+            started, version = time.perf_counter(), self.version
+            try:
+                with self._fast_path.compute(self.model, self.device):
+                    batch = self.engine.generate(self.model, ids.to(self.device), mask.to(self.device),
+                                                 int(request["n"]), SamplingConfig(**request["sampling"]),
+                                                 list(request["eos"]), pad, generator=generator)
+            finally:  # served, failed or not: the next push does not wait for it
+                self.served[version] = self.served.get(version, 0) + 1
+                self.turn.notify_all()
             seconds = time.perf_counter() - started
-            version = self.version
         log.info("sampled %d x %d completions with weights version %d in %.2f s", len(prompts), int(request["n"]),
                  version, seconds)
         lengths = batch.completion_mask.sum(-1).tolist()
@@ -194,6 +212,13 @@ def load_weights(model: nn.Module, weights: dict[str, torch.Tensor], strict: boo
     with torch.no_grad():
         for name, value in weights.items():
             own[name].copy_(value)
+
+
+def gpu_id(device: torch.device) -> str | None:
+    """The physical GPU behind ``device`` (its UUID), ``None`` off CUDA: NCCL cannot join two ranks on one GPU."""
+    if device.type != "cuda":
+        return None
+    return str(torch.cuda.get_device_properties(device).uuid)
 
 
 class Handler(BaseHTTPRequestHandler):

@@ -27,4 +27,6 @@ def test_a_small_run_of_each_mode_writes_its_figures(tmp_path):
     for mode in ("server", "server-async"):  # the servers sampled the rollouts, the pipeline's one version behind
         log = (tmp_path / "runs" / f"{mode}_seed0" / "server.log").read_text()
         assert "weights version 1 received" in log and "sampled 8 x 8 completions" in log
-    assert "server-async" in proc.stdout and "x1.00" in proc.stdout
+    summary = proc.stdout.split("acc after")[1].splitlines()[1:]  # a row per mode, ratios to the first
+    assert [row.split()[0] for row in summary if row.strip()] == ["hf", "server", "server-async"]
+    assert "x1.00" in summary[0] and all(" x" in row for row in summary if row.strip())

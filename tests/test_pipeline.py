@@ -48,6 +48,28 @@ def test_the_pipeline_gives_each_rollout_back_after_exactly_max_staleness_update
         ExperienceConfig(max_staleness=-1)
 
 
+def test_a_failed_step_leaves_the_pipeline_as_before_and_a_lost_rollout_is_saved_to_be_sampled_again():
+    from polopt_lightning.rollout import RolloutBatch
+
+    pipeline = RolloutPipeline(1)
+    rows = torch.zeros(2, 3, dtype=torch.long)
+    sampled = RolloutBatch(prompt_ids=rows, prompt_mask=rows, completion_ids=rows, completion_mask=rows,
+                           sampling_logprobs=rows.float(), finished=torch.zeros(2, dtype=torch.bool), group_size=2)
+    pipeline.put({"step": 0, "ids": rows}, done(sampled))
+    lost = Future()
+    lost.set_exception(RuntimeError("the server died"))
+    pipeline.put({"step": 1, "ids": rows}, lost)
+    due, _ = pipeline.take()
+    pipeline.undo(due)  # the step that took step 0's rollout (and put step 1's) failed
+    assert [item.batch["step"] for item in pipeline.queue] == [0] and pipeline.version == 0
+    pipeline.put({"step": 1, "ids": rows}, lost)
+    state = pipeline.state_dict()
+    assert state["max_staleness"] == 1 and [r["rollout"] is None for r in state["in_flight"]] == [False, True]
+    again = RolloutPipeline(1)
+    again.load_state_dict(state, torch.device("cpu"))
+    assert again.queue[1].rollout is None and torch.equal(again.queue[0].rollout.result().completion_ids, rows)
+
+
 class Recorder:
     """A reward that records the prompts it scores, in order."""
 
@@ -132,3 +154,7 @@ def test_a_run_resumed_with_rollouts_in_flight_ends_with_the_uninterrupted_runs_
     assert trainer.global_step == 6
     for (name, a), b in zip(whole.policy.state_dict().items(), resumed.policy.state_dict().values()):
         assert torch.equal(a, b), name
+    # resumed with another bound: refused, naming the key (the rollouts in flight would be of the wrong age)
+    with pytest.raises(ValueError, match=r"experience\.max_staleness=2; resume with the same experience\."
+                                         r"max_staleness and processes \(this run: 1, 1\)"):
+        fit(tmp_path / "other", 6, None, 1, ckpt_path=tmp_path / "ckpt" / "step=3.ckpt")

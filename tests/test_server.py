@@ -164,13 +164,14 @@ def test_a_server_killed_mid_run_is_a_named_error_and_the_checkpoints_survive(se
     fit = L.Trainer(max_steps=4, accelerator="cpu", logger=False, callbacks=[saves, KillAfterTwo()],
                     enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
     start = time.monotonic()
-    with pytest.raises(ServerError, match=r"rollout\.servers\[0\].*127\.0\.0\.1:\d+.*does not answer"):
+    with pytest.raises(ServerError, match=r"rollout\.servers\[0\].*127\.0\.0\.1:\d+.*(did|does) not answer"):
         fit.fit(module, datamodule=dm)
     assert time.monotonic() - start < 60
     saved = sorted(p.name for p in (tmp_path / "ckpt").glob("*.ckpt"))
     assert saved == ["epoch=0-step=1.ckpt", "epoch=0-step=2.ckpt"], saved
-    state = torch.load(tmp_path / "ckpt" / "epoch=0-step=2.ckpt", weights_only=False)
-    assert state["global_step"] == 2 and state["state_dict"]
+    for step in (1, 2):
+        state = torch.load(tmp_path / "ckpt" / f"epoch=0-step={step}.ckpt", weights_only=False)
+        assert state["global_step"] == step and state["state_dict"]
 
 
 def test_a_server_that_does_not_answer_is_a_named_error_within_the_time_limit(tiny):

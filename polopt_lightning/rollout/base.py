@@ -135,12 +135,9 @@ class RolloutEngine(ABC):
         drawn from ``generator`` now: the asynchronous pipeline (``experience.max_staleness``) submits the next
         rollouts before it trains on earlier ones. Default: sampled here, before returning; a backend that
         :attr:`samples_apart` returns at once and samples while the trainer trains."""
-        future: Future[RolloutBatch] = Future()
-        try:
-            future.set_result(self.generate(model, prompt_ids, prompt_mask, num_generations, sampling, eos_token_id,
-                                            pad_token_id, generator=generator, **kwargs))
-        except Exception as err:
-            future.set_exception(err)
+        future: Future[RolloutBatch] = Future()  # a failure raises here, at once
+        future.set_result(self.generate(model, prompt_ids, prompt_mask, num_generations, sampling, eos_token_id,
+                                        pad_token_id, generator=generator, **kwargs))
         return future
 
     def logprobs_match(self, model: nn.Module) -> bool:

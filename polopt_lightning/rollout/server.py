@@ -59,7 +59,20 @@ def lora_layers(model: nn.Module) -> dict[str, tuple[Tensor, Tensor, float]] | N
                 or getattr(module, "use_dora", {}).get(a) or getattr(module, "merged", False)):
             return None
         out[f"{name}.weight"] = (A.weight, B.weight, float(module.scaling[a]))
+    if "lm_head.weight" in out and getattr(peft_base(model).config, "tie_word_embeddings", False):
+        return None  # an adapter on a head tied to the embeddings: pushed merged
     return out or None
+
+
+def adapter_layers(model: nn.Module, adapter_only: bool | None) -> dict[str, tuple[Tensor, Tensor, float]] | None:
+    """:func:`lora_layers` where ``rollout.adapter_only`` allows them (``None``: where the policy has them,
+    ``False``: never); ``True`` for a policy without them is an error naming the key."""
+    layers = lora_layers(model) if adapter_only is not False else None
+    if adapter_only and layers is None:
+        raise ValueError("rollout.adapter_only=true: the policy is not a plain LoRA policy (peft LoRA adapters, no DoRA "
+                         "or other variant, nothing else trainable, no adapter on a tied head); use "
+                         "rollout.adapter_only=null")
+    return layers
 
 
 def base_weights(model: nn.Module) -> dict[str, Tensor]:
@@ -120,6 +133,7 @@ class ServerRolloutEngine(RolloutEngine):
         self.bucket_bytes = int(bucket_mib * 2**20)
         self.adapter_only = adapter_only
         self._base_sent = False  # whether the servers hold the LoRA policy's base (adapter-only pushes)
+        self._asked = [0] * len(self.urls)  # rollouts asked of each server since the last push
         self.last_push_bytes = 0
         self.version = 0  # pushes made so far (the servers' weights' version)
         self.last_versions: list[int] = []  # the weights' version that sampled each row of the last rollout
@@ -153,10 +167,14 @@ class ServerRolloutEngine(RolloutEngine):
     def _connect(self, model: nn.Module) -> None:
         """The weight group of this process (rank 0) and the servers."""
         health = self._wait_until_up()
-        on_cuda = next(model.parameters()).is_cuda
-        self._wire = self.group_backend or ("nccl" if on_cuda and all(h["device"].startswith("cuda") for h in health)
-                                            else "gloo")
+        from ..serve import gpu_id
+
+        own = gpu_id(next(model.parameters()).device)  # NCCL where every server has a GPU of its own, else gloo
+        gpus = [h.get("gpu") for h in health]
+        separate = own is not None and all(g is not None and g != own for g in gpus) and len(set(gpus)) == len(gpus)
+        self._wire = self.group_backend or ("nccl" if separate else "gloo")
         world = len(self.urls) + 1
+        self._group = self._store = None  # an earlier group's store released first (its port may be the same)
         self._store = open_store(self.group_host, self.group_port, world, True, self.timeout_s)
         prefix = f"polopt/{uuid.uuid4().hex}"  # a new group's keys apart from an earlier one's
         for i, (url, name) in enumerate(zip(self.urls, self.names)):  # each joins in the background: answers at once
@@ -187,10 +205,7 @@ class ServerRolloutEngine(RolloutEngine):
         alone: the servers merge them into their copy of the base."""
         from .vllm import _whole, policy_weights
 
-        layers = lora_layers(model) if self.adapter_only is not False else None
-        if self.adapter_only and layers is None:
-            raise ValueError("rollout.adapter_only=true: the policy is not a plain LoRA policy (peft LoRA adapters, no "
-                             "DoRA or other variant, nothing else trainable); use rollout.adapter_only=null")
+        layers = adapter_layers(model, self.adapter_only)
         if layers is not None:  # the base once (while the servers hold it), the adapters every time
             weights = {} if self._base_sent else base_weights(model)
             for name, (A, B, _) in layers.items():
@@ -198,6 +213,12 @@ class ServerRolloutEngine(RolloutEngine):
         else:
             weights = policy_weights(model, key="rollout=server")
         self._base_sent = layers is not None  # on every process alike: gathering a sharded base is collective
+        asked, self._asked = self._asked, [0] * len(self.urls)
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:  # every process's rollouts
+            from ..distributed import all_reduce
+
+            asked = [int(n) for n in all_reduce(torch.tensor(asked, dtype=torch.long,
+                                                             device=next(model.parameters()).device)).tolist()]
         if rank() != 0:
             return
         config = peft_base(model).config
@@ -214,12 +235,17 @@ class ServerRolloutEngine(RolloutEngine):
                    "scalings": None if layers is None else {name: float(s) for name, (_, _, s) in layers.items()}}
         tensors = list(weights.values())
         device = next(model.parameters()).device if self._wire == "nccl" else "cpu"
-        answers = [self._requests.submit(call, url, "/weights", request, self.timeout_s, name)
-                   for url, name in zip(self.urls, self.names)]
+        # each server applies it once it has served the rollouts asked of the version before (in the trainer's order)
+        answers = [self._requests.submit(call, url, "/weights", {**request, "after": asked[i]}, self.timeout_s, name)
+                   for i, (url, name) in enumerate(zip(self.urls, self.names))]
         try:
             for indices in plan:
-                broadcast(self._group, pack([tensors[i] for i in indices], device), self.timeout_s)
+                broadcast(self._group, pack([tensors[i] for i in indices], device), self.timeout_s,
+                          refused=lambda: next((f.exception() for f in answers if f.done() and f.exception()), None))
         except Exception as err:
+            if isinstance(err, ServerError):  # a server refused the push (its own reason)
+                self._group, self._base_sent = None, False
+                raise
             self._group, self._base_sent = None, False  # broken: the next push forms a new one, the base again
             raise ServerError(f"rollout.servers: pushing the weights failed ({self._unanswered()}): "
                               f"{type(err).__name__}: {str(err).splitlines()[0]}") from None
@@ -237,6 +263,7 @@ class ServerRolloutEngine(RolloutEngine):
     def close(self) -> None:
         """Leave the weight group (the servers keep running, and form a new group with the next trainer)."""
         self._group, self._store, self._stale, self._source, self._base_sent = None, None, True, None, False
+        self._asked = [0] * len(self.urls)
 
     # ------------------------------------------------------------------------------------------------------------
     def generate(self, model: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, num_generations: int,
@@ -251,9 +278,20 @@ class ServerRolloutEngine(RolloutEngine):
         """The weights pushed where they moved (every process waits for it), the seeds drawn, the requests sent: the
         rollout comes back as a future while the servers sample."""
         if self._stale or model is not self._source:
-            self.push(model)
+            failed: Exception | None = None
+            try:
+                self.push(model)
+            except Exception as err:
+                failed = err
             if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-                dist.barrier()  # no process samples before the servers hold the new weights
+                from ..distributed import all_reduce
+
+                # no process samples before the servers hold the new weights; a failure stops every process
+                flag = torch.tensor(float(failed is not None), device=next(model.parameters()).device)
+                if float(all_reduce(flag, "max")) and failed is None:
+                    raise ServerError("rollout.servers: the first process's weight push failed (its error says why)")
+            if failed is not None:
+                raise failed
             self._stale, self._source = False, model
         eos = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
         prompts = [row[mask.bool()].tolist() for row, mask in zip(prompt_ids, prompt_mask)]
@@ -264,13 +302,16 @@ class ServerRolloutEngine(RolloutEngine):
             seed = int(torch.randint(0, 2**31 - 1, (1,), generator=generator, device=device))
             if share:
                 payloads[i] = {"prompts": [prompts[j] for j in share], "n": num_generations, "pad": pad_token_id,
-                               "sampling": asdict(sampling), "eos": eos, "seed": seed}
+                               "sampling": asdict(sampling), "eos": eos, "seed": seed, "version": self.version,
+                               "timeout_s": self.timeout_s}
+                self._asked[i] += 1
         answers = [self._requests.submit(call, self.urls[i], "/generate", payload, self.timeout_s, self.names[i])
                    for i, payload in payloads.items()]
-        return self._collector.submit(self._collect, answers, prompt_ids, prompt_mask, num_generations, pad_token_id)
+        return self._collector.submit(self._collect, answers, prompt_ids, prompt_mask, num_generations, pad_token_id,
+                                      self.version)
 
     def _collect(self, answers: list[Future], prompt_ids: Tensor, prompt_mask: Tensor, num_generations: int,
-                 pad_token_id: int) -> RolloutBatch:
+                 pad_token_id: int, version: int) -> RolloutBatch:
         """The servers' answers, in order, as one :class:`RolloutBatch` (``versions``: the weights that sampled each
         row)."""
         answers = [a.result() for a in answers]
@@ -293,4 +334,7 @@ class ServerRolloutEngine(RolloutEngine):
                              finished=torch.tensor(finished, dtype=torch.bool, device=out_device),
                              group_size=num_generations)
         self.last_versions = [a["version"] for a in answers for _ in a["tokens"]]
+        if any(a["version"] != version for a in answers):  # never: the servers keep the trainer's order
+            raise ServerError(f"rollout.servers: a rollout asked of weights version {version} was sampled by "
+                              f"{sorted({a['version'] for a in answers})}")
         return batch

@@ -196,13 +196,13 @@ class VLLMRolloutEngine(RolloutEngine):
         """Save the policy's config and weights, then make the engine on them."""
         from vllm import LLM
 
-        from .server import base_weights, lora_layers
+        from .server import adapter_layers, base_weights
 
-        layers = lora_layers(model) if self.adapter_only is not False else None
-        if self.adapter_only and layers is None:
-            raise ValueError("rollout.adapter_only=true: the policy is not a plain LoRA policy (peft LoRA adapters, no "
-                             "DoRA or other variant, nothing else trainable); use rollout.adapter_only=null")
+        layers = adapter_layers(model, self.adapter_only)
         self.lora_rank = max(int(A.shape[0]) for A, _, _ in layers.values()) if layers else None
+        if self.lora_rank and self.lora_rank > LORA_RANKS[-1]:
+            raise ValueError(f"rollout=vllm: the policy's LoRA rank {self.lora_rank} is above vLLM's largest "
+                             f"({LORA_RANKS[-1]}); set adapter.r lower, or rollout.adapter_only=false")
         weights = base_weights(model) if layers else policy_weights(model)
         config = peft_base(model).config
         cpu = next(model.parameters()).device.type == "cpu"

@@ -9,6 +9,7 @@ never a hang.
 from __future__ import annotations
 
 import json
+import time
 import urllib.error
 import urllib.request
 from datetime import timedelta
@@ -118,7 +119,16 @@ def weight_group(store: Any, rank: int, world_size: int, timeout_s: float, backe
     return dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
 
 
-def broadcast(group: Any, buffer: Tensor, timeout_s: float) -> None:
-    """``buffer`` from rank 0 to every rank of ``group``, within ``timeout_s``."""
+def broadcast(group: Any, buffer: Tensor, timeout_s: float, refused: Any = None) -> None:
+    """``buffer`` from rank 0 to every rank of ``group``, within ``timeout_s``; ``refused()`` (polled while it waits)
+    returns an error to raise at once instead (a server that refused the push will not take part)."""
     timeout = timedelta(seconds=timeout_s)
-    group.broadcast(buffer, 0, timeout).wait(timeout)
+    work = group.broadcast(buffer, 0, timeout)
+    if refused is not None:
+        deadline = time.monotonic() + timeout_s
+        while not work.is_completed() and time.monotonic() < deadline:
+            error = refused()
+            if error is not None:
+                raise error
+            time.sleep(0.01)
+    work.wait(timeout)

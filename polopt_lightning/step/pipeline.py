@@ -26,11 +26,11 @@ from ..rollout import RolloutBatch
 
 @dataclass
 class InFlight:
-    """A submitted rollout: its prompt batch, the rollout (a future until sampled) and the policy version that samples
-    it (rollouts trained before it was submitted)."""
+    """A submitted rollout: its prompt batch, the rollout (a future until sampled; ``None``: lost with a failure, to be
+    sampled again) and the policy version that samples it (rollouts trained before it was submitted)."""
 
     batch: Mapping[str, Any]
-    rollout: Future[RolloutBatch]
+    rollout: Future[RolloutBatch] | None
     version: int
 
 
@@ -62,30 +62,42 @@ class RolloutPipeline:
     def trained(self) -> None:
         self.version += 1
 
+    def undo(self, due: InFlight) -> None:
+        """Back to the state before the step that took ``due`` (and put the newest): the step failed."""
+        self.queue.pop()
+        self.queue.appendleft(due)
+
     # -- checkpoints: the rollouts in flight saved with the step, so that a resumed run trains on the same ones -----
     def state_dict(self) -> dict[str, Any]:
         """The version and every rollout in flight, waited for (plain tensors, lists and dicts: ``torch.load``'s
         ``weights_only`` reads it)."""
-        return {"version": self.version,
-                "in_flight": [{"batch": _plain(item.batch), "version": item.version,
-                               "rollout": rollout_state(item.rollout.result())} for item in self.queue]}
+        return {"version": self.version, "max_staleness": self.max_staleness,
+                "in_flight": [{"batch": _plain(item.batch), "version": item.version, "rollout": _done(item.rollout)}
+                              for item in self.queue]}
 
     def load_state_dict(self, state: Mapping[str, Any], device: torch.device) -> None:
         self.version = int(state["version"])
         self.queue.clear()
         for item in state["in_flight"]:
-            future: Future[RolloutBatch] = Future()
-            future.set_result(rollout_from_state(item["rollout"], device))
-            batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in item["batch"].items()}
-            self.queue.append(InFlight(batch, future, int(item["version"])))
+            future: Future[RolloutBatch] | None = None
+            if item["rollout"] is not None:
+                future = Future()
+                future.set_result(RolloutBatch(**_to(item["rollout"], device)))
+            self.queue.append(InFlight(_to(item["batch"], device), future, int(item["version"])))
 
 
-def rollout_state(rollout: RolloutBatch) -> dict[str, Any]:
-    return {f.name: _plain(getattr(rollout, f.name)) for f in fields(rollout)}
+def _done(rollout: Future[RolloutBatch] | None) -> dict[str, Any] | None:
+    """A rollout in flight as plain values once sampled; ``None`` where its sampling failed (a server that died):
+    a resumed run samples it again."""
+    try:
+        batch = rollout.result() if rollout is not None else None
+    except Exception:
+        return None
+    return None if batch is None else {f.name: _plain(getattr(batch, f.name)) for f in fields(batch)}
 
 
-def rollout_from_state(state: Mapping[str, Any], device: torch.device) -> RolloutBatch:
-    return RolloutBatch(**{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in state.items()})
+def _to(values: Mapping[str, Any], device: torch.device) -> dict[str, Any]:
+    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in values.items()}
 
 
 def _plain(value: Any) -> Any:
