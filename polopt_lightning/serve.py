@@ -42,7 +42,12 @@ class GenerationServer:
         self.device = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else
                                    "cpu" if device == "auto" else device)
         if self.device.type == "cuda":  # NCCL's communicator and the model on the device asked for
+            if not torch.cuda.is_available():
+                raise ValueError(f"--device {device}: torch {torch.__version__} sees no CUDA device")
+            if self.device.index is None:
+                self.device = torch.device("cuda", torch.cuda.current_device())
             torch.cuda.set_device(self.device)
+        self.group_id: str | None = None  # the trainer the weight group is with (its prefix)
         self.model: nn.Module | None = None
         self.config: dict[str, Any] | None = None
         self.pristine: dict[str, torch.Tensor] = {}  # a LoRA policy's base of the weights its adapters change
@@ -75,7 +80,9 @@ class GenerationServer:
                 self._join_error = f"{type(err).__name__}: {err}"
                 log.error("joining the weight group failed: %s", self._join_error)
 
-        self.group, self._join_error = None, None
+        if self.group_id is not None and self.group_id != request.get("prefix"):
+            log.warning("a trainer joins while another held this server: the earlier one's requests are refused now")
+        self.group, self._join_error, self.group_id = None, None, request.get("prefix")
         self._joining = threading.Thread(target=run, daemon=True)
         self._joining.start()
         return {"ok": True}
@@ -84,6 +91,7 @@ class GenerationServer:
         """Receive a push: ``layout`` (``[name, dtype, shape]`` each), ``buckets`` (indices into it, broadcast one
         after another), ``config`` (the policy's, to build the model from; ``None``: the model held) and
         ``version``."""
+        self.check_trainer(request)
         if self._joining is not None:
             self._joining.join(request["timeout_s"])
         if self.group is None:
@@ -125,6 +133,13 @@ class GenerationServer:
                  sum(nbytes(e) for e in layout) / 2**20, time.perf_counter() - started)
         return {"ok": True, "version": self.version}
 
+    def check_trainer(self, request: dict[str, Any]) -> None:
+        """Refuse a trainer that is not the one the weight group is with: another joined since (one trainer a
+        server); its rollouts would come from the other's weights."""
+        if request.get("group") is not None and request["group"] != self.group_id:
+            raise RuntimeError("this server now serves another trainer (a second trainer joined it since): one "
+                               "trainer a server; start a server for each run")
+
     def merge(self, base: dict[str, torch.Tensor], adapters: dict[str, torch.Tensor], scalings: dict[str, float]
               ) -> None:
         """A LoRA policy's adapters merged into the model: each adapted weight ``base + scaling x B @ A`` (in float32),
@@ -144,6 +159,7 @@ class GenerationServer:
         """``prompts`` (token id lists), ``n`` completions each, ``sampling`` (SamplingConfig's fields), ``eos``,
         ``pad`` and ``seed``: each completion's tokens, sampling log-probs and whether it ended with EOS, and the
         version of the weights that sampled them."""
+        self.check_trainer(request)
         if self.model is None:
             raise RuntimeError("no policy yet: the trainer pushes its weights before its first rollout")
         prompts, pad = request["prompts"], int(request["pad"])
@@ -279,10 +295,13 @@ def make_server(host: str, port: int, state: GenerationServer) -> ThreadingHTTPS
 
 
 def main(argv: list[str] | None = None, default_backend: str = "hf") -> None:
-    parser = argparse.ArgumentParser(prog="polopt-serve", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="polopt-serve", description=(
+        "A generation server: samples rollouts for a trainer run with rollout=server (docs/async.md), which sends it "
+        "the policy and pushes its weights. One trainer a server."))
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
-    parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--backend", default=default_backend, help="rollout backend that samples: hf | vllm")
+    parser.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
+    parser.add_argument("--backend", default=default_backend, choices=["hf", "vllm"],
+                        help=f"rollout backend that samples (default {default_backend})")
     parser.add_argument("--device", default="auto", help="where the policy samples: auto (cuda if present) | cpu | "
                         "cuda[:N]")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own)")
@@ -290,10 +309,19 @@ def main(argv: list[str] | None = None, default_backend: str = "hf") -> None:
                         help="a backend argument, as in conf/rollout/<backend>.yaml (repeatable)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    if args.threads:
+    if args.threads is not None:
+        if args.threads < 1:
+            parser.error(f"--threads must be >= 1, got {args.threads}")
         torch.set_num_threads(args.threads)
-    state = GenerationServer(args.backend, args.device, **parse_settings(args.set))
-    server = make_server(args.host, args.port, state)
+    try:
+        state = GenerationServer(args.backend, args.device, **parse_settings(args.set))
+    except (TypeError, ValueError, ImportError) as err:  # a --set key the backend lacks, a bad value, no vLLM
+        parser.error(f"--backend {args.backend} --set {' '.join(args.set) or '(none)'} --device {args.device}: {err}")
+    try:
+        server = make_server(args.host, args.port, state)
+    except OSError as err:
+        parser.error(f"cannot listen on {args.host}:{args.port}: {err.strerror or err} (another server there? pick "
+                     "another --port and give it to the trainer as rollout.servers)")
     log.info("polopt-serve: backend %s on %s, listening on http://%s:%d", args.backend, state.device,
              *server.server_address[:2])
     try:

@@ -4,6 +4,7 @@ within the time limit, with the run's checkpoints kept."""
 
 from __future__ import annotations
 
+import re
 import socket
 import threading
 import time
@@ -108,7 +109,8 @@ def test_a_lora_policy_sends_its_base_once_then_only_its_adapters(servers, quant
     assert sizes[0] >= full + adapters and sizes[1] == sizes[2] == adapters < full / 10, (sizes, full)
     merged = build_engine({"name": "server", "servers": addresses, "timeout_s": 60, "adapter_only": False})
     if quantization != "none":
-        with pytest.raises(ValueError, match=r"rollout=server with a quantized policy"):
+        with pytest.raises(ValueError, match=r"rollout=server with rollout\.adapter_only=false .*QLoRA policy samples "
+                                             r"on servers with rollout\.adapter_only=null"):
             merged.push(model)
         return
     merged.generate(model, ids, mask, 2, greedy, tok.eos_token_id, tok.pad_token_id)
@@ -149,8 +151,12 @@ def test_a_vllm_server_samples_with_the_trainers_weights_after_every_push():
 
 
 @pytest.mark.parametrize("servers", [1], indirect=True)
+@pytest.mark.parametrize("staleness", [0, 1])
 def test_a_server_killed_mid_run_is_a_named_error_and_the_checkpoints_survive(servers, tiny, arithmetic_rows,
-                                                                             tmp_path):
+                                                                             tmp_path, staleness):
+    """Also with the pipeline: the exception checkpoint is written with the rollout in flight."""
+    from polopt_lightning.callbacks import ExceptionCheckpoint
+
     addresses, (proc,) = servers
 
     class KillAfterTwo(L.Callback):
@@ -159,16 +165,23 @@ def test_a_server_killed_mid_run_is_a_named_error_and_the_checkpoints_survive(se
                 proc.kill()
                 proc.wait()
 
-    module, dm = make(tiny, arithmetic_rows, rollout_engine={"name": "server", "servers": addresses, "timeout_s": 20})
+    module, dm = make(tiny, arithmetic_rows, rollout_engine={"name": "server", "servers": addresses, "timeout_s": 20},
+                      experience={"max_staleness": staleness})
     saves = L.pytorch.callbacks.ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=1, save_top_k=-1)
-    fit = L.Trainer(max_steps=4, accelerator="cpu", logger=False, callbacks=[saves, KillAfterTwo()],
+    fit = L.Trainer(max_steps=4, accelerator="cpu", logger=False,
+                    callbacks=[saves, KillAfterTwo(), ExceptionCheckpoint(tmp_path / "ckpt")],
                     enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
     start = time.monotonic()
-    with pytest.raises(ServerError, match=r"rollout\.servers\[0\].*127\.0\.0\.1:\d+.*(did|does) not answer"):
+    with pytest.raises(ServerError, match=r"rollout\.servers\[0\].*127\.0\.0\.1:\d+.*(could not be reached|does not answer)"):
         fit.fit(module, datamodule=dm)
     assert time.monotonic() - start < 60
     saved = sorted(p.name for p in (tmp_path / "ckpt").glob("*.ckpt"))
-    assert saved == ["epoch=0-step=1.ckpt", "epoch=0-step=2.ckpt"], saved
+    assert saved == ["epoch=0-step=1.ckpt", "epoch=0-step=2.ckpt", "on_exception.ckpt"], saved
+    pipeline = torch.load(tmp_path / "ckpt" / "on_exception.ckpt", weights_only=True)["polopt"]["pipeline"]
+    if staleness:  # the rollout in flight (sampled before the server died, or saved to be sampled again)
+        assert len(pipeline[0]["in_flight"]) == 1 and pipeline[0]["version"] == 2
+    else:
+        assert pipeline is None
     for step in (1, 2):
         state = torch.load(tmp_path / "ckpt" / f"epoch=0-step={step}.ckpt", weights_only=False)
         assert state["global_step"] == step and state["state_dict"]
@@ -200,6 +213,8 @@ def test_a_server_that_does_not_answer_is_a_named_error_within_the_time_limit(ti
 
 
 @pytest.mark.parametrize("bad,match", [({"servers": []}, r"rollout\.servers"),
+                                       ({"servers": ["localhost"]}, r"rollout\.servers: 'localhost' is not host:port"),
+                                       ({"servers": "127.0.0.1:99999"}, r"is not host:port \(a port in 1-65535\)"),
                                        ({"group_backend": "mpi"}, r"rollout\.group_backend"),
                                        ({"timeout_s": 0}, r"rollout\.timeout_s")])
 def test_bad_server_settings_are_named(bad, match):
@@ -220,3 +235,43 @@ def test_weights_travel_in_buckets_of_bytes_and_come_back_whole():
     assert out.keys() == weights.keys()
     for name, value in weights.items():
         assert out[name].dtype == value.dtype and torch.equal(out[name], value)
+
+
+@pytest.mark.parametrize("args,match", [
+    (["--backend", "server"], r"argument --backend: invalid choice: 'server'"),
+    (["--set", "bogus=1"], r"--backend hf --set bogus=1 --device auto: .*unexpected keyword argument 'bogus'"),
+    (["--threads", "0"], r"--threads must be >= 1"),
+    (["--device", "cuda"], r"--device cuda: torch \S+ sees no CUDA device"),
+])
+def test_polopt_serve_names_a_bad_argument(args, match):
+    import subprocess
+    import sys
+
+    if "cuda" in args and torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA device")
+    proc = subprocess.run([sys.executable, "-m", "polopt_lightning.serve", "--port", str(free_port()), *args],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert re.search(match, proc.stderr), proc.stderr[-2000:]
+
+
+@pytest.mark.parametrize("servers", [1], indirect=True)
+def test_a_second_trainer_takes_the_server_over_and_the_first_is_told(servers):
+    """One trainer a server: the first trainer's next request is refused, naming why, instead of sampling with the
+    second one's weights; a port already in use is named at the server's start."""
+    import subprocess
+    import sys
+
+    addresses, _ = servers
+    model, tok = build_tiny_model(hidden_size=64, num_layers=2, seed=0)
+    ids, mask = prompts(tok)
+    greedy = SamplingConfig(max_new_tokens=4, temperature=0.0)
+    first, second = (build_engine({"name": "server", "servers": addresses, "timeout_s": 30}) for _ in range(2))
+    first.generate(model, ids, mask, 2, greedy, tok.eos_token_id, tok.pad_token_id)
+    second.generate(model, ids, mask, 2, greedy, tok.eos_token_id, tok.pad_token_id)
+    with pytest.raises(ServerError, match=r"rollout\.servers\[0\].*failed /generate: .*serves another trainer"):
+        first.generate(model, ids, mask, 2, greedy, tok.eos_token_id, tok.pad_token_id)
+    port = addresses[0].rsplit(":", 1)[1]
+    proc = subprocess.run([sys.executable, "-m", "polopt_lightning.serve", "--port", port], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 2 and f"cannot listen on 127.0.0.1:{port}" in proc.stderr, proc.stderr[-2000:]

@@ -11,6 +11,7 @@ collectives have time limits: a server that dies or stops answering is an error 
 from __future__ import annotations
 
 import json
+import logging
 import time
 import uuid
 from collections.abc import Sequence
@@ -26,6 +27,7 @@ from .._hf import peft_base
 from .base import RolloutBatch, RolloutEngine, SamplingConfig
 from .wire import ServerError, base_url, broadcast, buckets, call, open_store, pack, tensor_layout, weight_group
 
+log = logging.getLogger(__name__)
 LORA_A, LORA_B = "lora_A::", "lora_B::"  # an adapter's tensors in a push, before the name of the weight they adapt
 
 
@@ -120,6 +122,10 @@ class ServerRolloutEngine(RolloutEngine):
         servers = [servers] if isinstance(servers, str) else list(servers)
         if not servers:
             raise ValueError("rollout.servers: at least one generation server (host:port)")
+        for address in servers:
+            port = base_url(str(address)).rsplit(":", 1)[-1].split("/")[0]
+            if not port.isdigit() or not 0 < int(port) < 65536:
+                raise ValueError(f"rollout.servers: {address!r} is not host:port (a port in 1-65535)")
         if group_backend not in (None, "gloo", "nccl"):
             raise ValueError(f"rollout.group_backend: gloo, nccl or null, got {group_backend!r}")
         for key, value in (("timeout_s", timeout_s), ("connect_timeout_s", connect_timeout_s),
@@ -134,6 +140,7 @@ class ServerRolloutEngine(RolloutEngine):
         self.adapter_only = adapter_only
         self._base_sent = False  # whether the servers hold the LoRA policy's base (adapter-only pushes)
         self._asked = [0] * len(self.urls)  # rollouts asked of each server since the last push
+        self._prefix: str | None = None  # this trainer's weight group, which the servers check requests against
         self.last_push_bytes = 0
         self.version = 0  # pushes made so far (the servers' weights' version)
         self.last_versions: list[int] = []  # the weights' version that sampled each row of the last rollout
@@ -152,12 +159,16 @@ class ServerRolloutEngine(RolloutEngine):
         """Each server's health, waiting up to ``connect_timeout_s`` for each to answer."""
         answers = []
         for url, name in zip(self.urls, self.names):
-            deadline = time.monotonic() + self.connect_timeout_s
+            deadline, said = time.monotonic() + self.connect_timeout_s, False
             while True:
                 try:
                     answers.append(call(url, "/health", None, min(10.0, self.connect_timeout_s), name))
                     break
                 except ServerError as err:
+                    if not said:
+                        log.info("rollout=server: waiting up to %g s for %s at %s (rollout.connect_timeout_s)",
+                                 self.connect_timeout_s, name, url)
+                        said = True
                     if time.monotonic() > deadline:
                         raise ServerError(f"{err} (waited {self.connect_timeout_s:g} s, rollout.connect_timeout_s; "
                                           f"is `polopt-serve` running there?)") from None
@@ -181,6 +192,7 @@ class ServerRolloutEngine(RolloutEngine):
             call(url, "/join", {"host": self.group_host, "port": self._store.port, "rank": i + 1, "world_size": world,
                                 "timeout_s": self.timeout_s, "backend": self._wire, "prefix": prefix},
                  self.timeout_s, name)
+        self._prefix = prefix
         try:
             self._group = weight_group(self._store, 0, world, self.timeout_s, self._wire, prefix)
         except Exception as err:
@@ -211,7 +223,9 @@ class ServerRolloutEngine(RolloutEngine):
             for name, (A, B, _) in layers.items():
                 weights[f"{LORA_A}{name}"], weights[f"{LORA_B}{name}"] = _whole(A), _whole(B)
         else:
-            weights = policy_weights(model, key="rollout=server")
+            weights = policy_weights(model, key="rollout=server" if self.adapter_only is None else
+                                     "rollout=server with rollout.adapter_only=false (a QLoRA policy samples on servers "
+                                     "with rollout.adapter_only=null: its base dequantized once, then its adapters)")
         self._base_sent = layers is not None  # on every process alike: gathering a sharded base is collective
         asked, self._asked = self._asked, [0] * len(self.urls)
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:  # every process's rollouts
@@ -232,6 +246,7 @@ class ServerRolloutEngine(RolloutEngine):
         settings.pop("quantization_config", None)  # a quantized base goes over dequantized (adapter-only)
         request = {"layout": layout, "buckets": plan, "config": settings,
                    "version": self.version + 1, "timeout_s": self.timeout_s, "backend": self._wire,
+                   "group": self._prefix,
                    "scalings": None if layers is None else {name: float(s) for name, (_, _, s) in layers.items()}}
         tensors = list(weights.values())
         device = next(model.parameters()).device if self._wire == "nccl" else "cpu"
@@ -303,7 +318,7 @@ class ServerRolloutEngine(RolloutEngine):
             if share:
                 payloads[i] = {"prompts": [prompts[j] for j in share], "n": num_generations, "pad": pad_token_id,
                                "sampling": asdict(sampling), "eos": eos, "seed": seed, "version": self.version,
-                               "timeout_s": self.timeout_s}
+                               "timeout_s": self.timeout_s, "group": self._prefix}
                 self._asked[i] += 1
         answers = [self._requests.submit(call, self.urls[i], "/generate", payload, self.timeout_s, self.names[i])
                    for i, payload in payloads.items()]

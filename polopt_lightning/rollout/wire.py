@@ -52,8 +52,11 @@ def call(url: str, path: str, payload: dict[str, Any] | None = None, timeout: fl
         raise ServerError(f"{name} ({url}) failed {path}: {reason}") from None
     except (urllib.error.URLError, TimeoutError, ConnectionError, OSError) as err:
         why = getattr(err, "reason", err)
-        raise ServerError(f"{name} ({url}) did not answer {path} within {timeout:g} s: {type(why).__name__}: "
-                          f"{why}") from None
+        if isinstance(why, TimeoutError) or "timed out" in str(why):
+            raise ServerError(f"{name} ({url}) did not answer {path} within {timeout:g} s: {type(why).__name__}: "
+                              f"{why}") from None
+        raise ServerError(f"{name} ({url}) could not be reached for {path} (not running, or it died): "
+                          f"{type(why).__name__}: {why}") from None
 
 
 def tensor_layout(weights: dict[str, Tensor]) -> list[list[Any]]:
