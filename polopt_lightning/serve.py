@@ -25,8 +25,7 @@ from torch import nn
 
 from . import accel
 from .rollout import SamplingConfig, build_engine
-from .rollout.server import LORA_A, LORA_B
-from .rollout.wire import broadcast, nbytes, open_store, unpack, weight_group
+from .rollout.wire import LORA_A, LORA_B, broadcast, gpu_id, nbytes, open_store, unpack, weight_group
 
 log = logging.getLogger("polopt_lightning.serve")
 
@@ -228,13 +227,6 @@ def load_weights(model: nn.Module, weights: dict[str, torch.Tensor], strict: boo
     with torch.no_grad():
         for name, value in weights.items():
             own[name].copy_(value)
-
-
-def gpu_id(device: torch.device) -> str | None:
-    """The physical GPU behind ``device`` (its UUID), ``None`` off CUDA: NCCL cannot join two ranks on one GPU."""
-    if device.type != "cuda":
-        return None
-    return str(torch.cuda.get_device_properties(device).uuid)
 
 
 class Handler(BaseHTTPRequestHandler):

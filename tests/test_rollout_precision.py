@@ -110,7 +110,7 @@ def test_rollout_dtype_rejects_bad_values_and_quantized_weights(tiny):
     # the backend by name or as a dict of its arguments; a wrong one names the argument
     module = PolicyOptimizationModule(model, tok, reward_fns=[reward], rollout_engine={"name": "hf", "dtype": "bf16"})
     assert isinstance(module.engine, HFRolloutEngine) and module.engine.dtype == torch.bfloat16
-    with pytest.raises(ValueError, match=r"rollout_engine: unknown rollout backend 'sglang'; known: \['hf', 'vllm'\]"):
+    with pytest.raises(ValueError, match=r"rollout_engine: unknown rollout backend 'sglang'; known: \['hf', 'server', 'vllm'\]"):
         PolicyOptimizationModule(model, tok, reward_fns=[reward], rollout_engine="sglang")
     with pytest.raises(ValueError, match="rollout_engine must be a RolloutEngine"):
         PolicyOptimizationModule(model, tok, reward_fns=[reward], rollout_engine=42)

@@ -25,69 +25,27 @@ from torch import Tensor, nn
 
 from .._hf import peft_base
 from .base import RolloutBatch, RolloutEngine, SamplingConfig
-from .wire import ServerError, base_url, broadcast, buckets, call, open_store, pack, tensor_layout, weight_group
+from .weights import adapter_layers, base_weights, policy_weights, whole
+from .wire import (
+    LORA_A,
+    LORA_B,
+    ServerError,
+    base_url,
+    broadcast,
+    buckets,
+    call,
+    gpu_id,
+    open_store,
+    pack,
+    tensor_layout,
+    weight_group,
+)
 
 log = logging.getLogger(__name__)
-LORA_A, LORA_B = "lora_A::", "lora_B::"  # an adapter's tensors in a push, before the name of the weight they adapt
 
 
 def rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
-def lora_layers(model: nn.Module) -> dict[str, tuple[Tensor, Tensor, float]] | None:
-    """``{weight name: (A, B, scaling)}`` of a LoRA policy (by the names of its plain ``transformers`` form, e.g.
-    ``model.layers.0.self_attn.q_proj.weight``), whose weights are then ``base + scaling x B @ A``: peft LoRA layers
-    over ``nn.Linear`` or bitsandbytes' quantized layers (QLoRA), one adapter each, no variant (DoRA), nothing but
-    the adapters trainable. ``None`` for any other policy (its weights are pushed merged)."""
-    from ..models import has_adapter, is_quantized_layer
-
-    if not has_adapter(model):
-        return None
-    if any(p.requires_grad and "lora_" not in name for name, p in model.named_parameters()):
-        return None  # modules_to_save and the like: trained weights outside the adapters
-    out = {}
-    for name, module in model.get_base_model().named_modules():
-        if not hasattr(module, "lora_A") or not hasattr(module, "base_layer"):
-            continue
-        active = [a for a in module.active_adapters if a in module.lora_A]
-        if not active:
-            continue
-        a = active[0]
-        A, B = module.lora_A[a], module.lora_B[a]
-        plain = type(module.base_layer) is nn.Linear or is_quantized_layer(module.base_layer)
-        if (len(active) != 1 or not plain or type(A) is not nn.Linear
-                or type(B) is not nn.Linear or B.bias is not None or getattr(module, "fan_in_fan_out", False)
-                or getattr(module, "use_dora", {}).get(a) or getattr(module, "merged", False)):
-            return None
-        out[f"{name}.weight"] = (A.weight, B.weight, float(module.scaling[a]))
-    if "lm_head.weight" in out and getattr(peft_base(model).config, "tie_word_embeddings", False):
-        return None  # an adapter on a head tied to the embeddings: pushed merged
-    return out or None
-
-
-def adapter_layers(model: nn.Module, adapter_only: bool | None) -> dict[str, tuple[Tensor, Tensor, float]] | None:
-    """:func:`lora_layers` where ``rollout.adapter_only`` allows them (``None``: where the policy has them,
-    ``False``: never); ``True`` for a policy without them is an error naming the key."""
-    layers = lora_layers(model) if adapter_only is not False else None
-    if adapter_only and layers is None:
-        raise ValueError("rollout.adapter_only=true: the policy is not a plain LoRA policy (peft LoRA adapters, no DoRA "
-                         "or other variant, nothing else trainable, no adapter on a tied head); use "
-                         "rollout.adapter_only=null")
-    return layers
-
-
-def base_weights(model: nn.Module) -> dict[str, Tensor]:
-    """A LoRA policy's base weights, unmerged, by their plain ``transformers`` names; a quantized base's weights as
-    the floating-point values its layers compute with (in the dtype of its other weights)."""
-    from ..export import dequantized_state
-    from ..models import float_dtype, is_quantized
-    from .vllm import _whole
-
-    state = {k: _whole(v) for k, v in model.get_base_model().state_dict().items() if "lora_" not in k}
-    if is_quantized(model):
-        state = dequantized_state(state, float_dtype(model))
-    return {k.replace(".base_layer", ""): v for k, v in state.items()}
 
 
 class ServerRolloutEngine(RolloutEngine):
@@ -178,8 +136,6 @@ class ServerRolloutEngine(RolloutEngine):
     def _connect(self, model: nn.Module) -> None:
         """The weight group of this process (rank 0) and the servers."""
         health = self._wait_until_up()
-        from ..serve import gpu_id
-
         own = gpu_id(next(model.parameters()).device)  # NCCL where every server has a GPU of its own, else gloo
         gpus = [h.get("gpu") for h in health]
         separate = own is not None and all(g is not None and g != own for g in gpus) and len(set(gpus)) == len(gpus)
@@ -215,13 +171,11 @@ class ServerRolloutEngine(RolloutEngine):
         """The policy's weights to every server (collective under FSDP: every process gathers, rank 0 sends). A LoRA
         policy (:func:`lora_layers`, ``adapter_only``) sends its base once per weight group and then its adapters
         alone: the servers merge them into their copy of the base."""
-        from .vllm import _whole, policy_weights
-
         layers = adapter_layers(model, self.adapter_only)
         if layers is not None:  # the base once (while the servers hold it), the adapters every time
             weights = {} if self._base_sent else base_weights(model)
             for name, (A, B, _) in layers.items():
-                weights[f"{LORA_A}{name}"], weights[f"{LORA_B}{name}"] = _whole(A), _whole(B)
+                weights[f"{LORA_A}{name}"], weights[f"{LORA_B}{name}"] = whole(A), whole(B)
         else:
             weights = policy_weights(model, key="rollout=server" if self.adapter_only is None else
                                      "rollout=server with rollout.adapter_only=false (a QLoRA policy samples on servers "

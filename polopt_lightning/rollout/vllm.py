@@ -21,6 +21,7 @@ from torch import Tensor, nn
 
 from .._hf import peft_base
 from .base import RolloutBatch, RolloutEngine, SamplingConfig, kept_log_mass
+from .weights import adapter_layers, base_weights, lora_layers, policy_weights
 
 log = logging.getLogger(__name__)
 
@@ -31,34 +32,6 @@ INSTALL = ("rollout=vllm needs vLLM: pip install 'polopt-lightning[vllm]' on CUD
 
 def vllm_available() -> bool:
     return importlib.util.find_spec("vllm") is not None
-
-
-def policy_weights(model: nn.Module, key: str = "rollout=vllm") -> dict[str, Tensor]:
-    """The weights vLLM (or a generation server) loads for ``model``, by the names of its plain ``transformers`` form:
-    a peft policy's adapters merged into its base (the base's own tensors left as they are). A quantized
-    (bitsandbytes) base has no plain form to push: refused with a ValueError naming ``key``."""
-    from ..models import has_adapter, is_quantized
-
-    if is_quantized(model):
-        raise ValueError(f"{key} with a quantized policy (quantization=int8/nf4): its weights have no plain form to "
-                         "push; use rollout=hf, or quantization=none with adapter=lora")
-    if not has_adapter(model):
-        return {k: _whole(v) for k, v in model.state_dict().items()}
-    base = model.get_base_model()
-    with torch.no_grad():
-        model.merge_adapter()
-        try:
-            weights = {k.replace(".base_layer", ""): _whole(v).clone() for k, v in base.state_dict().items()
-                       if "lora_" not in k}
-        finally:
-            model.unmerge_adapter()
-    return weights
-
-
-def _whole(tensor: Tensor) -> Tensor:
-    """A weight as one plain tensor: an FSDP2 shard (a DTensor) gathered (collective), anything else as it is."""
-    tensor = tensor.detach()
-    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
 
 
 def policy_dtype(weights: dict[str, Tensor]) -> torch.dtype:
@@ -196,8 +169,6 @@ class VLLMRolloutEngine(RolloutEngine):
         """Save the policy's config and weights, then make the engine on them."""
         from vllm import LLM
 
-        from .server import adapter_layers, base_weights
-
         layers = adapter_layers(model, self.adapter_only)
         self.lora_rank = max(int(A.shape[0]) for A, _, _ in layers.values()) if layers else None
         if self.lora_rank and self.lora_rank > LORA_RANKS[-1]:
@@ -272,8 +243,6 @@ class VLLMRolloutEngine(RolloutEngine):
     def _push(self, model: nn.Module, another: bool = False) -> None:
         """The policy's current weights into the engine, and its prefix cache dropped (it holds the old ones'). With
         vLLM's LoRA: the adapters alone (and the base too for ``another`` model than the one it holds)."""
-        from .server import base_weights, lora_layers
-
         if self.lora_rank and lora_layers(model) is None:
             raise ValueError(f"rollout=vllm: the engine samples a LoRA policy's base with its adapters "
                              f"(rollout.adapter_only); {type(model).__name__} is not such a policy")

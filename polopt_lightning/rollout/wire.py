@@ -24,6 +24,16 @@ DTYPES = {str(d).removeprefix("torch."): d for d in (torch.float32, torch.float1
                                                      torch.bool)}
 
 
+LORA_A, LORA_B = "lora_A::", "lora_B::"  # an adapter's tensors in a push, before the name of the weight they adapt
+
+
+def gpu_id(device: torch.device) -> str | None:
+    """The physical GPU behind ``device`` (its UUID), ``None`` off CUDA: NCCL cannot join two ranks on one GPU."""
+    if device.type != "cuda":
+        return None
+    return str(torch.cuda.get_device_properties(device).uuid)
+
+
 class ServerError(RuntimeError):
     """A generation server failed, refused a request or did not answer in time (the message names it)."""
 
