@@ -105,7 +105,7 @@ def logged(trainer, key):
     return [float(r[key]) for r in csv.DictReader(open(path)) if r.get(key)]
 
 
-@pytest.mark.parametrize("staleness", [1, 2])
+@pytest.mark.parametrize("staleness", [1, pytest.param(2, marks=pytest.mark.slow)])  # 2: in -m slow
 def test_with_a_server_each_rollout_is_trained_max_staleness_updates_later_in_the_batches_order(tmp_path, staleness):
     port = free_port()
     proc = start_server(port, "--threads", "1")

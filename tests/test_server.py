@@ -49,7 +49,8 @@ def moved(model, seed):
             p.add_(torch.randn(p.shape, generator=gen) * 0.05)
 
 
-@pytest.mark.parametrize("servers", [1, 2], indirect=True, ids=["one-server", "two-servers"])
+@pytest.mark.parametrize("servers", [1, pytest.param(2, marks=pytest.mark.slow)], indirect=True,
+                         ids=["one-server", "two-servers"])  # two servers: in -m slow (the default suite's time)
 def test_the_servers_sample_with_the_trainers_weights_after_every_push(servers, tmp_path):
     addresses, _ = servers
     model, tok = build_tiny_model(hidden_size=64, num_layers=2, seed=0)
