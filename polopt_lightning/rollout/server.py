@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from .._hf import peft_base
+from ..distributed import all_reduce
 from .base import RolloutBatch, RolloutEngine, SamplingConfig
 from .weights import adapter_layers, base_weights, policy_weights, whole
 from .wire import (
@@ -183,8 +184,6 @@ class ServerRolloutEngine(RolloutEngine):
         self._base_sent = layers is not None  # on every process alike: gathering a sharded base is collective
         asked, self._asked = self._asked, [0] * len(self.urls)
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:  # every process's rollouts
-            from ..distributed import all_reduce
-
             asked = [int(n) for n in all_reduce(torch.tensor(asked, dtype=torch.long,
                                                              device=next(model.parameters()).device)).tolist()]
         if rank() != 0:
@@ -253,9 +252,7 @@ class ServerRolloutEngine(RolloutEngine):
             except Exception as err:
                 failed = err
             if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-                from ..distributed import all_reduce
-
-                # no process samples before the servers hold the new weights; a failure stops every process
+                    # no process samples before the servers hold the new weights; a failure stops every process
                 flag = torch.tensor(float(failed is not None), device=next(model.parameters()).device)
                 if float(all_reduce(flag, "max")) and failed is None:
                     raise ServerError("rollout.servers: the first process's weight push failed (its error says why)")
