@@ -36,7 +36,9 @@ SCHEMA_DIR = "_schema"
 PLAIN_BLOCKS = {"generation": "polopt_lightning.rollout.base.SamplingConfig",
                 "data": "polopt_lightning.data.PromptDataModule",
                 "warm_start": "polopt_lightning.warmstart.WarmStartConfig",
-                "quantization": "polopt_lightning.models.Quantization", "adapter": "polopt_lightning.models.Adapter"}
+                "quantization": "polopt_lightning.models.Quantization", "adapter": "polopt_lightning.models.Adapter",
+                # built where code runs (the code reward, untrusted tools), never by the CLI itself
+                "sandbox": "polopt_lightning.sandbox.Sandbox", "sandbox.limits": "polopt_lightning.sandbox.Limits"}
 # parameters that are not settings: objects the caller passes (built elsewhere), or the key an error message names
 NOT_SETTINGS = {"polopt_lightning.data.datamodule.PromptDataModule": {"train", "val", "task", "tokenizer", "tools"},
                 "polopt_lightning.models.load_pretrained": {"quantization_config"},
@@ -189,7 +191,9 @@ def target_nodes(data: Any, path: str = "") -> Iterator[tuple[str, dict[str, Any
         if target is not None:
             yield path, data, target
         for key, value in data.items():
-            yield from target_nodes(value, f"{path}.{key}" if path else str(key))
+            where = f"{path}.{key}" if path else str(key)
+            # a plain block whose keys are all documented, none set (``limits:`` then ``#| wall_s`` lines) reads as null
+            yield from target_nodes({} if value is None and where in PLAIN_BLOCKS else value, where)
 
 
 def file_nodes(path: Path, conf: Path) -> list[tuple[str, dict[str, Any], Any]]:

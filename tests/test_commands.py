@@ -107,6 +107,20 @@ class Run:
 
 
 GPU = "gpu"
+
+
+def _sandbox_refused() -> str | None:
+    """The refusal a code run must show where this machine cannot isolate code (``None``: it can)."""
+    from polopt_lightning.sandbox import Sandbox, SandboxUnavailable
+
+    try:
+        Sandbox()
+    except SandboxUnavailable:
+        return r"cannot isolate untrusted code on this machine: .*sandbox\.allow_unisolated=true"
+    return None
+
+
+SANDBOX_REFUSED = _sandbox_refused()
 SERVER = "polopt-serve --port 8000"  # docs/async.md: the server rollout=server samples on, started first
 RUNS = {
     "polopt-train objective=gspo trainer.max_steps=50": Run(ARITHMETIC),
@@ -125,6 +139,9 @@ RUNS = {
     "polopt-train experiment=multitask anchor=constant": Run(MIXTURE),
     "polopt-train rollout=vllm": Run(ARITHMETIC, marker="vllm"),
     "polopt-train experiment=tool_arithmetic": Run(TOOL),
+    # docs/sandbox.md: where this kernel refuses namespaces, the run must stop at once saying so
+    "polopt-train experiment=code": Run(TOOL, fails=SANDBOX_REFUSED),
+    "polopt-train experiment=code_tool": Run(TOOL, fails=SANDBOX_REFUSED),
     "polopt-train ckpt_path=<run>": Run(["trainer.max_steps=3"], placeholder=True),
     "polopt-export <run>/checkpoints/best.ckpt best_model": Run(placeholder=True, runs=0),
     "polopt-train trainer=gpu strategy=ddp trainer.devices=4": Run(ARITHMETIC, marker=GPU),

@@ -226,3 +226,14 @@ def test_the_tests_reach_the_fast_path_through_its_public_names():
                     and node.attr.startswith("_") and not node.attr.startswith("__")):
                 reached.append(f"{path.name}:{node.lineno} reads {node.value.id}.{node.attr}")
     assert not reached, reached
+
+
+def test_the_wheel_lists_every_package():
+    """pyproject.toml lists the packages a wheel holds by name: a folder of the package missing there would be missing
+    from a (non-editable) install, however green an editable checkout's tests are."""
+    import re
+
+    text = (ROOT.parent / "pyproject.toml").read_text()
+    listed = set(re.findall(r'"(polopt_lightning[\w.]*)"', re.search(r"packages = \[(.*?)\]", text, re.S).group(1)))
+    folders = {".".join(p.parent.relative_to(ROOT.parent).parts) for p in ROOT.rglob("__init__.py")}
+    assert folders - listed == set(), f"packages missing from pyproject.toml's [tool.setuptools] packages: {folders - listed}"

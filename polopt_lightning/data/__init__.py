@@ -1,5 +1,6 @@
 """Prompt data, built-in tasks and task mixtures."""
 
+from .code_task import CodeTask
 from .datamodule import PromptDataModule
 from .dataset_task import DatasetTask
 from .tasks import (
@@ -14,5 +15,5 @@ from .tasks import (
     ToolArithmeticTask,
 )
 
-__all__ = ["ArithmeticTask", "CountTask", "DatasetTask", "ExpressionTask", "FileTask", "MultiplicationTask", "PromptDataModule",
+__all__ = ["ArithmeticTask", "CodeTask", "CountTask", "DatasetTask", "ExpressionTask", "FileTask", "MultiplicationTask", "PromptDataModule",
            "ReverseTask", "SortTask", "TaskMixture", "ToolArithmeticTask"]

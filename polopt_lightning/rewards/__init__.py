@@ -10,12 +10,14 @@ from .builtin import (
     SoftOverlongPenalty,
     last_number,
 )
+from .code import CodeExecutionReward, extract_code, parse_tests
 from .composer import RewardComposer, RewardError, RewardFunction, RewardOutput, TrainerState, reward_name
 from .math import MathAccuracyReward, TagFormatReward
 from .mixture import MixtureRewards
 from .model import RewardModel
 
 __all__ = [
+    "CodeExecutionReward",
     "DigitMatchReward",
     "ExactMatchReward",
     "MathAccuracyReward",
@@ -33,7 +35,9 @@ __all__ = [
     "SoftOverlongPenalty",
     "TagFormatReward",
     "TrainerState",
+    "extract_code",
     "last_number",
+    "parse_tests",
     "reward_name",
 ]
 

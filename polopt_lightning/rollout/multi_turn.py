@@ -30,7 +30,7 @@ import torch
 from torch import Tensor, nn
 
 from .base import RolloutBatch, RolloutEngine, SamplingConfig
-from .tool_runner import ToolCall, ToolResult, ToolRunner
+from .tool_runner import ToolCall, ToolResult, ToolRunner, is_untrusted
 
 TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 
@@ -311,6 +311,10 @@ class MultiTurnEngine(RolloutEngine):
             every completion's, run at once.
         tool_workers: tool calls running at once at most (``None``: the CPUs this process may use); ignored when
             ``tool_runner`` is a runner.
+        sandbox: where untrusted tools run (the ``python`` tool, functions marked
+            :func:`~polopt_lightning.sandbox.tools.untrusted`): a :class:`~polopt_lightning.sandbox.Sandbox` or its
+            settings (``conf/sandbox``); built now when a tool needs it, so a machine that cannot isolate code is
+            named before the run starts. Ignored when ``tool_runner`` is a runner.
     """
 
     takes_rows = True  # the module passes the batch's rows (their columns) to generate
@@ -319,7 +323,7 @@ class MultiTurnEngine(RolloutEngine):
                  timeout: float | None = 5.0, max_turns: int = 4, max_tokens: int = 256,
                  base: RolloutEngine | str | Mapping[str, Any] | None = None, tokenizer: Any = None,
                  role: str = "tool", tool_runner: str | ToolRunner = "process", tool_workers: int | None = None,
-                 ) -> None:
+                 sandbox: Any = None) -> None:
         from . import build_engine
 
         if max_turns < 1 or max_tokens < 1:
@@ -327,7 +331,10 @@ class MultiTurnEngine(RolloutEngine):
         self.tools = [resolve(fn, "rollout.tools") for fn in tools]
         for fn in self.tools:
             tool_schema(fn)  # a tool without types or docstring fails now, naming it
-        self.runner = tool_runner if isinstance(tool_runner, ToolRunner) else ToolRunner(tool_runner, tool_workers)
+        self.runner = (tool_runner if isinstance(tool_runner, ToolRunner)
+                       else ToolRunner(tool_runner, tool_workers, sandbox=sandbox))
+        if any(is_untrusted(fn) for fn in self.tools):
+            self.runner.sandbox  # noqa: B018 - built now: refused here, naming what is missing, not mid-run
         if environment == "tools":
             if not self.tools:
                 raise ValueError("rollout.environment=tools needs rollout.tools (the functions the model may call)")

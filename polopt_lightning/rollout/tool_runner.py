@@ -43,6 +43,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..sandbox.core import available_cpus, sandbox_from_config
+from ..sandbox.tools import run_tool
+
 #: how tool calls run: ``process`` (forked children, killed at their limit) or ``thread`` (daemon threads, abandoned)
 TOOL_RUNNERS = ("process", "thread")
 
@@ -61,14 +64,6 @@ def trusted(fn: Callable) -> Callable:
 def is_trusted(fn: Callable) -> bool:
     """Whether ``fn`` is marked :func:`trusted`."""
     return bool(getattr(fn, "__polopt_trusted_tool__", False))
-
-
-def available_cpus() -> int:
-    """The CPUs this process may run on (its affinity where the OS tells it), at least 1."""
-    try:
-        return max(len(os.sched_getaffinity(0)), 1)
-    except (AttributeError, OSError):
-        return max(os.cpu_count() or 1, 1)
 
 
 @dataclass
@@ -117,7 +112,7 @@ class ToolRunner:
             on I/O). The others wait their turn, and their time limit starts when they do.
     """
 
-    def __init__(self, mode: str = "process", max_workers: int | None = None) -> None:
+    def __init__(self, mode: str = "process", max_workers: int | None = None, sandbox: Any = None) -> None:
         if mode not in TOOL_RUNNERS:
             raise ValueError(f"rollout.tool_runner must be one of {list(TOOL_RUNNERS)}, got {mode!r}")
         if mode == "process" and not hasattr(os, "fork"):
@@ -128,6 +123,14 @@ class ToolRunner:
             raise ValueError(f"rollout.tool_workers must be an integer >= 1 or null, got {max_workers!r}")
         self.mode = mode
         self.max_workers = max_workers if max_workers is not None else available_cpus()
+        self._sandbox = sandbox  # a Sandbox, its settings, or None (the defaults), built at the first untrusted call
+
+    @property
+    def sandbox(self) -> Any:
+        """The :class:`~polopt_lightning.sandbox.Sandbox` untrusted tools run in (built from its settings when first
+        asked: where code cannot be isolated, this raises and names what is missing)."""
+        self._sandbox = sandbox_from_config(self._sandbox)
+        return self._sandbox
 
     def __repr__(self) -> str:
         return f"ToolRunner(mode={self.mode!r}, max_workers={self.max_workers})"
@@ -137,6 +140,12 @@ class ToolRunner:
         has ended, failed or run past its limit. No forked call outlives it (its process, and its group, are killed
         and reaped, even when this is interrupted); a thread's call past its limit runs on."""
         calls = list(calls)
+        boxed = [i for i, c in enumerate(calls) if is_untrusted(c.fn)]
+        if boxed:  # untrusted tools' calls in the sandbox (its pool), alongside the others
+            results = dict(zip(boxed, _run_sandboxed([calls[i] for i in boxed], self.sandbox)))
+            rest = [i for i in range(len(calls)) if i not in results]
+            results.update(zip(rest, self.run([calls[i] for i in rest])))
+            return [results[i] for i in range(len(calls))]
         if self.mode == "thread" or all(is_trusted(c.fn) for c in calls):
             return _run_threads(calls, self.max_workers) if calls else []
         forked = [i for i, c in enumerate(calls) if not is_trusted(c.fn)]
@@ -152,6 +161,25 @@ class ToolRunner:
         helper.join()
         results.update(zip(inline, threaded))
         return [results[i] for i in range(len(calls))]
+
+
+# --- the sandbox ------------------------------------------------------------------------------------------------------
+def is_untrusted(fn: Callable) -> bool:
+    """Whether ``fn``'s calls run in the sandbox (:func:`polopt_lightning.sandbox.tools.untrusted`, the ``python``
+    tool)."""
+    return bool(getattr(fn, "__polopt_untrusted_tool__", False))
+
+
+def _run_sandboxed(calls: list[ToolCall], sandbox: Any) -> list[ToolResult]:
+    def job(call: ToolCall) -> Callable:
+        def run(sb: Any) -> ToolResult:
+            start = time.monotonic()
+            value, error = run_tool(sb, call.fn, call.arguments, call.timeout)
+            return ToolResult(call.name, value=value, error=error, timed_out=bool(error and "timed out" in error),
+                              seconds=time.monotonic() - start)
+        return run
+
+    return sandbox.map([job(c) for c in calls])
 
 
 # --- threads ----------------------------------------------------------------------------------------------------------

@@ -16,6 +16,7 @@ from ..distributed import all_gather_rows, all_reduce, world_size
 from ..objectives.base import kl_estimate
 from ..rewards import MixtureRewards, RewardComposer, RewardOutput
 from ..rollout import Completions, RolloutBatch
+from ..sandbox import usage as sandbox_usage
 from ..settings import Settings
 from .advantages import (
     ADVANTAGE_ESTIMATORS,
@@ -157,6 +158,7 @@ class ExperienceMaker:
         # experience rows are made of (:attr:`last_samples` builds them only when a completions log asks)
         self.last_scored: dict[str, Any] | None = None
         self._last_step: tuple[list, list, Tensor] | None = None
+        self._sandbox_seen = sandbox_usage().snapshot()  # executions before this step maker's first step: not its own
 
     def score(self, batch: Mapping[str, Any], rollout: RolloutBatch, trainer_state: Any = None) -> RewardOutput:
         """Decode the completions and run the reward functions as TRL calls them: ``prompts`` as the dataset holds
@@ -244,6 +246,7 @@ class ExperienceMaker:
         exp.advantages = estimate_advantages(rewards, G, self.estimator, self.advantage_scale, *moments,
                                              token_counts=tokens).to(device)
         self._last_step = (scored, picked, exp.advantages)
+        metrics.update(self.sandbox_metrics(device))
         if self.mask_truncated_completions:
             exp.completion_mask = exp.completion_mask * exp.finished[:, None].long()
         return exp, metrics
@@ -292,6 +295,19 @@ class ExperienceMaker:
             metrics[f"train/{task}/frac_zero_std"] = (zero_groups / prompts if prompts > 0
                                                       else torch.tensor(float("nan"), device=device))
         return metrics
+
+    def sandbox_metrics(self, device: torch.device) -> dict[str, Tensor]:
+        """This process's sandbox executions since the last step (the code reward's, untrusted tools'; docs/
+        sandbox.md): ``train/sandbox_runs``, ``train/sandbox_s`` (their seconds, summed: executions run at once each
+        count) and ``train/sandbox_timeouts``; nothing before the first execution."""
+        runs, seconds, timeouts = sandbox_usage().snapshot()
+        seen_runs, seen_seconds, seen_timeouts = self._sandbox_seen
+        self._sandbox_seen = (runs, seconds, timeouts)
+        if runs == seen_runs == 0:
+            return {}
+        return {"train/sandbox_runs": torch.tensor(float(runs - seen_runs), device=device),
+                "train/sandbox_s": torch.tensor(seconds - seen_seconds, device=device),
+                "train/sandbox_timeouts": torch.tensor(float(timeouts - seen_timeouts), device=device)}
 
     @staticmethod
     def turn_metrics(rollout: RolloutBatch, device: torch.device) -> dict[str, Tensor]:

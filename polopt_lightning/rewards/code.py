@@ -1,0 +1,124 @@
+"""Code-execution reward: the completion's last fenced code block run in the sandbox against the row's tests (as TRL's
+and open-r1's code rewards), the fraction that pass."""
+
+from __future__ import annotations
+
+import json
+import re
+import secrets
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from ..sandbox import ExecResult, Sandbox, sandbox_from_config
+from .builtin import _column, _text
+
+_FENCE = re.compile(r"```[ \t]*([\w+#.-]*)[ \t]*\n(.*?)```", re.DOTALL)
+
+
+def extract_code(text: str, language: str | None = "python") -> str | None:
+    """The last fenced code block of ``text`` (```python ... ```, or a fence naming no language), ``None`` when there
+    is none. ``language=None`` takes a block of any language."""
+    blocks = [(lang.lower(), body) for lang, body in _FENCE.findall(text)]
+    wanted = {"", language.lower(), "py" if language.lower() == "python" else language.lower()} if language else None
+    picked = [body for lang, body in blocks if wanted is None or lang in wanted]
+    return picked[-1] if picked else None
+
+
+def parse_tests(value: Any) -> list[dict[str, str] | str]:
+    """A row's tests as a list, each a stdin/stdout case ``{"input": ..., "output": ...}`` or a Python statement
+    (``assert f(2) == 4``). Accepted: such a list; open-r1's ``verification_info`` (a mapping with ``test_cases``, or
+    with ``inputs`` and ``outputs`` lists); any of these as a JSON string; a string of assert lines."""
+    if isinstance(value, str):
+        stripped = value.strip()
+        if stripped[:1] in "[{":
+            try:
+                return parse_tests(json.loads(stripped))
+            except json.JSONDecodeError:
+                pass
+        return [line for line in value.splitlines() if line.strip()]
+    if isinstance(value, Mapping):
+        if "test_cases" in value:
+            return parse_tests(value["test_cases"])
+        if "inputs" in value and "outputs" in value:
+            return [{"input": i, "output": o} for i, o in zip(value["inputs"], value["outputs"], strict=True)]
+        if "input" in value and "output" in value:
+            return [{"input": str(value["input"]), "output": str(value["output"])}]
+        raise ValueError(f"a test mapping needs test_cases, inputs/outputs or input/output; got keys {sorted(value)}")
+    if isinstance(value, Sequence):
+        tests: list[dict[str, str] | str] = []
+        for t in value:
+            if isinstance(t, str):
+                tests.append(t)
+            elif isinstance(t, Mapping) and "input" in t and "output" in t:
+                tests.append({"input": str(t["input"]), "output": str(t["output"])})
+            else:
+                raise ValueError(f"a test must be an assert statement or an input/output mapping, got {t!r}")
+        return tests
+    raise ValueError(f"cannot read tests from a {type(value).__name__}: {value!r}")
+
+
+def _same_output(got: str, expected: str) -> bool:
+    """Outputs compared line by line, trailing white space and trailing empty lines ignored."""
+    norm = (lambda s: [line.rstrip() for line in s.strip("\n").rstrip().splitlines()])
+    return norm(got) == norm(expected)
+
+
+class CodeExecutionReward:
+    """The fraction of a row's tests the completion's code passes, run in a :class:`~polopt_lightning.sandbox.Sandbox`
+    (never in this process): the last fenced code block of the completion (``extract_code``), 0 without one.
+
+    A stdin/stdout test runs the code with the input and passes when its output equals the expected one (line by line,
+    trailing white space ignored). An assert test runs the code followed by the statement and passes when the program
+    exits 0 after printing a random marker placed after the statement (so ``sys.exit(0)`` before it is no pass). Each
+    test is one execution; a completion's tests, and the batch's completions, run through the sandbox's pool at once.
+
+    Args:
+        tests_column: the dataset column with each row's tests (:func:`parse_tests` reads its forms).
+        sandbox: a :class:`~polopt_lightning.sandbox.Sandbox`, or its settings (``conf/sandbox``: limits, isolation).
+        language: the fenced block's language (only ``python`` runs).
+        partial: the fraction passed; ``False``: 1 only when every test passes.
+    """
+
+    def __init__(self, tests_column: str = "tests", sandbox: Sandbox | Mapping[str, Any] | None = None,
+                 language: str = "python", partial: bool = True) -> None:
+        if language != "python":
+            raise ValueError(f"CodeExecutionReward runs python code; language={language!r} is not supported")
+        self.tests_column, self.language, self.partial = tests_column, language, partial
+        self.sandbox = sandbox_from_config(sandbox)
+        self.last_results: list[list[ExecResult]] = []  # the last call's executions, per completion
+        self.__name__ = "code_execution"
+
+    def _job(self, code: str, test: dict[str, str] | str):
+        if isinstance(test, str):
+            marker = secrets.token_hex(8)
+            program = f"{code}\n\n{test}\nprint({marker!r})\n"
+            check = (lambda r: r.ok and r.stdout.rstrip().endswith(marker))
+            return (lambda sb: sb.run_python(program)), check
+        return (lambda sb: sb.run_python(code, stdin=test["input"])), (
+            lambda r: r.ok and _same_output(r.stdout, test["output"]))
+
+    def __call__(self, prompts: list[Any], completions: list[Any], **columns: Any) -> list[float]:
+        rows = _column(columns, self.tests_column, self.__name__)
+        jobs, checks, owner = [], [], []
+        counts = []
+        for i, (completion, value) in enumerate(zip(completions, rows, strict=True)):
+            try:
+                tests = parse_tests(value)
+            except ValueError as exc:
+                raise ValueError(f"{self.__name__}: the {self.tests_column!r} column of sample {i}: {exc}") from None
+            code = extract_code(_text(completion), self.language)
+            counts.append(len(tests))
+            if code is None:
+                continue
+            for test in tests:
+                job, check = self._job(code, test)
+                jobs.append(job)
+                checks.append(check)
+                owner.append(i)
+        results = self.sandbox.map(jobs)
+        passed = [0] * len(completions)
+        self.last_results = [[] for _ in completions]
+        for i, check, result in zip(owner, checks, results):
+            passed[i] += int(check(result))
+            self.last_results[i].append(result)
+        return [0.0 if n == 0 else (p / n if self.partial else float(p == n)) for p, n in zip(passed, counts)]
