@@ -19,17 +19,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from memory import cpu_description  # noqa: E402
+
+from polopt_lightning.rollout.wire import ServerError, free_port, wait_for_health  # noqa: E402
 
 # name: (polopt-train overrides, trainer threads, server threads or None for no server)
 MODES = {
@@ -48,26 +48,15 @@ SHAPES = {
 }
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start_server(port: int, threads: int, log: Path, extra: list[str]) -> subprocess.Popen:
     proc = subprocess.Popen([sys.executable, "-m", "polopt_lightning.serve", "--port", str(port), "--threads",
                              str(threads), *extra], stdout=open(log, "w"), stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        try:
-            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2).read()
-            return proc
-        except OSError:
-            if proc.poll() is not None:
-                raise RuntimeError(f"polopt-serve exited: {log.read_text()[-2000:]}") from None
-            time.sleep(0.2)
-    proc.kill()
-    raise RuntimeError("polopt-serve did not answer within 120 s")
+    try:
+        wait_for_health(f"http://127.0.0.1:{port}", 120, "polopt-serve", process=proc)
+    except ServerError as err:
+        proc.kill()
+        raise RuntimeError(f"{err}: {log.read_text()[-2000:]}") from None
+    return proc
 
 
 def run(mode: str, seed: int, shape: str, folder: Path, extra: list[str], server_args: list[str]) -> dict:

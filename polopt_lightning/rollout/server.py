@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import logging
-import time
 import uuid
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -39,6 +38,7 @@ from .wire import (
     open_store,
     pack,
     tensor_layout,
+    wait_for_health,
     weight_group,
 )
 
@@ -110,6 +110,9 @@ class ServerRolloutEngine(RolloutEngine):
         self._source: nn.Module | None = None
         # the requests of a rollout go out at once; rollouts are put together one after another, in order
         # (a push and the rollouts in flight at once: a few requests a server)
+        self._start_pools()
+
+    def _start_pools(self) -> None:
         self._requests = ThreadPoolExecutor(4 * len(self.urls) + 4, thread_name_prefix="polopt-request")
         self._collector = ThreadPoolExecutor(1, thread_name_prefix="polopt-rollout")
 
@@ -118,20 +121,13 @@ class ServerRolloutEngine(RolloutEngine):
         """Each server's health, waiting up to ``connect_timeout_s`` for each to answer."""
         answers = []
         for url, name in zip(self.urls, self.names):
-            deadline, said = time.monotonic() + self.connect_timeout_s, False
-            while True:
-                try:
-                    answers.append(call(url, "/health", None, min(10.0, self.connect_timeout_s), name))
-                    break
-                except ServerError as err:
-                    if not said:
-                        log.info("rollout=server: waiting up to %g s for %s at %s (rollout.connect_timeout_s)",
-                                 self.connect_timeout_s, name, url)
-                        said = True
-                    if time.monotonic() > deadline:
-                        raise ServerError(f"{err} (waited {self.connect_timeout_s:g} s, rollout.connect_timeout_s; "
-                                          f"is `polopt-serve` running there?)") from None
-                    time.sleep(0.5)
+            def said(url: str = url, name: str = name) -> None:
+                log.info("rollout=server: waiting up to %g s for %s at %s (rollout.connect_timeout_s)",
+                         self.connect_timeout_s, name, url)
+            try:
+                answers.append(wait_for_health(url, self.connect_timeout_s, name, on_wait=said))
+            except ServerError as err:
+                raise ServerError(f"{err}: rollout.connect_timeout_s; is `polopt-serve` running there?") from None
         return answers
 
     def _connect(self, model: nn.Module) -> None:
@@ -229,9 +225,13 @@ class ServerRolloutEngine(RolloutEngine):
         return False
 
     def close(self) -> None:
-        """Leave the weight group (the servers keep running, and form a new group with the next trainer)."""
+        """Leave the weight group (the servers keep running, and form a new group with the next trainer); the request
+        threads end (new ones start if the engine is used again)."""
         self._group, self._store, self._stale, self._source, self._base_sent = None, None, True, None, False
         self._asked = [0] * len(self.urls)
+        for pool in (self._requests, self._collector):
+            pool.shutdown(wait=False, cancel_futures=True)
+        self._start_pools()
 
     # ------------------------------------------------------------------------------------------------------------
     def generate(self, model: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, num_generations: int,

@@ -69,6 +69,35 @@ def call(url: str, path: str, payload: dict[str, Any] | None = None, timeout: fl
                           f"{type(why).__name__}: {why}") from None
 
 
+def wait_for_health(url: str, timeout_s: float, name: str = "server", process: Any = None,
+                    on_wait: Any = None) -> dict[str, Any]:
+    """The server's ``/health`` answer, asked again every half second until it answers or ``timeout_s`` has passed
+    (then :class:`ServerError`). ``process``: the server's own process, started for it: its exit ends the wait at once;
+    ``on_wait()`` is called once, when the first ask goes unanswered."""
+    deadline, waited = time.monotonic() + timeout_s, False
+    while True:
+        try:
+            return call(url, "/health", None, min(10.0, timeout_s), name)
+        except ServerError as err:
+            if process is not None and process.poll() is not None:
+                raise ServerError(f"{name} ({url}) exited with status {process.returncode} before it answered") from None
+            if not waited and on_wait is not None:
+                on_wait()
+            waited = True
+            if time.monotonic() > deadline:
+                raise ServerError(f"{err} (waited {timeout_s:g} s)") from None
+            time.sleep(0.5)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nothing listens on now at ``host``."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
 def tensor_layout(weights: dict[str, Tensor]) -> list[list[Any]]:
     """``[name, dtype, shape]`` of each weight, in the order they are sent."""
     return [[name, str(t.dtype).removeprefix("torch."), list(t.shape)] for name, t in weights.items()]

@@ -18,6 +18,7 @@ from polopt_lightning.cli import config_dir
 from polopt_lightning.models import build_tiny_model
 from polopt_lightning.rewards import DigitMatchReward, ExactMatchReward
 from polopt_lightning.rollout import HFRolloutEngine, SamplingConfig
+from polopt_lightning.rollout.wire import free_port  # noqa: F401 - the server tests' ports
 
 CONF = Path(config_dir())
 
@@ -189,37 +190,22 @@ def greedy_on_the_modules():
     return model, tok, ids, mask, sampling, want
 
 
-def free_port() -> int:
-    """A TCP port nothing listens on now."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start_server(port: int, *args: str, command: list[str] | None = None, timeout: float = 120.0,
                  env: dict | None = None):
     """``polopt-serve --port PORT *args`` in a process of its own (``command``: another command line for it, ``env``
     its environment), once it answers its health check; the caller kills it."""
     import tempfile
-    import time
-    import urllib.request
+
+    from polopt_lightning.rollout.wire import ServerError, wait_for_health
 
     command = command or [sys.executable, "-m", "polopt_lightning.serve", "--port", str(port), *args]
     log = tempfile.TemporaryFile("w+")  # not a pipe: a server that logs much would block on a full one
     proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, text=True, env=env)
     proc.log = log
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2).read()
-            return proc
-        except OSError:
-            if proc.poll() is not None:
-                log.seek(0)
-                raise RuntimeError(f"polopt-serve exited with {proc.returncode}: {log.read()[-3000:]}") from None
-            if time.monotonic() > deadline:
-                proc.kill()
-                raise RuntimeError(f"polopt-serve did not answer within {timeout} s") from None
-            time.sleep(0.2)
+    try:
+        wait_for_health(f"http://127.0.0.1:{port}", timeout, "polopt-serve", process=proc)
+    except ServerError as err:
+        proc.kill()
+        log.seek(0)
+        raise RuntimeError(f"{err}: {log.read()[-3000:]}") from None
+    return proc
