@@ -271,6 +271,9 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     task = instantiate(task_cfg, _convert_="all") if task_cfg else None  # a mixture gets its tasks built
     datamodule = PromptDataModule(task=task, tokenizer=tokenizer, **OmegaConf.to_container(cfg.data, resolve=True))
 
+    # the rewards before the warm start: one that cannot work here (a sandbox refused, a reward model's missing folder)
+    # fails now, not after minutes of supervised steps
+    rewards = _rewards(cfg, task, task_rewards)
     warm = _warm_start(cfg, model, tokenizer, datamodule, quantization.mode)
     # the base of an adapter is kept in the run when no folder or hub id holds it (built, or changed by the warm start)
     base_dir = run_dir / "base_model" if adapter.enabled and (warm["ran"] or not model.name_or_path) else None
@@ -278,7 +281,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     if base_dir is not None:
         tokenizer.save_pretrained(base_dir)
     module = PolicyOptimizationModule(
-        model, tokenizer, objective=objective, **_rewards(cfg, task, task_rewards),
+        model, tokenizer, objective=objective, **rewards,
         generation=OmegaConf.to_container(cfg.generation, resolve=True), experience=experience, update=update,
         optimizer=optimizer, reference=reference, rollout_engine=engine, accel=accel, anchor=anchor, seed=cfg.seed,
     )

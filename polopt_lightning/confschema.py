@@ -45,7 +45,8 @@ NOT_SETTINGS = {"polopt_lightning.data.datamodule.PromptDataModule": {"train", "
                 "polopt_lightning.models.Adapter": {"key"}, "polopt_lightning.models.Quantization": {"key"},
                 "polopt_lightning.optim.build_optimizer": {"key"},
                 "polopt_lightning.models.build_tiny_model": {"tokenizer"},
-                "polopt_lightning.rollout.multi_turn.MultiTurnEngine": {"tokenizer"}}
+                "polopt_lightning.rollout.multi_turn.MultiTurnEngine": {"tokenizer"},
+                "polopt_lightning.sandbox.core.Sandbox": {"limits"}}  # a block of its own (sandbox.limits: Limits)
 NOT_SETTINGS_ANYWHERE = {"model"}  # the model a strategy wraps
 HEADER = ("# The defaults of {path}, written by `python -m polopt_lightning.confschema`:\n"
           "# edit the code, not this file (tests/test_confschema.py compares them). Options include it and set only\n"

@@ -282,6 +282,7 @@ def test_extract_code_takes_the_last_python_block():
     assert extract_code("```\nx = 1\n```") == "x = 1\n"
     assert extract_code("no code") is None
     assert extract_code(text, language=None) == "print(2)\n"
+    assert extract_code("```python3\nprint(3)\n```") == "print(3)\n"
 
 
 def test_parse_tests_reads_the_peers_forms():
@@ -290,8 +291,16 @@ def test_parse_tests_reads_the_peers_forms():
     assert parse_tests({"test_cases": [{"input": "1 2", "output": "3", "type": "stdin_stdout"}]}) == cases
     assert parse_tests('{"inputs": ["1 2"], "outputs": ["3"]}') == cases
     assert parse_tests("assert f(1) == 2\nassert f(2) == 3\n") == ["assert f(1) == 2", "assert f(2) == 3"]
-    with pytest.raises(ValueError, match="test_cases, inputs/outputs or input/output"):
-        parse_tests({"x": 1})
+    assert parse_tests("import math\ndef g(x):\n    return x\nassert g(1) == 1\nassert math.e > 2") == [
+        "import math\ndef g(x):\n    return x\nassert g(1) == 1", "import math\ndef g(x):\n    return x\nassert math.e > 2"]
+    # APPS/TACO: numbers, and lists of lines
+    assert parse_tests('{"inputs": [3, ["1", "2"]], "outputs": [7, "x"]}') == [
+        {"input": "3", "output": "7"}, {"input": "1\n2", "output": "x"}]
+    for bad, why in [({"x": 1}, "test_cases, inputs/outputs or input/output"), ('[{"input": "1", "output": 9', "look like JSON"),
+                     ([], "no tests"), ("this is not a test", "neither JSON nor Python"),
+                     ([{"input": "f(1)", "output": "2", "type": "function_call"}], "type 'function_call' is not run")]:
+        with pytest.raises(ValueError, match=why):
+            parse_tests(bad)
 
 
 def test_assert_tests_count_what_passes_and_an_early_exit_is_no_pass(sandbox):
@@ -338,7 +347,8 @@ def test_the_launcher_as_an_unprivileged_user():
         pytest.skip(f"nobody cannot reach {launcher}: a folder above it is closed to others")
     try:
         proc = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", python, "-I", "-S",
-                               "-B", core._LAUNCHER, json.dumps(spec)], capture_output=True, text=True, timeout=30)
+                               "-B", core._LAUNCHER, "0"], input=json.dumps(spec), capture_output=True, text=True,
+                              timeout=30)  # the spec on the descriptor named: here stdin
     finally:
         shutil.rmtree(top, ignore_errors=True)
     assert proc.returncode == 0, proc.stderr
@@ -357,3 +367,75 @@ def test_the_pages_quick_start_runs(sandbox):
     exec(compile(block, "docs/sandbox.md", "exec"), scope)
     assert (scope["result"].ok, scope["result"].stdout) == (True, "7\n")
     assert isinstance(scope["reward"], CodeExecutionReward)
+
+
+def test_a_sandbox_copies_and_pickles(sandbox):
+    """A reward holding a sandbox survives what Lightning and spawned processes do to a module's parts."""
+    import copy
+    import pickle
+
+    for twin in (copy.deepcopy(sandbox), pickle.loads(pickle.dumps(CodeExecutionReward(sandbox=sandbox))).sandbox):
+        assert twin.isolation == sandbox.isolation and twin.run_python("print(2)").stdout == "2\n"
+
+
+def test_settings_from_the_command_line_reach_the_sandbox(tmp_path):
+    """`sandbox.limits.<key>=` composes (the group documents its limits without setting them) and reaches the code
+    reward's sandbox; bad settings name their key."""
+    from polopt_lightning.sandbox import sandbox_from_config
+
+    from .helpers import compose_with
+
+    cfg = compose_with(["experiment=code", "sandbox.limits.wall_s=1.5", "sandbox.max_concurrency=1"], tmp_path)
+    assert cfg.reward.functions.code_execution.sandbox.limits.wall_s == 1.5
+    built = sandbox_from_config(cfg.reward.functions.code_execution.sandbox)
+    assert built.limits.wall_s == 1.5 and built.limits.cpu_s == Limits().cpu_s and built.max_concurrency == 1
+    with pytest.raises(ValueError, match="sandbox.limits.wall_s must be a positive number, got 0"):
+        Limits(wall_s=0)
+    with pytest.raises(ValueError, match="sandbox.binds: '/' would show the code the whole machine"):
+        Sandbox(binds=["/"])
+    with pytest.raises(ValueError, match="sandbox.python='/nonexistent/python' is not an executable"):
+        Sandbox(python="/nonexistent/python")
+
+
+def test_a_folder_under_tmp_can_be_shown(sandbox, tmp_path):
+    import tempfile
+
+    folder = Path(tempfile.mkdtemp(prefix="polopt-bind-"))
+    try:
+        (folder / "data.txt").write_text("shown")
+        folder.chmod(0o755)  # under root the code runs as an unprivileged user: what it reads, others may read
+        box = Sandbox(sandbox.limits, binds=[str(folder)])
+        result = box.run_python(f"print(open({str(folder / 'data.txt')!r}).read())\n"
+                                f"open({str(folder / 'new.txt')!r}, 'w')")
+        assert result.stdout == "shown\n" and "Read-only file system" in result.stderr
+        assert sorted(p.name for p in folder.iterdir()) == ["data.txt"]
+    finally:
+        import shutil
+
+        shutil.rmtree(folder)
+
+
+def test_the_launchers_settings_are_not_shown_to_the_code(sandbox):
+    result = sandbox.run_python("print(open('/proc/1/cmdline').read())")
+    assert result.ok and "limits" not in result.stdout and str(os.getpid()) not in result.stdout
+
+
+def test_the_python_tool_names_a_wrong_argument(sandbox):
+    assert run_tool(sandbox, python, {"cod": "print(1)"}, 2) == (
+        None, "the python tool takes one argument, code; got ['cod']")
+
+
+def test_a_refused_sandbox_stops_the_run_before_the_warm_start(monkeypatch, tmp_path):
+    """Where code cannot be isolated, `polopt-train experiment=code` stops on the refusal before minutes of supervised
+    warm start (the rewards are built first)."""
+    from polopt_lightning import cli
+
+    from .helpers import compose_with, set_hydra
+
+    monkeypatch.setattr(Sandbox, "isolation_missing", lambda self: "unshare: EPERM (simulated)")
+    monkeypatch.setattr(cli, "_warm_start", lambda *a, **k: pytest.fail("the warm start ran before the rewards"))
+    cfg = compose_with(["experiment=code", "task.train_size=40", "task.val_size=8"], tmp_path)
+    set_hydra(cfg)
+    with pytest.raises(Exception, match=r"(?s)reward\.functions\.code_execution|cannot isolate.*EPERM") as err:
+        cli.train(cfg)
+    assert "cannot isolate untrusted code on this machine: unshare: EPERM (simulated)" in str(err.value)

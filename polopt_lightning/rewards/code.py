@@ -19,40 +19,81 @@ def extract_code(text: str, language: str | None = "python") -> str | None:
     """The last fenced code block of ``text`` (```python ... ```, or a fence naming no language), ``None`` when there
     is none. ``language=None`` takes a block of any language."""
     blocks = [(lang.lower(), body) for lang, body in _FENCE.findall(text)]
-    wanted = {"", language.lower(), "py" if language.lower() == "python" else language.lower()} if language else None
+    wanted = ({"", language.lower()} | ({"py", "python3", "py3"} if language.lower() == "python" else set())
+              if language else None)
     picked = [body for lang, body in blocks if wanted is None or lang in wanted]
     return picked[-1] if picked else None
 
 
+def _text_of(value: Any) -> str:
+    """A test's input or output as text: a list (lines, as APPS and TACO store some) joined by newlines."""
+    if isinstance(value, (list, tuple)):
+        return "\n".join(str(v) for v in value)
+    return str(value)
+
+
+def _case(t: Mapping[str, Any]) -> dict[str, str]:
+    kind = t.get("type", t.get("testtype", "stdin_stdout"))
+    if kind not in ("stdin_stdout", "stdin"):
+        raise ValueError(f"a test of type {kind!r} is not run here (only stdin/stdout cases and assert statements)")
+    return {"input": _text_of(t["input"]), "output": _text_of(t["output"])}
+
+
+def _asserts(code: str) -> list[str]:
+    """Python test code as tests: each top-level ``assert`` one test, after the code's other statements (imports,
+    helper definitions); code without an assert is one test (HumanEval's ``check(candidate)``)."""
+    import ast
+
+    try:
+        tree = ast.parse(code)
+    except SyntaxError as exc:
+        raise ValueError(f"the tests are neither JSON nor Python: {exc}") from None
+    lines = code.splitlines()
+    chunks = [("\n".join(lines[node.lineno - 1:node.end_lineno]), isinstance(node, ast.Assert)) for node in tree.body]
+    prelude = "\n".join(text for text, is_assert in chunks if not is_assert)
+    tests = [f"{prelude}\n{text}".strip("\n") for text, is_assert in chunks if is_assert]
+    return tests or ([code] if code.strip() else [])
+
+
 def parse_tests(value: Any) -> list[dict[str, str] | str]:
-    """A row's tests as a list, each a stdin/stdout case ``{"input": ..., "output": ...}`` or a Python statement
-    (``assert f(2) == 4``). Accepted: such a list; open-r1's ``verification_info`` (a mapping with ``test_cases``, or
-    with ``inputs`` and ``outputs`` lists); any of these as a JSON string; a string of assert lines."""
+    """A row's tests as a list, each a stdin/stdout case ``{"input": ..., "output": ...}`` or Python test code (an
+    ``assert``, after the test code's imports and helpers). Accepted: such a list; open-r1's ``verification_info`` (a
+    mapping with ``test_cases``, or with ``inputs`` and ``outputs`` lists, lists of lines joined); any of these as a
+    JSON string; a string of Python test code. What cannot be read, or holds no test, raises a ValueError."""
+    tests = _parse(value)
+    if not tests:
+        raise ValueError("no tests")
+    return tests
+
+
+def _parse(value: Any) -> list[dict[str, str] | str]:
     if isinstance(value, str):
         stripped = value.strip()
         if stripped[:1] in "[{":
             try:
-                return parse_tests(json.loads(stripped))
-            except json.JSONDecodeError:
-                pass
-        return [line for line in value.splitlines() if line.strip()]
+                return _parse(json.loads(stripped))
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"the tests look like JSON but are not: {exc}") from None
+        return _asserts(value)
     if isinstance(value, Mapping):
         if "test_cases" in value:
-            return parse_tests(value["test_cases"])
+            return _parse(value["test_cases"])
         if "inputs" in value and "outputs" in value:
-            return [{"input": i, "output": o} for i, o in zip(value["inputs"], value["outputs"], strict=True)]
+            if len(value["inputs"]) != len(value["outputs"]):
+                raise ValueError(f"{len(value['inputs'])} inputs for {len(value['outputs'])} outputs")
+            return [{"input": _text_of(i), "output": _text_of(o)} for i, o in zip(value["inputs"], value["outputs"])]
         if "input" in value and "output" in value:
-            return [{"input": str(value["input"]), "output": str(value["output"])}]
+            return [_case(value)]
         raise ValueError(f"a test mapping needs test_cases, inputs/outputs or input/output; got keys {sorted(value)}")
     if isinstance(value, Sequence):
         tests: list[dict[str, str] | str] = []
         for t in value:
             if isinstance(t, str):
-                tests.append(t)
+                tests.extend(_asserts(t))
             elif isinstance(t, Mapping) and "input" in t and "output" in t:
-                tests.append({"input": str(t["input"]), "output": str(t["output"])})
+                tests.append(_case(t))
             else:
-                raise ValueError(f"a test must be an assert statement or an input/output mapping, got {t!r}")
+                raise ValueError(f"a test must be Python test code or an input/output mapping, got {t!r}")
         return tests
     raise ValueError(f"cannot read tests from a {type(value).__name__}: {value!r}")
 

@@ -1,6 +1,6 @@
-"""The sandbox's launcher: run as ``python -I -S _launch.py SPEC`` by :mod:`polopt_lightning.sandbox`, never imported.
+"""The sandbox's launcher: run as ``python -I -S _launch.py FD`` by :mod:`polopt_lightning.sandbox`, never imported.
 
-SPEC is JSON: ``argv``, ``env``, ``files`` (a folder whose contents become the working folder), ``limits``,
+The spec comes as JSON on the descriptor FD (a pipe): ``argv``, ``env``, ``files`` (a folder whose contents become the working folder), ``limits``,
 ``isolate`` (bool), ``binds`` (host paths shown read-only), ``parent`` (the trainer's pid). Standalone on purpose: it
 imports nothing from the package and only the standard library, so it starts fast and trusts nothing on ``sys.path``.
 
@@ -129,7 +129,8 @@ def build_root(spec):
         for folder, _, names in os.walk(work):
             for name in [folder] + [os.path.join(folder, n) for n in names]:
                 os.lchown(name, spec["drop_to"], spec["drop_to"])
-    os.symlink("sandbox", root + "/tmp")
+    if not os.path.lexists(root + "/tmp"):  # a folder bound under /tmp made it a (read-only) folder already
+        os.symlink("sandbox", root + "/tmp")
     os.chdir(root)
     machine = platform.machine()
     if machine not in SYS_PIVOT_ROOT:
@@ -207,7 +208,8 @@ def wait_for(pid, reap_all=False):
 
 
 def main():
-    spec = json.loads(sys.argv[1])
+    with os.fdopen(int(sys.argv[1]), "rb") as f:  # a pipe, not argv: /proc/<pid>/cmdline shows argv to the code
+        spec = json.loads(f.read())
     prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() != spec["parent"]:  # the trainer died before the line above
         os._exit(SETUP_FAILED)

@@ -157,7 +157,7 @@ def _default_binds(python: str) -> list[str]:
         if os.path.realpath(prefix) != os.path.abspath(prefix):
             paths.append(os.path.abspath(prefix))
     kept: list[str] = []
-    for p in sorted(set(paths), key=len):  # a folder under one already shown needs nothing more
+    for p in sorted(set(paths) - {"/"}, key=len):  # a folder under one already shown needs nothing more
         if not any(p == k or p.startswith(k.rstrip("/") + "/") for k in kept if not os.path.islink(k)):
             kept.append(p)
     return kept
@@ -194,17 +194,29 @@ class Sandbox:
                                             or max_concurrency < 1):
             raise ValueError(f"sandbox.max_concurrency must be an integer >= 1 or null, got {max_concurrency!r}")
         self.python = python or sys.executable
+        if not (os.path.isabs(self.python) and os.access(self.python, os.X_OK)):
+            raise ValueError(f"sandbox.python={self.python!r} is not an executable's absolute path")
         self.packages = bool(packages)
         self.binds = _default_binds(self.python) + [os.path.abspath(b) for b in binds]
         for b in binds:
             if not os.path.exists(b):
                 raise ValueError(f"sandbox.binds: {b!r} does not exist")
+            if os.path.realpath(b) == "/":
+                raise ValueError("sandbox.binds: '/' would show the code the whole machine; name the folders it needs")
+        self._user_binds = [os.path.abspath(b) for b in binds]
         self.max_concurrency = max_concurrency or available_cpus()
         self._slots = threading.BoundedSemaphore(self.max_concurrency)
         self.isolation = self._choose(isolation, allow_unisolated)
 
     def __repr__(self) -> str:
         return f"Sandbox(isolation={self.isolation!r}, limits={self.limits}, max_concurrency={self.max_concurrency})"
+
+    def __getstate__(self) -> dict[str, Any]:  # copied or pickled (a spawned process, a deep copy): a pool of its own
+        return {k: v for k, v in self.__dict__.items() if k != "_slots"}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._slots = threading.BoundedSemaphore(self.max_concurrency)
 
     # ------------------------------------------------------------------------------------------------------------
     def _choose(self, isolation: str, allow_unisolated: bool) -> str:
@@ -217,6 +229,9 @@ class Sandbox:
         missing = self.isolation_missing()
         if missing is None:
             return "namespaces"
+        named = [b for b in self._user_binds if b in missing]
+        if named or self.python in missing:  # namespaces work; what the settings ask of them does not
+            raise ValueError(f"the sandbox cannot start with {'sandbox.binds=' + str(named) if named else 'sandbox.python=' + repr(self.python)}: {missing}")
         if isolation == "auto" and allow_unisolated:
             import warnings
 
@@ -292,9 +307,16 @@ class Sandbox:
                          "SANDBOX_RUN": run_id, **(env or {})}
             spec = {"argv": argv, "env": variables, "files": folder, "limits": asdict(limits), "isolate": isolate,
                     "binds": self.binds, "parent": os.getpid()}
-            proc = subprocess.Popen([sys.executable, "-I", "-S", "-B", _LAUNCHER, json.dumps(spec)],
-                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                    start_new_session=True, env={}, close_fds=True, cwd=folder)
+            spec_r, spec_w = os.pipe()
+            try:
+                with os.fdopen(spec_w, "wb") as f:  # small: the pipe holds it before the launcher reads
+                    f.write(json.dumps(spec).encode())
+                proc = subprocess.Popen([sys.executable, "-I", "-S", "-B", _LAUNCHER, str(spec_r)],
+                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                        start_new_session=True, env={}, close_fds=True, pass_fds=(spec_r,),
+                                        cwd=folder)
+            finally:
+                os.close(spec_r)
             try:
                 out, err, timed_out, exceeded = _communicate(proc, stdin, limits)
             finally:

@@ -60,7 +60,9 @@ def run_tool(sandbox: Sandbox, fn: Callable, arguments: Mapping[str, Any], timeo
     The :func:`python` tool runs its code directly; another tool's module file is loaded in a fresh interpreter."""
     limits = sandbox.limits if timeout is None else replace(sandbox.limits, wall_s=min(timeout, sandbox.limits.wall_s))
     if fn is python or getattr(fn, "__wrapped__", None) is python:
-        result = sandbox.run_python(str(arguments.get("code", "")), limits=limits)
+        if set(arguments) != {"code"}:
+            return None, f"the python tool takes one argument, code; got {sorted(arguments)}"
+        result = sandbox.run_python(str(arguments["code"]), limits=limits)
         return (result.summary() if result.error is None else None), result.error
     marker = "<<polopt-result-" + secrets.token_hex(8) + ">>"
     file = _module_file(fn)
