@@ -100,6 +100,10 @@ def build_root(spec):
     root = os.path.join(spec["files"], ".root")
     os.mkdir(root, 0o700)
     mount("tmpfs", root, "tmpfs", MS_NOSUID | MS_NODEV, "mode=0755,size=1m")
+    if any(b.startswith("/tmp/") for b in spec["binds"]):  # (an interpreter in a virtual environment under /tmp)
+        # /tmp a writable tmpfs of its own, the folders shown under it mounted on it, rather than the working folder
+        os.mkdir(root + "/tmp")
+        mount("tmpfs", root + "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, f"mode=1777,size={int(limits['disk_mib'])}m")
     for src in spec["binds"]:
         if os.path.lexists(src):
             bind(src, root)
@@ -129,7 +133,7 @@ def build_root(spec):
         for folder, _, names in os.walk(work):
             for name in [folder] + [os.path.join(folder, n) for n in names]:
                 os.lchown(name, spec["drop_to"], spec["drop_to"])
-    if not os.path.lexists(root + "/tmp"):  # a folder bound under /tmp made it a (read-only) folder already
+    if not os.path.lexists(root + "/tmp"):  # /tmp is the working folder, unless a folder is shown under it
         os.symlink("sandbox", root + "/tmp")
     os.chdir(root)
     machine = platform.machine()
@@ -210,10 +214,11 @@ def wait_for(pid, reap_all=False):
 def main():
     with os.fdopen(int(sys.argv[1]), "rb") as f:  # a pipe, not argv: /proc/<pid>/cmdline shows argv to the code
         spec = json.loads(f.read())
-    prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    if os.getppid() != spec["parent"]:  # the trainer died before the line above
-        os._exit(SETUP_FAILED)
     isolated = bool(spec["isolate"])
+    if sys.platform.startswith("linux"):  # elsewhere (no isolation there) the trainer kills the process group
+        prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() != spec["parent"]:  # the trainer died before the line above
+            os._exit(SETUP_FAILED)
     if not isolated:
         pid = os.fork()
         if pid == 0:
