@@ -258,7 +258,7 @@ def test_no_isolation_is_refused_naming_what_is_missing(monkeypatch):
 
 
 def test_unisolated_when_allowed_keeps_the_limits(monkeypatch, tmp_path):
-    monkeypatch.setattr(Sandbox, "isolation_missing", lambda self: "simulated")
+    monkeypatch.setattr(Sandbox, "isolation_missing", lambda self: "unshare: EPERM (simulated)")
     with pytest.warns(UserWarning, match="without isolation.*simulated"):
         box = Sandbox(Limits(wall_s=2, output_kib=4), allow_unisolated=True)
     assert box.isolation == "none"
@@ -441,3 +441,13 @@ def test_a_refused_sandbox_stops_the_run_before_the_warm_start(monkeypatch, tmp_
     with pytest.raises(Exception, match=r"(?s)reward\.functions\.code_execution|cannot isolate.*EPERM") as err:
         cli.train(cfg)
     assert "cannot isolate untrusted code on this machine: unshare: EPERM (simulated)" in str(err.value)
+
+
+def test_no_namespace_or_shared_memory_inside(sandbox):
+    """The code cannot make a user namespace of its own (whose root would regain every capability there) nor System V
+    shared memory (memory no process's limit counts); a probe failing after the namespaces were granted is not taken
+    for their absence (no fall back to running unisolated)."""
+    result = sandbox.run_python("import ctypes, errno\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+                                "print(libc.unshare(0x10000000), errno.errorcode[ctypes.get_errno()])\n"
+                                "print(libc.shmget(0, 1 << 20, 0o1600), errno.errorcode[ctypes.get_errno()])")
+    assert result.ok and result.stdout.split() == ["-1", "ENOSPC", "-1", "ENOSPC"], result

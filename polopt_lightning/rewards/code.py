@@ -49,10 +49,17 @@ def _asserts(code: str) -> list[str]:
     except SyntaxError as exc:
         raise ValueError(f"the tests are neither JSON nor Python: {exc}") from None
     lines = code.splitlines()
-    chunks = [("\n".join(lines[node.lineno - 1:node.end_lineno]), isinstance(node, ast.Assert)) for node in tree.body]
+    first = (lambda node: min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", [])]))
+    chunks = [("\n".join(lines[first(node) - 1:node.end_lineno]), isinstance(node, ast.Assert)) for node in tree.body]
     prelude = "\n".join(text for text, is_assert in chunks if not is_assert)
     tests = [f"{prelude}\n{text}".strip("\n") for text, is_assert in chunks if is_assert]
-    return tests or ([code] if code.strip() else [])
+    if tests:
+        return tests
+    if not any(isinstance(node, ast.Expr) and isinstance(node.value, ast.Call) for node in tree.body):
+        # HumanEval's `test` defines check() without calling it: run as it is, any program would pass
+        raise ValueError("the test code asserts nothing and calls nothing at its top level (HumanEval's test "
+                         "defines check: append check(<the function's name>))")
+    return [code]
 
 
 def parse_tests(value: Any) -> list[dict[str, str] | str]:

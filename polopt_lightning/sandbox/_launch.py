@@ -88,7 +88,7 @@ def bind(src, root, writable=False):
         os.makedirs(target, exist_ok=True)
     elif not os.path.exists(target):
         open(target, "w").close()
-    mount(src, target, None, MS_BIND | MS_REC)
+    mount(src, target, None, MS_BIND)  # not recursive: a mount under it stays out (it would stay writable)
     flags = MS_REMOUNT | MS_BIND | MS_NOSUID | locked_flags(src) | (0 if writable else MS_RDONLY)
     mount(None, target, None, flags)
 
@@ -96,6 +96,11 @@ def bind(src, root, writable=False):
 def build_root(spec):
     """I's work: the new root, pivoted into; the working folder ``/sandbox`` filled with the spec's files."""
     limits = spec["limits"]
+    # no user namespace inside this one (its root would have every capability there: mounts, netfilter, ...), and no
+    # System V shared memory, message queues or semaphores (memory no process limit counts): this namespace's sysctls
+    for path, value in (("user/max_user_namespaces", "0"), ("kernel/shmmni", "0"), ("kernel/shmall", "0"),
+                        ("kernel/msgmni", "0"), ("kernel/sem", "0 0 0 0")):
+        write("/proc/sys/" + path, value)
     mount(None, "/", None, MS_REC | MS_PRIVATE)
     root = os.path.join(spec["files"], ".root")
     os.mkdir(root, 0o700)

@@ -232,12 +232,16 @@ class Sandbox:
         named = [b for b in self._user_binds if b in missing]
         if named or self.python in missing:  # namespaces work; what the settings ask of them does not
             raise ValueError(f"the sandbox cannot start with {'sandbox.binds=' + str(named) if named else 'sandbox.python=' + repr(self.python)}: {missing}")
-        if isolation == "auto" and allow_unisolated:
+        refused = any(w in missing for w in ("unshare", "user namespace", "uid_map", "gid_map", "setgroups",
+                                             "Linux's"))
+        if isolation == "auto" and allow_unisolated and refused:
             import warnings
 
             warnings.warn(f"the sandbox runs code without isolation (sandbox.allow_unisolated=true): {missing}",
                           stacklevel=3)
             return "none"
+        if not refused:  # the namespaces were granted; something after them failed: not a reason to run unisolated
+            raise SandboxUnavailable(f"the sandbox could not start its first program: {missing}")
         raise SandboxUnavailable(
             f"cannot isolate untrusted code on this machine: {missing}. Enable unprivileged user namespaces "
             "(sysctl kernel.unprivileged_userns_clone=1, or kernel.apparmor_restrict_unprivileged_userns=0 on Ubuntu; "
@@ -249,14 +253,15 @@ class Sandbox:
         if not sys.platform.startswith("linux"):
             return f"namespaces are Linux's, and this is {sys.platform}"
         key = (self.python, json.dumps(self.binds))
-        with _PROBE_LOCK:
-            if key not in _PROBES:
-                result = self._execute([self.python, "-I", "-S", "-c", "print('ok')"], {}, None, self.limits, True)
-                if result.ok and result.stdout.strip() == "ok":
-                    _PROBES[key] = None
-                else:
-                    _PROBES[key] = result.error or (result.stderr.strip() or f"exit status {result.returncode}")
-            return _PROBES[key]
+        with _PROBE_LOCK:  # a success is remembered; a failure is probed again (it may have been passing)
+            if key in _PROBES:
+                return None
+            # the probe's own limits (the defaults): a user's small ones must not pass for missing namespaces
+            result = self._execute([self.python, "-I", "-S", "-c", "print('ok')"], {}, None, Limits(), True)
+            if result.ok and result.stdout.strip() == "ok":
+                _PROBES[key] = None
+                return None
+            return result.error or (result.stderr.strip() or f"exit status {result.returncode}")
 
     # ------------------------------------------------------------------------------------------------------------
     def run(self, argv: Sequence[str], files: Mapping[str, str | bytes] | None = None, stdin: str | bytes | None = None,
@@ -309,14 +314,17 @@ class Sandbox:
                     "binds": self.binds, "parent": os.getpid()}
             spec_r, spec_w = os.pipe()
             try:
-                with os.fdopen(spec_w, "wb") as f:  # small: the pipe holds it before the launcher reads
-                    f.write(json.dumps(spec).encode())
                 proc = subprocess.Popen([sys.executable, "-I", "-S", "-B", _LAUNCHER, str(spec_r)],
                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                         start_new_session=True, env={}, close_fds=True, pass_fds=(spec_r,),
                                         cwd=folder)
             finally:
                 os.close(spec_r)
+            try:  # after the start: a spec larger than a pipe's buffer would block a write before it
+                with os.fdopen(spec_w, "wb") as f:
+                    f.write(json.dumps(spec).encode())
+            except BrokenPipeError:  # the launcher died first: its status says why
+                pass
             try:
                 out, err, timed_out, exceeded = _communicate(proc, stdin, limits)
             finally:
@@ -379,8 +387,12 @@ def _communicate(proc: subprocess.Popen, stdin: str | bytes | None, limits: Limi
                     break
             if exceeded:
                 break
-            if proc.poll() is not None and not any(k.fileobj is proc.stdin for k in sel.get_map().values()):
-                # ended: what its pipes still hold, and no waiting on a process it left holding them
+            if proc.poll() is not None:
+                # ended (its input unread, maybe): what its pipes still hold, no waiting on a process it left
+                # holding them
+                if any(k.fileobj is proc.stdin for k in sel.get_map().values()):
+                    sel.unregister(proc.stdin)
+                    proc.stdin.close()
                 _drain(sel, chunks, cap - total)
                 break
     if timed_out or exceeded:
