@@ -172,10 +172,12 @@ def _free_port():
         low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
     except (OSError, ValueError, IndexError):
         low = 32768
-    for port in random.sample(range(min(low, 32768) - 8000, min(low, 32768)), 200):
+    # a generator of its own: the global one is seeded by the tests before (seed_everything), so two workers running
+    # the two variants at once drew the same port (EADDRINUSE in CI); checked on every interface, as the store listens
+    for port in random.Random().sample(range(min(low, 32768) - 8000, min(low, 32768)), 200):
         with socket.socket() as sock:
             try:
-                sock.bind(("127.0.0.1", port))
+                sock.bind(("", port))
             except OSError:
                 continue
             return port
