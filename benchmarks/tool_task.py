@@ -33,24 +33,31 @@ COLUMNS = ["setting", "seed", "accuracy_before", "accuracy_after", "accuracy_bes
            "tool_calls_first", "tool_calls_last", "rl_wall_s"]
 
 
-def run(runs: Path, setting: str, seed: int, quick: bool, cache: Path, threads: int) -> dict:
-    run_dir = runs / f"{setting}-s{seed}"
+QUICK = ["warm_start.steps=20", "trainer.max_steps=4", "trainer.val_check_interval=2", "task.val_size=16",
+         "task.train_size=64", "data.val_batch_size=16"]
+
+
+def train_run(run_dir: Path, overrides: list[str], seed: int, quick: bool, cache: Path, threads: int
+              ) -> tuple[dict, list[dict]]:
+    """``polopt-train`` with ``overrides`` in ``run_dir`` (skipped where its ``results.json`` exists), the warm start
+    cached in ``cache``: its results and its logged metrics' rows."""
     if not (run_dir / "results.json").is_file():
-        args = [sys.executable, "-m", "polopt_lightning", "experiment=tool_arithmetic", *SETTINGS[setting],
-                f"seed={seed}", "trainer.enable_progress_bar=false", "callbacks.checkpoint=null", "callbacks.best=null",
-                f"num_threads={threads}", f"hydra.run.dir={run_dir}"]
-        if quick:
-            args += ["warm_start.steps=20", "trainer.max_steps=4", "trainer.val_check_interval=2", "task.val_size=16",
-                     "task.train_size=64", "data.val_batch_size=16"]
+        args = [sys.executable, "-m", "polopt_lightning", *overrides, f"seed={seed}", "trainer.enable_progress_bar=false",
+                "callbacks.checkpoint=null", "callbacks.best=null", f"num_threads={threads}",
+                f"hydra.run.dir={run_dir}", *(QUICK if quick else [])]
         start = time.perf_counter()
         proc = subprocess.run(args, env={**os.environ, "POLOPT_CACHE": str(cache)}, capture_output=True, text=True)
         if proc.returncode:
             raise SystemExit(f"{run_dir.name} failed:\n{proc.stderr[-3000:]}")
         print(f"{run_dir.name}: {time.perf_counter() - start:.0f} s", flush=True)
     results = json.loads((run_dir / "results.json").read_text())
-    calls = [float(line["train/tool_calls"]) for line in csv.DictReader(open(run_dir / "csv" / "version_0" /
-                                                                              "metrics.csv"))
-             if line.get("train/tool_calls")]
+    return results, list(csv.DictReader(open(run_dir / "csv" / "version_0" / "metrics.csv")))
+
+
+def run(runs: Path, setting: str, seed: int, quick: bool, cache: Path, threads: int) -> dict:
+    results, lines = train_run(runs / f"{setting}-s{seed}", ["experiment=tool_arithmetic", *SETTINGS[setting]], seed,
+                               quick, cache, threads)
+    calls = [float(line["train/tool_calls"]) for line in lines if line.get("train/tool_calls")]
     return {"setting": setting, "seed": seed, "accuracy_before": round(results["val_accuracy_before"], 4),
             "accuracy_after": round(results["val_accuracy_after"], 4),
             "accuracy_best": round(results["val_accuracy_best"], 4) if results.get("val_accuracy_best") else None,
@@ -76,44 +83,63 @@ def summarize(rows: list[dict], out: Path) -> str:
                  else "- (one turn: a call is not run)")
         lines.append(f"| {setting} | {len(rs)} | {median_range([r['accuracy_before'] for r in rs])} | "
                      f"{median_range([r['accuracy_after'] for r in rs])} | {calls} |")
-    tool = {r["seed"]: r["accuracy_after"] for r in rows if r["setting"] == "tool"}
     lines.append("")
     for other in ("no_tool", "direct"):
-        base = {r["seed"]: r["accuracy_after"] for r in rows if r["setting"] == other}
-        seeds = sorted(set(tool) & set(base))
-        if seeds:
-            diffs = [tool[s] - base[s] for s in seeds]
-            lines.append(f"- tool minus {other}, after RL, same seeds: median {100 * statistics.median(diffs):+.1f} "
-                         f"points (per seed: {', '.join(f'{100 * d:+.1f}' for d in diffs)})")
+        lines += seed_differences(rows, "tool", other, "tool minus " + other)
     text = "\n".join(lines) + "\n"
     (out / "summary.md").write_text(text)
     return text
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def seed_differences(rows: list[dict], mine: str, base: str, label: str, key: str = "setting") -> list[str]:
+    """One line: the median and per-seed difference of ``mine``'s accuracy after RL less ``base``'s (rows whose
+    ``key`` is each), over their common seeds; none without one."""
+    after = {name: {r["seed"]: r["accuracy_after"] for r in rows if r[key] == name} for name in (mine, base)}
+    seeds = sorted(set(after[mine]) & set(after[base]))
+    if not seeds:
+        return []
+    diffs = [after[mine][s] - after[base][s] for s in seeds]
+    return [f"- {label}, after RL, same seeds: median {100 * statistics.median(diffs):+.1f} points (per seed: "
+            f"{', '.join(f'{100 * d:+.1f}' for d in diffs)})"]
+
+
+def study_arguments(doc: str | None) -> argparse.ArgumentParser:
+    """The arguments of a study of runs: ``--out``, ``--runs``, ``--seeds``, ``--quick``, ``--jobs``."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, required=True, help="results.csv and summary.md")
     parser.add_argument("--runs", type=Path, help="the runs' own folders (default <out>/runs)")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--quick", action="store_true", help="a tiny budget: checks the pipeline only")
     parser.add_argument("--jobs", type=int, default=1, help="runs at a time (each with cores / jobs threads)")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def run_study(args: argparse.Namespace, run_one, firsts: list[tuple], seconds: list[tuple], columns: list[str]
+              ) -> list[dict]:
+    """``run_one(runs, *key, quick, cache, threads)`` for every key, ``args.jobs`` at a time, ``firsts`` before
+    ``seconds`` (a seed's first run makes the warm start that its others load from the cache); the rows written to
+    ``<out>/results.csv``."""
     out, runs = args.out, args.runs or args.out / "runs"
     out.mkdir(parents=True, exist_ok=True)
     threads = max(1, (os.cpu_count() or 1) // args.jobs)
     cache = runs / "cache"
-    # the tool run of a seed first: it makes the warm start its no-tool run then loads from the cache
-    keys = [(setting, seed) for seed in args.seeds for setting in SETTINGS]
     with ThreadPoolExecutor(args.jobs) as pool:
-        first = list(pool.map(lambda k: run(runs, *k, args.quick, cache, threads),
-                              [k for k in keys if k[0] != "no_tool"]))
-        rows = first + list(pool.map(lambda k: run(runs, *k, args.quick, cache, threads),
-                                     [k for k in keys if k[0] == "no_tool"]))
+        rows = list(pool.map(lambda k: run_one(runs, *k, args.quick, cache, threads), firsts))
+        rows += list(pool.map(lambda k: run_one(runs, *k, args.quick, cache, threads), seconds))
     with open(out / "results.csv", "w", newline="") as fh:
-        writer = csv.DictWriter(fh, fieldnames=COLUMNS)
+        writer = csv.DictWriter(fh, fieldnames=columns)
         writer.writeheader()
         writer.writerows(rows)
-    print(summarize(rows, out))
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = study_arguments(__doc__).parse_args(argv)
+    # the tool run of a seed first: it makes the warm start its no-tool run then loads from the cache
+    keys = [(setting, seed) for seed in args.seeds for setting in SETTINGS]
+    rows = run_study(args, run, [k for k in keys if k[0] != "no_tool"], [k for k in keys if k[0] == "no_tool"],
+                     COLUMNS)
+    print(summarize(rows, args.out))
 
 
 if __name__ == "__main__":

@@ -64,7 +64,8 @@ def _rewards(cfg: DictConfig, task: Any, task_rewards: dict[str, Any]) -> dict[s
         weights = spec.get("weights")
         weights = OmegaConf.to_container(weights, resolve=True) if OmegaConf.is_config(weights) else weights
         try:
-            return RewardComposer(functions, weights=weights, on_error=spec.get("on_error", "raise"))
+            return RewardComposer(functions, weights=weights, on_error=spec.get("on_error", "raise"),
+                                  aggregation=spec.get("aggregation", "sum"))
         except ValueError as err:
             if str(err).startswith("reward weights"):  # named by its key: reward.weights, task.rewards.<t>.weights
                 raise ValueError(f"{key}.weights: {err}") from None
@@ -235,8 +236,8 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     # every concern's settings before anything loads or trains: a bad value fails in a second, naming its key
     # (the rollout backend and the CPU fast path also check what they need installed)
     check_config(cfg)
-    objective, experience, update, reference, engine, accel = (
-        _built_early(cfg, g) for g in ("objective", "experience", "update", "reference", "rollout", "accel"))
+    objective, experience, update, reference, engine, accel, critic = (
+        _built_early(cfg, g) for g in ("objective", "experience", "update", "reference", "rollout", "accel", "critic"))
     anchor = _built_early(cfg, "anchor") if (cfg.get("anchor") or {}).get("_target_") else None
     if objective is not None and update is not None:  # the update's terms check themselves against the objective
         Updater(None, objective, None, engine, update, TorchLoop())  # (a token-level sampler correction for GSPO)
@@ -284,6 +285,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         model, tokenizer, objective=objective, **rewards,
         generation=OmegaConf.to_container(cfg.generation, resolve=True), experience=experience, update=update,
         optimizer=optimizer, reference=reference, rollout_engine=engine, accel=accel, anchor=anchor, seed=cfg.seed,
+        critic=critic,
     )
     loggers = _instantiate_all(cfg.get("logger"))
     history = ValidationHistory(monitor="val/accuracy", mode="max")
@@ -452,7 +454,7 @@ MOVED_KEYS = {
     **{f"module.{old}": f"{group}.{new}" for old, (group, new) in MOVED_ARGUMENTS.items()},
 }
 # groups added since runs were first saved: a saved run without them took their defaults
-NEW_GROUPS = ("rollout", "accel", "experience", "update", "reference")
+NEW_GROUPS = ("rollout", "accel", "experience", "update", "reference", "critic")
 # values a saved run wrote that mean what the shipped config now writes otherwise: key -> {saved: now}
 # (Dr. GRPO's normaliser fell back to 256 when no generation block existed; generation is now a group, always there)
 REWRITTEN_VALUES = {"objective.max_completion_length": {"${oc.select:generation.max_new_tokens,256}":

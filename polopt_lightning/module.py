@@ -23,7 +23,7 @@ from ._hf import stop_token_ids
 from .data.datamodule import ExtraPrompts, batch_rows
 from .distributed import all_reduce, world_size
 from .models import disable_dropout as _disable_dropout
-from .models import enable_gradient_checkpointing, prepare_tokenizer, prepare_trainable
+from .models import enable_gradient_checkpointing, evaluating, prepare_tokenizer, prepare_trainable
 from .objectives import Objective, SupervisedAnchor, as_objective
 from .optim import optimizer_and_schedule, optimizer_factory
 from .resume import load_weights, restore_state, save_state, settings_record
@@ -31,6 +31,8 @@ from .rewards import MixtureRewards, RewardComposer, RewardOutput, TrainerState,
 from .rng import restore_rng
 from .rollout import RolloutBatch, RolloutEngine, SamplingConfig, build_engine
 from .settings import MOVED_ARGUMENTS, settings_of, with_moved
+from .step.advantages import get_estimator
+from .step.critic import CriticConfig, build_critic, token_values
 from .step.experience import Experience, ExperienceConfig, ExperienceMaker
 from .step.logprobs import Scorer
 from .step.loop import LightningLoop
@@ -88,6 +90,12 @@ class PolicyOptimizationModule(L.LightningModule):
             loss at every optimizer step; its schedule is run by an :class:`~polopt_lightning.callbacks.
             AnchorScheduler` that this module adds to the trainer.
         seed: seeds the sampling generator (offset by the global rank).
+        critic: PPO's critic settings (:class:`~polopt_lightning.step.critic.CriticConfig`, or a dict of its fields),
+            used where the advantage estimator is ``gae`` (``objective="ppo"``): the module then holds a value model
+            (``critic_model``, else ``critic.name_or_path``'s: a copy of the policy's trunk with a value head) and trains it
+            in the same optimizer steps, its learning rate ``critic.lr``; it is saved in checkpoints.
+        critic_model: the value model itself (a :class:`~polopt_lightning.step.critic.ValueModel`, or any module mapping
+            ``(input_ids, attention_mask, position_ids)`` to ``[B, L]`` values).
 
     The keyword arguments of earlier releases (``num_generations=``, ``mini_batches=``, ``ref_dtype=``, ``lr=``, ...:
     :data:`~polopt_lightning.settings.MOVED_ARGUMENTS`) still work, with a FutureWarning naming their new place.
@@ -113,6 +121,8 @@ class PolicyOptimizationModule(L.LightningModule):
         accel: Any = None,
         anchor: SupervisedAnchor | Mapping[str, Any] | None = None,
         seed: int = 0,
+        critic: CriticConfig | Mapping[str, Any] | None = None,
+        critic_model: nn.Module | None = None,
         **moved: Any,
     ) -> None:
         super().__init__()
@@ -145,9 +155,29 @@ class PolicyOptimizationModule(L.LightningModule):
         self.val_sampling = SamplingConfig.of(val_generation, max_new_tokens=self.sampling.max_new_tokens,
                                               temperature=0.0)
         self.accel = accelerators.training(accel)
+        # PPO's critic, where the advantages come from a value per token (experience.advantage_estimator gae)
+        self.critic_config = CriticConfig.of(critic)
+        estimator = self.experience_config.estimator(objective.advantage_estimator)
+        self.critic: nn.Module | None = None
+        if get_estimator(estimator).baseline == "critic":
+            if not objective.accepts_token_advantages:
+                raise ValueError(f"experience.advantage_estimator={estimator} gives an advantage per token, and the "
+                                 f"{type(objective).__name__} objective takes one per completion: use objective=ppo "
+                                 "(or grpo, dapo, ...), or another estimator")
+            self.critic = critic_model if critic_model is not None else build_critic(model, self.critic_config)
+            self.critic.train()
+        elif critic_model is not None:
+            raise ValueError(f"critic_model is given, but experience.advantage_estimator={estimator} uses no critic "
+                             "(gae does; objective=ppo picks it)")
+        if self.experience_config.turn_credit == "turn" and not objective.accepts_token_advantages:
+            raise ValueError(f"experience.turn_credit=turn gives each turn's tokens their own advantage, and the "
+                             f"{type(objective).__name__} objective takes one per completion: use grpo, dapo, ppo, "
+                             "cispo or sapo (or gspo_token), or turn_credit=episode")
         # rollout, rewards, dynamic sampling, advantages and the anchor's targets: one step's experience
         self.experience = ExperienceMaker(self.tokenizer, self.rewards, self.experience_config, anchor,
-                                          objective.advantage_scale, self.reference_config)
+                                          objective.advantage_scale, self.reference_config,
+                                          objective.advantage_estimator,
+                                          self.critic_config if self.critic is not None else None)
         self.engine = build_engine(rollout_engine)
         staleness = self.experience_config.max_staleness
         self.pipeline = RolloutPipeline(staleness) if staleness > 0 else None
@@ -165,6 +195,8 @@ class PolicyOptimizationModule(L.LightningModule):
         self.seed = seed
         if config.disable_dropout:
             _disable_dropout(self.policy)
+            if self.critic is not None:
+                _disable_dropout(self.critic)
         # the reference exists when the KL term or the reward penalty needs it, or when the KL is watched (track_kl)
         self.ref_model, self.shared_reference, ref_quant = build_reference(
             model, self.reference_config.needed(objective.beta), ref_model, self.reference_config)
@@ -175,7 +207,8 @@ class PolicyOptimizationModule(L.LightningModule):
         self.scorer = Scorer(model, self.ref_model, self.shared_reference, config, self.sampling.logprob_temperature)
         self.updater = Updater(model, objective, self.scorer, self.engine, config, LightningLoop(self), anchor=anchor,
                                reference=self.reference_config.needed(objective.beta), seed=seed,
-                               reuse_sampling_logprobs=self.reuse_sampling_logprobs)
+                               reuse_sampling_logprobs=self.reuse_sampling_logprobs, critic=self.critic,
+                               critic_config=self.critic_config)
         self.val_metrics = nn.ModuleDict({k: MeanMetric(nan_strategy="ignore")
                                           for k in ("accuracy", "reward", *(f"{t}/accuracy" for t in self.tasks))})
         self._generator: torch.Generator | None = None
@@ -186,7 +219,7 @@ class PolicyOptimizationModule(L.LightningModule):
         self.whole_parameters = WholeParameters(model)
         self.save_hyperparameters(ignore=["model", "tokenizer", "objective", "reward_fns", "ref_model", "moved",
                                           "rollout_engine", "accel", "optimizer", "anchor", "experience", "update",
-                                          "reference"])
+                                          "reference", "critic", "critic_model"])
         self.hparams.update(settings_record(self, ref_quant.mode))
 
     # ------------------------------------------------------------------------------------------------------------
@@ -196,9 +229,13 @@ class PolicyOptimizationModule(L.LightningModule):
         return self.update_config.off_policy
 
     def configure_optimizers(self):
-        params = [p for p in self.policy.parameters() if p.requires_grad]
+        params: list[Any] = [p for p in self.policy.parameters() if p.requires_grad]
+        adjust = None
+        if self.critic is not None:  # a group of its own, at its own learning rate
+            params = [{"params": params}, {"params": [p for p in self.critic.parameters() if p.requires_grad]}]
+            adjust = self.critic_config.set_lr
         return optimizer_and_schedule(params, self.optimizer_factory, self.update_config, self._trainer,
-                                      self.updater.clips_in_place)
+                                      self.updater.clips_in_place, adjust)
 
     def _sampling_generator(self) -> torch.Generator:
         if self._generator is None or self._generator.device != self.device:
@@ -240,6 +277,8 @@ class PolicyOptimizationModule(L.LightningModule):
         shard_fully(self.policy, mesh["data_parallel"], reshard)
         if self.ref_model is not None:
             shard_fully(self.ref_model, mesh["data_parallel"], reshard)
+        if self.critic is not None:
+            shard_fully(self.critic, mesh["data_parallel"], reshard)
 
     def score(self, batch: Mapping[str, Any], rollout: RolloutBatch) -> RewardOutput:
         """Decode completions and run the reward functions (:meth:`ExperienceMaker.score`)."""
@@ -264,9 +303,25 @@ class PolicyOptimizationModule(L.LightningModule):
         def sample(prompts: Mapping[str, Any]) -> RolloutBatch:
             return submitted.pop().result() if submitted else self.rollout(prompts, self.sampling, G)
 
+        greedy = replace(self.sampling, temperature=0.0)
         with self.whole_parameters(getattr(self._trainer, "strategy", None)):
             return self.experience.make(batch, sample, lambda: self.extra_prompts.next(self.trainer, self.device),
-                                        self.device, self.trainer_state(), reference=self.scorer.reference)
+                                        self.device, self.trainer_state(), reference=self.scorer.reference,
+                                        greedy=lambda prompts: self.rollout(prompts, greedy, 1),
+                                        values=self.critic_values if self.critic is not None else None)
+
+    def critic_values(self, exp: Experience) -> Tensor:
+        """The critic's values ``[N, T]`` at the rollout's completion tokens at sampling time (GAE's), without
+        gradient, in pieces of ``update.micro_batch_tokens``."""
+        from .step.update import micro_batches
+
+        out = torch.zeros(exp.completion_ids.shape, dtype=torch.float32, device=exp.completion_ids.device)
+        rows = torch.arange(exp.completion_ids.shape[0], device=exp.completion_ids.device)
+        with torch.no_grad(), evaluating(self.critic):
+            for piece in micro_batches(exp, rows, self.update_config.micro_batch_tokens, False):
+                width = max(int(exp.attention_mask[piece].sum(-1).max()), 1)
+                out[piece, :width] = token_values(self.critic, exp, piece, width)
+        return out
 
     def reference_logprobs(self, exp: Experience) -> Tensor:
         """Log-probs ``[N, T]`` of the rollout's completions under the KL reference: :meth:`.logprobs.Scorer.reference`,

@@ -53,7 +53,8 @@ def build_optimizer(
     """An AdamW of the kind ``name`` names.
 
     Args:
-        params: the parameters to optimise.
+        params: the parameters to optimise, or parameter groups (dicts with ``params`` and settings of their own, as
+            torch's optimizers take them: the critic's group).
         name: ``adamw`` (torch's), ``adamw_8bit`` (bitsandbytes: moments in 8 bits, 75% less optimizer memory;
             CPU and GPU), ``paged_adamw`` / ``paged_adamw_8bit`` (bitsandbytes: moments in CUDA unified memory that
             pages to the host under memory pressure; CUDA only, refused elsewhere).
@@ -77,7 +78,7 @@ def build_optimizer(
         return torch.optim.AdamW(params, **kwargs)
     import bitsandbytes as bnb
 
-    devices = {p.device.type for p in params}
+    devices = {p.device.type for entry in params for p in (entry["params"] if isinstance(entry, dict) else [entry])}
     if name.startswith("paged") and devices != {"cuda"}:
         # bitsandbytes would fall back to an ordinary optimizer with a warning: paging means nothing off CUDA
         raise ValueError(f"{key}={name} pages optimizer state through CUDA unified memory, but the parameters are on "
@@ -87,8 +88,9 @@ def build_optimizer(
     return cls(params, **kwargs)
 
 
-def optimizer_and_schedule(params: list[torch.nn.Parameter], factory: Callable[..., torch.optim.Optimizer],
-                           config: Any, trainer: Any, clips_in_place: Callable[[], bool]) -> dict[str, Any]:
+def optimizer_and_schedule(params: list[Any], factory: Callable[..., torch.optim.Optimizer],
+                           config: Any, trainer: Any, clips_in_place: Callable[[], bool],
+                           adjust: Callable[[torch.optim.Optimizer], None] | None = None) -> dict[str, Any]:
     """What the module's ``configure_optimizers`` returns: ``factory(params)`` and the learning-rate schedule of the
     ``update`` settings ``config`` (:func:`~polopt_lightning.step.update.lr_factor`, warm-up then decay over the
     ``trainer``'s ``max_steps``, stepped every optimizer step).
@@ -96,7 +98,8 @@ def optimizer_and_schedule(params: list[torch.nn.Parameter], factory: Callable[.
     Lightning's mixed-precision plugins refuse to clip the gradients of an optimizer that unscales them itself (as
     torch's fused AdamW declares it does). Where the step clips through Lightning (a loss scaler, sharded gradients:
     ``clips_in_place()`` is false) this project's factory then builds the unfused kernel; under bf16-mixed the step
-    clips in place and keeps the fused one (several times faster at 0.5B: docs/performance.md).
+    clips in place and keeps the fused one (several times faster at 0.5B: docs/performance.md). ``adjust`` changes the
+    optimizer before the schedule takes its groups' learning rates as their peaks.
     """
     from lightning.pytorch.plugins.precision import MixedPrecision
 
@@ -107,6 +110,8 @@ def optimizer_and_schedule(params: list[torch.nn.Parameter], factory: Callable[.
     if mixed and config.max_grad_norm and ours and not clips_in_place():
         factory = partial(factory, fused=False)
     optimizer = factory(params)
+    if adjust is not None:  # e.g. a parameter group's learning rate from the others' (the critic's)
+        adjust(optimizer)
     total = trainer.max_steps if trainer is not None and trainer.max_steps > 0 else 0
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, partial(lr_factor, schedule=config.lr_schedule, warmup=config.warmup_steps, total=total,

@@ -64,7 +64,7 @@ def test_weighted_moments_with_fewer_than_two_counted_and_a_small_variance():
 
 
 def test_register_estimator_checks_and_stores():
-    with pytest.raises(ValueError, match="baseline must be group, leave_one_out or none, got 'median'"):
+    with pytest.raises(ValueError, match="baseline must be one of .*'group', 'leave_one_out', 'none'.*, got 'median'"):
         register_estimator(AdvantageEstimator("x_bad", "median", None, False, ""))
     with pytest.raises(ValueError, match="default_scale must be one of"):
         register_estimator(AdvantageEstimator("x_bad", "group", "token", False, ""))

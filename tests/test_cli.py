@@ -135,8 +135,8 @@ def test_every_group_value_composes_and_builds(group, value, tmp_path):
 
 def test_unknown_group_value_lists_the_known_ones():
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        with pytest.raises(Exception, match="(?s)Could not find 'objective/ppo'.*gspo"):
-            compose(config_name="train", overrides=["objective=ppo"])
+        with pytest.raises(Exception, match="(?s)Could not find 'objective/trpo'.*gspo"):
+            compose(config_name="train", overrides=["objective=trpo"])
 
 
 def test_train_function_writes_results_and_metrics(tmp_path):
@@ -628,6 +628,6 @@ def test_help_lists_the_groups_to_choose_from_not_the_schemas(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = proc.stdout
     assert out.startswith("polopt-train: RL post-training") and "docs/configuration.md" in out
-    assert "\nobjective: bnpo, cispo, dapo, dr_grpo, grpo, gspo, gspo_token, sapo\n" in out
+    assert "\nobjective: bnpo, cispo, dapo, dr_grpo, grpo, gspo, gspo_token, ppo, sapo\n" in out
     groups = out.split("== Configuration groups ==")[1].split("== Config ==")[0]
     assert "_schema" not in groups and "UpdateConfig" not in groups and "is powered by Hydra" not in out

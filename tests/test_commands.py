@@ -124,6 +124,7 @@ SANDBOX_REFUSED = _sandbox_refused()
 SERVER = "polopt-serve --port 8000"  # docs/async.md: the server rollout=server samples on, started first
 RUNS = {
     "polopt-train objective=gspo trainer.max_steps=50": Run(ARITHMETIC),
+    "polopt-train objective=ppo critic.warmup_steps=5": Run(ARITHMETIC),
     "polopt-train -m objective=grpo,gspo seed=0,1,2": Run(ARITHMETIC, runs=6),
     # a GPU recipe: where torch sees no CUDA device it stops first on that, naming trainer.accelerator
     "polopt-train experiment=gsm8k": Run(["trainer.max_steps=2"], env=OFFLINE,
@@ -198,6 +199,7 @@ ELSEWHERE = {
     "python3 -m venv .venv-vllm && .venv-vllm/bin/pip install -q -e \".[vllm]\"": ("benchmarks/gpu_check.sh", "vllm"),
     SERVER: ("tests/test_commands.py", "background=SERVER"),
     "pip install -e \".[bench]\"": ("tests/test_real_scale_benchmark.py", "trl"),
+    "python benchmarks/ppo_study.py --out docs/ppo --jobs 2": ("tests/test_ppo_study_benchmark.py", "ppo_study.py"),
     "python benchmarks/tool_task.py --out docs/multi_turn --jobs 2": ("tests/test_tool_task_benchmark.py",
                                                                       "tool_task"),
     "python benchmarks/multitask.py --out docs/multitask --runs /tmp/multitask --jobs 2":

@@ -34,7 +34,12 @@ def _update(tmp_path, world, *args):
     return torch.load(out, weights_only=True)
 
 
-@pytest.mark.parametrize("args", [("grpo", "micro_batch_tokens=40"), ("gspo", "advantage_scale=batch", "anchor=0.5"),
+@pytest.mark.parametrize("args", [# PPO: the critic's values, GAE whitened over every process's tokens, the value loss a
+                                  # token mean over them (micro-batches), the KL penalty per token, the critic clipped
+                                  # by its own norm
+                                  ("ppo", "critic_lr=0.5", "micro_batch_tokens=40", "kl_in_reward=0.1",
+                                   "mini_batches=2", "max_grad_norm=1.0"),
+                                  ("gspo", "advantage_scale=batch", "anchor=0.5"),
                                   ("dr_grpo", "beta=0.5"),
                                   ("grpo", "micro_batch_tokens=40", "strategy=fsdp", "beta=0.5", "anchor=0.5"),
                                   ("grpo", "width=512", "beta=0.5"),
@@ -57,13 +62,16 @@ def _update(tmp_path, world, *args):
                                   ("grpo", "skew=true", "max_new_tokens=12", "beta=0.2", "anchor=0.5",
                                    "balance_tokens=true"),
                                   ("grpo", "skew=true", "max_new_tokens=12", "mini_batches=2", "strategy=fsdp",
-                                   "micro_batch_tokens=40")],
-                         ids=["grpo-token-mean-micro-batches", "gspo-batch-scale-anchor", "dr_grpo-kl",
+                                   "micro_batch_tokens=40"),
+                                  # PPO under FSDP2: the critic sharded too, in the optimizer's second group (plain SGD:
+                                  # AdamW's first steps on the zero-started head's tiny gradients amplify rounding)
+                                  ("ppo", "strategy=fsdp", "critic_lr=0.5", "mini_batches=2")],
+                         ids=["ppo-critic-micro-batches-kl-in-reward-clip", "gspo-batch-scale-anchor", "dr_grpo-kl",
                               "fsdp-grpo-kl-anchor", "grpo-kl-onednn-linear", "cispo-reinforce-pp-whitened",
                               "grpo-entropy-bonus-top-mask-kl-in-reward", "fused-head-padding-free-entropy-bonus-kl",
                               "shipped-clip-adamw-2-mini-batches",
                               "fsdp-shipped-clip-adamw-2-mini-batches", "gspo-sampler-gap", "balanced-skewed-kl-anchor",
-                              "fsdp-balanced-skewed-2-mini-batches"])
+                              "fsdp-balanced-skewed-2-mini-batches", "fsdp-ppo-critic-2-mini-batches"])
 def test_one_ddp_update_equals_the_single_process_update(args, tmp_path):
     one = _update(tmp_path, 1, *[a for a in args if not a.startswith("strategy=")])
     two = _update(tmp_path, 2, *args)  # DDP, or FSDP2 (the weights sharded over the 2 processes)

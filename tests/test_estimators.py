@@ -57,11 +57,12 @@ def test_grpo_is_the_group_relative_estimator_unchanged():
     rewards = torch.tensor([1.0, 0.0, 2.0, 2.0, 0.5, 1.5])
     for scale in ("group", "batch", "none"):
         assert torch.equal(estimate_advantages(rewards, 2, "grpo", scale), group_relative_advantages(rewards, 2, scale))
-    assert set(ADVANTAGE_ESTIMATORS) == {"grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"}
+    assert set(ADVANTAGE_ESTIMATORS) == {"grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "remax", "pass_at_k",
+                                         "gae"}
     with pytest.raises(ValueError, match="experience.advantage_estimator must be one of"):
         estimate_advantages(rewards, 2, "ppo")
-    with pytest.raises(ValueError, match=r"experience.advantage_estimator must be one of \['grpo', 'reinforce_pp'"):
-        ExperienceConfig(advantage_estimator="gae")
+    with pytest.raises(ValueError, match=r"experience.advantage_estimator must be one of \['gae', 'grpo', 'pass_at_k'"):
+        ExperienceConfig(advantage_estimator="trpo")
 
 
 def test_a_group_of_one_is_refused_by_the_estimators_with_a_group_baseline():

@@ -93,7 +93,8 @@ def test_checkpoint_resumes(tmp_path, tiny, arithmetic_rows):
     "kwargs,error,match",
     [
         ({"experience": {"num_generations": 1}}, ValueError, "experience.num_generations must be >= 2"),
-        ({"objective": "ppo"}, KeyError, "unknown objective 'ppo'; known objectives: bnpo, cispo, dapo, dr_grpo, grpo, gspo, sapo"),
+        ({"objective": "trpo"}, KeyError,
+         "unknown objective 'trpo'; known objectives: bnpo, cispo, dapo, dr_grpo, grpo, gspo, ppo, sapo"),
         ({"update": {"mini_batches": 0}}, ValueError, "update.mini_batches must be >= 1"),
         ({"reward_fns": None}, ValueError, "reward_fns is required"),
         ({"accuracy_reward": "nope"}, ValueError, "accuracy_reward='nope'"),

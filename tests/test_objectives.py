@@ -350,8 +350,10 @@ def test_registry_and_presets():
     assert (dapo.clip_low, dapo.clip_high, dapo.aggregation) == (0.2, 0.28, "token-mean")
     dr = build_objective("dr_grpo", max_completion_length=64)
     assert (dr.aggregation, dr.max_completion_length, dr.advantage_scale) == ("seq-mean-token-sum-norm", 64, "none")
-    with pytest.raises(KeyError, match="known objectives: .*dapo.*grpo"):
-        build_objective("ppo")
+    with pytest.raises(KeyError, match="known objectives: .*dapo.*grpo.*ppo"):
+        build_objective("trpo")
+    ppo = build_objective("ppo")
+    assert (ppo.aggregation, ppo.clip_low, ppo.advantage_estimator) == ("token-mean", 0.2, "gae")
 
 
 @pytest.mark.parametrize(

@@ -20,6 +20,7 @@ from .base import (
 from .cispo import CISPO
 from .grpo import AGGREGATIONS, GRPO, bnpo, dapo, dr_grpo
 from .gspo import GSPO
+from .ppo import PPO
 from .sapo import SAPO
 
 __all__ = [
@@ -30,6 +31,7 @@ __all__ = [
     "GSPO",
     "KL_ESTIMATORS",
     "Objective",
+    "PPO",
     "SupervisedAnchor",
     "ObjectiveOutput",
     "SAPO",

@@ -53,6 +53,9 @@ class Objective:
     advantage_scale: str = "group"
     #: whether ``advantages`` may be ``[B, T]`` (per token) instead of ``[B]``.
     accepts_token_advantages: bool = False
+    #: the advantage estimator a step uses when ``experience.advantage_estimator`` is null (PPO's ``gae``); ``None``:
+    #: ``grpo``.
+    advantage_estimator: str | None = None
 
     def __call__(
         self,

@@ -16,6 +16,10 @@ import torch
 from torch import Tensor
 
 ON_ERROR = ("raise", "none")
+#: how the functions' rewards become one: their weighted sum, or each normalised within its group first (GDPO)
+AGGREGATIONS = ("sum", "normalize_each")
+# a group whose rewards from one function spread less than this carries none of its signal
+_FLAT = 1e-6
 
 
 @runtime_checkable
@@ -141,6 +145,14 @@ class RewardComposer:
         on_error: ``"raise"`` (default) raises :class:`RewardError` naming the function and sample index;
             ``"none"`` turns the bad sample's reward into ``None`` with a warning and counts it in
             ``reward_errors/<name>``. Nothing is silently zeroed.
+        aggregation: ``"sum"``, the weighted sum of the functions' rewards (TRL's ``sum_then_normalize``);
+            ``"normalize_each"``, each function's rewards normalised within their group first (``(r - mean) / std``
+            over the group's completions that have one; 0 for a group where they are all equal), then the weighted sum
+            (GDPO, Liu et al. 2026; TRL's ``multi_objective_aggregation="normalize_then_sum"``): a function whose
+            rewards spread widely no longer drowns the others, and two functions' different combinations no longer
+            collapse into the same advantage. It acts where completions come in groups (training), with the group size
+            given to the call; the logged ``reward`` stays the weighted sum of the raw rewards. GDPO then scales the
+            sum over the batch: ``experience.advantage_scale=batch``.
 
     Each function is logged under its name (:attr:`names`: its ``__name__``, the class name, ``_2`` added to a repeat)
     and known by its key too (:attr:`keys`: the mapping's key; for a list, its name): weights, ``set_weights`` and the
@@ -152,7 +164,11 @@ class RewardComposer:
         reward_fns: Sequence[Callable] | Mapping[str, Callable] | Callable,
         weights: Sequence[float] | Mapping[str, float] | None = None,
         on_error: str = "raise",
+        aggregation: str = "sum",
     ) -> None:
+        if aggregation not in AGGREGATIONS:
+            raise ValueError(f"reward.aggregation must be one of {AGGREGATIONS}, got {aggregation!r}")
+        self.aggregation = aggregation
         if callable(reward_fns):
             reward_fns = [reward_fns]
         keys = [str(k) for k in reward_fns] if isinstance(reward_fns, Mapping) else None
@@ -220,7 +236,11 @@ class RewardComposer:
         return per_function[:, self.names.index(self.resolve(name, "accuracy_reward") if name else self.names[0])]
 
     # ------------------------------------------------------------------------------------------------------------
-    def __call__(self, prompts: list[str], completions: list[str], **columns: Any) -> RewardOutput:
+    def __call__(self, prompts: list[str], completions: list[str], group_size: int | None = None,
+                 **columns: Any) -> RewardOutput:
+        """The rewards of ``completions`` (``columns``: the reward functions' extra arguments). ``group_size``: the
+        completions come in groups of this many, one after the other (``aggregation="normalize_each"`` normalises each
+        function's rewards within them)."""
         n = len(completions)
         if len(prompts) != n:
             raise ValueError(f"got {len(prompts)} prompts for {n} completions; pass one prompt per completion")
@@ -248,8 +268,27 @@ class RewardComposer:
             per_function[:, j] = values
             errors[j] = n_err
 
-        total = self.combine(per_function)
+        total = self.combine(self.normalized(per_function, group_size))
         return RewardOutput(per_function=per_function, total=total, metrics=self.summarize(per_function, errors))
+
+    def normalized(self, per_function: Tensor, group_size: int | None) -> Tensor:
+        """``[N, F]`` rewards as :meth:`combine` sums them: as they are (``aggregation="sum"``, or no groups), or each
+        function's normalised within each group of ``group_size`` consecutive completions (NaN kept)."""
+        if self.aggregation == "sum" or not group_size or group_size < 2:
+            return per_function
+        if per_function.shape[0] % group_size:
+            raise ValueError(f"reward.aggregation=normalize_each: {per_function.shape[0]} completions are not whole "
+                             f"groups of {group_size}")
+        grouped = per_function.view(-1, group_size, per_function.shape[1])  # [P, G, F]
+        valid = torch.isfinite(grouped)
+        count = valid.sum(1, keepdim=True)
+        values = torch.where(valid, grouped, torch.zeros_like(grouped))
+        mean = values.sum(1, keepdim=True) / count.clamp(min=1)
+        sq = torch.where(valid, (grouped - mean) ** 2, torch.zeros_like(grouped)).sum(1, keepdim=True)
+        std = (sq / (count - 1).clamp(min=1)).sqrt()
+        flat = (count < 2) | (std <= _FLAT)
+        out = torch.where(flat, torch.zeros_like(grouped), (grouped - mean) / std.clamp(min=_FLAT))
+        return torch.where(valid, out, grouped).view_as(per_function)
 
     def combine(self, per_function: Tensor) -> Tensor:
         """Weighted sum over the functions that gave a value (TRL's nansum); NaN where none did."""

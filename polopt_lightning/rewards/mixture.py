@@ -110,10 +110,14 @@ class MixtureRewards:
         return torch.tensor(ids, dtype=torch.long)
 
     # ------------------------------------------------------------------------------------------------------------
-    def __call__(self, prompts: list[str], completions: list[str], **columns: Any) -> RewardOutput:
+    def __call__(self, prompts: list[str], completions: list[str], group_size: int | None = None,
+                 **columns: Any) -> RewardOutput:
+        """Each row scored by its task's composer; ``group_size``: the rows come in groups of this many (a group's
+        rows share a prompt, so a task), for a composer that normalises within groups (its ``aggregation``)."""
         n = len(completions)
         ids = self.task_ids(columns, n)
         per_function = torch.full((n, len(self.names)), float("nan"))
+        combined = per_function.clone()  # what each composer sums (its aggregation's)
         errors = torch.zeros(len(self.names))
         for t, (task, composer) in enumerate(self.composers.items()):
             rows = torch.nonzero(ids == t).flatten().tolist()
@@ -122,8 +126,9 @@ class MixtureRewards:
             sub = {k: ([v[i] for i in rows] if isinstance(v, (list, tuple)) else v) for k, v in columns.items()}
             out = composer([prompts[i] for i in rows], [completions[i] for i in rows], **sub)
             per_function[rows, self._columns[task]] = out.per_function
+            combined[rows, self._columns[task]] = composer.normalized(out.per_function, group_size)
             errors[self._columns[task]] = torch.stack([out.metrics[f"reward_errors/{fn}"] for fn in composer.names])
-        return RewardOutput(per_function=per_function, total=self.combine(per_function),
+        return RewardOutput(per_function=per_function, total=self.combine(combined),
                             metrics=self.summarize(per_function, errors))
 
     def combine(self, per_function: Tensor) -> Tensor:

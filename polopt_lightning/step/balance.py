@@ -22,7 +22,7 @@ from .experience import ROLLOUT_FIELDS, Experience
 
 #: the experience's tensors, by what their first dimension counts and the side their second is padded on
 ROW_FIELDS = {**ROLLOUT_FIELDS, "group_index": None, "advantages": "right", "old_logprobs": "right",
-              "ref_logprobs": "right", "entropies": "right"}
+              "ref_logprobs": "right", "entropies": "right", "values": "right", "returns": "right"}
 GROUP_FIELDS = {"anchor_ids": "right", "anchor_mask": "right"}
 
 

@@ -24,11 +24,20 @@ from .advantages import (
     batch_values,
     batch_weights,
     estimate_advantages,
+    gae,
     get_estimator,
+    masked_moments,
+    masked_whiten,
+    outcome_token_rewards,
+    spread_turns,
+    turn_index,
+    turn_returns,
+    turn_token_rewards,
     zero_std_groups,
 )
 
 WHITENINGS = ("completion", "token")
+TURN_CREDITS = ("episode", "turn")
 
 @dataclass
 class ExperienceConfig(Settings):
@@ -37,8 +46,11 @@ class ExperienceConfig(Settings):
     Args:
         num_generations: completions per prompt (``G >= 2``: a group of one has no relative signal).
         advantage_estimator: how rewards become advantages: ``"grpo"`` (group mean), ``"rloo"`` (leave-one-out),
-            ``"reinforce_pp"`` (batch-whitened), ``"reinforce_pp_baseline"`` (group mean, then batch-whitened); see
-            :data:`~polopt_lightning.step.advantages.ADVANTAGE_ESTIMATORS`.
+            ``"reinforce_pp"`` (batch-whitened), ``"reinforce_pp_baseline"`` (group mean, then batch-whitened),
+            ``"remax"`` (the reward of the prompt's greedy completion, drawn each step, as the baseline), ``"pass_at_k"``
+            (each group's best completion against its second best), ``"gae"`` (per token, from a critic's values:
+            PPO, the ``critic`` settings); see :data:`~polopt_lightning.step.advantages.ADVANTAGE_ESTIMATORS`.
+            ``None``: the objective's own (``gae`` for ``ppo``, ``grpo`` for the others).
         advantage_scale: ``"group"``, ``"batch"`` or ``"none"``; ``None``: the estimator's own (GRPO's: the
             objective's, Dr. GRPO none; RLOO none; REINFORCE++ batch).
         whitening: what REINFORCE++'s batch whitening (``reinforce_pp``, ``reinforce_pp_baseline`` with the batch
@@ -48,6 +60,17 @@ class ExperienceConfig(Settings):
         dynamic_sampling: DAPO's dynamic sampling: drop groups whose rewards are all equal and draw more prompts
             until the batch is full again, at most ``max_extra_draws`` extra batches per step.
         mask_truncated_completions: DAPO's overlong filtering: completions cut by ``max_new_tokens`` do not count.
+        turn_credit: how a multi-turn episode's credit reaches its turns: ``"episode"``, one advantage for every
+            policy token of the completion (its reward's); ``"turn"``, each turn its own: the environment's reward
+            for the turn (``turn_rewards``) and the completion's reward on its last turn, discounted back to each turn
+            by ``turn_discount`` (``R_k = sum_{j >= k} turn_discount^(j-k) r_j``), each turn's return then measured by
+            the estimator against the same turn of its group's other completions (those that reached it); with the
+            critic (``gae``) each turn's reward sits on its last token and GAE carries it back (``critic.gamma``,
+            ``critic.lam``). The objective then takes an advantage per token (GRPO and its variants, PPO, CISPO,
+            SAPO). The completion's reward should not also count the environment's rewards (e.g.
+            ``environment_reward`` among the reward functions): they would count twice.
+        turn_discount: ``gamma`` over turns of ``turn_credit="turn"`` without a critic (1: every later turn's reward
+            counts fully).
         max_staleness: the asynchronous pipeline (:mod:`~polopt_lightning.step.pipeline`): each rollout is submitted
             this many training steps before the update that trains on it, so a backend that samples apart from the
             trainer (``rollout=server``) samples the next rollouts while the current one trains; a rollout then comes
@@ -56,35 +79,46 @@ class ExperienceConfig(Settings):
     """
 
     num_generations: int = 8
-    advantage_estimator: str = "grpo"
+    advantage_estimator: str | None = None
     advantage_scale: str | None = None
     whitening: str = "completion"
     dynamic_sampling: bool = False
     max_extra_draws: int = 4
     mask_truncated_completions: bool = False
     max_staleness: int = 0
+    turn_credit: str = "episode"
+    turn_discount: float = 1.0
 
     KEY = "experience"
     RULES = {
         "num_generations": (lambda v: v >= 2, ">= 2 (a group of one has no relative advantage)"),
-        "advantage_estimator": (lambda v: v in ADVANTAGE_ESTIMATORS, f"one of {sorted(ADVANTAGE_ESTIMATORS)}"),
+        "advantage_estimator": (lambda v: v is None or v in ADVANTAGE_ESTIMATORS,
+                                f"one of {sorted(ADVANTAGE_ESTIMATORS)} or None"),
         "advantage_scale": (lambda v: v is None or v in ADVANTAGE_SCALES, f"one of {ADVANTAGE_SCALES} or None"),
         "whitening": (lambda v: v in WHITENINGS, f"one of {WHITENINGS}"),
         "max_extra_draws": (lambda v: v >= 0, ">= 0"),
         "max_staleness": (lambda v: v >= 0, ">= 0 (0: synchronous)"),
+        "turn_credit": (lambda v: v in TURN_CREDITS, f"one of {TURN_CREDITS}"),
+        "turn_discount": (lambda v: 0 <= v <= 1, "in [0, 1]"),
     }
 
-    def scale(self, objective_scale: str | None = None) -> str | None:
+    def estimator(self, objective_estimator: str | None = None) -> str:
+        """The advantage estimator a step uses: ``advantage_estimator``, else the objective's
+        (``objective_estimator``: PPO's ``gae``), else ``grpo``."""
+        return self.advantage_estimator or objective_estimator or "grpo"
+
+    def scale(self, objective_scale: str | None = None, objective_estimator: str | None = None) -> str | None:
         """The advantage scale a step uses, settled here alone: ``advantage_scale``, else the estimator's own
         (``rloo``: none, ``reinforce_pp``: batch), else the objective's (``objective_scale``: GRPO group, Dr. GRPO
         none)."""
-        return self.advantage_scale or get_estimator(self.advantage_estimator).default_scale or objective_scale
+        own = get_estimator(self.estimator(objective_estimator)).default_scale
+        return self.advantage_scale or own or objective_scale
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.whitening == "token":
             scale = self.scale()
-            if not get_estimator(self.advantage_estimator).whiten or scale != "batch":
+            if not get_estimator(self.estimator()).whiten or scale != "batch":
                 raise ValueError(f"experience.whitening=token weighs REINFORCE++'s batch whitening by tokens, and "
                                  f"experience.advantage_estimator={self.advantage_estimator} with advantage_scale="
                                  f"{scale} does not whiten: use reinforce_pp or reinforce_pp_baseline (advantage_scale "
@@ -106,6 +140,8 @@ class Experience(Completions):
         ref_logprobs: ``[N, T]`` the KL reference's log-probs; ``None`` when no KL is computed or watched.
         entropies: ``[N, T]`` the sampling policy's entropy at each completion token, for the top-entropy mask;
             ``None`` without one.
+        values, returns: ``[N, T]`` the critic's values at sampling time and GAE's returns (its targets) with the
+            ``gae`` estimator (PPO; ``advantages`` are then ``[N, T]`` too); ``None`` otherwise.
     """
 
     group_index: Tensor
@@ -115,6 +151,8 @@ class Experience(Completions):
     old_logprobs: Tensor | None = None
     ref_logprobs: Tensor | None = None
     entropies: Tensor | None = None
+    values: Tensor | None = None
+    returns: Tensor | None = None
 
     @property
     def num_rows(self) -> int:
@@ -138,16 +176,34 @@ class ExperienceMaker:
         advantage_scale: the scale used when ``config.advantage_scale`` is ``None`` (the objective's own).
         reference: the :class:`~polopt_lightning.step.reference.ReferenceConfig` whose ``kl_in_reward`` (and
             ``reward_kl_estimator``) make the KL a reward penalty; ``None``: no penalty.
+        advantage_estimator: the estimator used when ``config.advantage_estimator`` is ``None`` (the objective's own).
+        critic: the :class:`~polopt_lightning.step.critic.CriticConfig` (GAE's ``gamma``, ``lam``, ``whiten``) where
+            the estimator is ``gae``.
     """
 
     def __init__(self, tokenizer: Any, rewards: RewardComposer | MixtureRewards,
                  config: ExperienceConfig | Mapping[str, Any] | None = None, anchor: Any = None,
-                 advantage_scale: str = "group", reference: Any = None) -> None:
+                 advantage_scale: str = "group", reference: Any = None, advantage_estimator: str | None = None,
+                 critic: Any = None) -> None:
         self.config = config = ExperienceConfig.of(config)
         self.tokenizer, self.rewards, self.num_generations = tokenizer, rewards, config.num_generations
-        self.estimator = config.advantage_estimator
-        self.advantage_scale = config.scale(advantage_scale)
-        estimate_advantages(torch.zeros(2), 2, self.estimator, self.advantage_scale)  # validates the names now
+        self.estimator = config.estimator(advantage_estimator)
+        self.advantage_scale = config.scale(advantage_scale, advantage_estimator)
+        self.baseline = get_estimator(self.estimator).baseline
+        self.critic = critic
+        if self.baseline == "critic" and critic is None:
+            raise ValueError(f"experience.advantage_estimator={self.estimator} measures each token against a critic's "
+                             "value: the module needs a critic (its critic settings, critic_model)")
+        if self.baseline != "critic":  # validates the names now
+            estimate_advantages(torch.zeros(2), 2, self.estimator, self.advantage_scale, baselines=torch.zeros(2))
+        self.per_turn = config.turn_credit == "turn"
+        if self.per_turn and self.baseline == "greedy":
+            raise ValueError(f"experience.turn_credit=turn: the {self.estimator} estimator's baseline is the greedy "
+                             "completion's reward, which has no turns to compare with; use grpo, rloo, gae, ...")
+        if self.baseline == "greedy" and getattr(rewards, "aggregation", "sum") != "sum":
+            raise ValueError(f"experience.advantage_estimator={self.estimator} compares each reward with the greedy "
+                             f"completion's, which has no group to be normalised in: reward.aggregation="
+                             f"{rewards.aggregation} does not apply (use sum)")
         self.dynamic_sampling, self.max_extra_draws = config.dynamic_sampling, config.max_extra_draws
         self.mask_truncated_completions = config.mask_truncated_completions
         self.anchor = anchor
@@ -181,7 +237,7 @@ class ExperienceMaker:
             columns.update(conversation=rollout.conversations, **(rollout.extras or {}))
         if trainer_state is not None:
             columns["trainer_state"] = trainer_state
-        out = self.rewards(prompts, completions, completion_ids=ids, **columns)
+        out = self.rewards(prompts, completions, group_size=G, completion_ids=ids, **columns)
         shown = batch.get("prompt_texts") or [str(p) for p in batch["prompts"]]
         self.last_scored = {"prompt": [p for p in shown for _ in range(G)], "completion": texts,
                             "rewards": out.per_function}
@@ -189,13 +245,21 @@ class ExperienceMaker:
 
     def make(self, batch: Mapping[str, Any], sample: Callable[[Mapping[str, Any]], RolloutBatch],
              next_prompts: Callable[[], Mapping[str, Any]], device: torch.device,
-             trainer_state: Any = None, reference: Callable[[Experience], Tensor] | None = None
-             ) -> tuple[Experience, dict]:
+             trainer_state: Any = None, reference: Callable[[Experience], Tensor] | None = None,
+             greedy: Callable[[Mapping[str, Any]], RolloutBatch] | None = None,
+             values: Callable[[Experience], Tensor] | None = None) -> tuple[Experience, dict]:
         """The step's experience and its metrics: ``sample`` draws a rollout of a prompt batch; with dynamic
         sampling, ``next_prompts`` gives more prompts until the batch's groups are filled again. Metrics are over
         every process (collective: every process calls this once per step). ``trainer_state`` reaches the reward
         functions; ``reference`` gives the rows' reference log-probs ``[N, T]`` for a KL reward penalty
-        (``kl_in_reward``; they are kept in ``ref_logprobs`` for the update)."""
+        (``kl_in_reward``; they are kept in ``ref_logprobs`` for the update). ``greedy`` draws one greedy completion
+        of each prompt (ReMax's baseline); ``values`` gives the critic's values ``[N, T]`` of the rows (GAE)."""
+        if self.baseline == "greedy" and greedy is None:
+            raise ValueError(f"experience.advantage_estimator={self.estimator} needs the greedy completions: pass "
+                             "make(..., greedy=...)")
+        if self.baseline == "critic" and values is None:
+            raise ValueError(f"experience.advantage_estimator={self.estimator} needs the critic's values: pass "
+                             "make(..., values=...)")
         G = self.num_generations
         num_prompts = batch["prompt_ids"].shape[0]
         parts, scored, kept_groups, dropped, draws = [], [], 0, 0, 0
@@ -216,7 +280,14 @@ class ExperienceMaker:
             if self.dynamic_sampling:
                 keep = ~zero_std_groups(rewards.total, G)
                 dropped += int((~keep).sum())
-            parts.append((rollout, rewards.total, keep, self.anchor_targets(batch, device)))
+            # each row's reward, then its prompt's greedy completion's (ReMax), then its turns' environment rewards
+            total = rewards.total[:, None]
+            if self.baseline == "greedy":
+                total = torch.cat([total, self.greedy_rewards(batch, greedy, trainer_state).repeat_interleave(G)[:, None]],
+                                  -1)
+            if self.per_turn:
+                total = torch.cat([total, turn_reward_matrix(rollout)], -1)
+            parts.append((rollout, total, keep, self.anchor_targets(batch, device)))
             scored.append(self.last_scored)
             kept_groups += int(keep.sum())
             if not self.dynamic_sampling or kept_groups >= num_prompts or draws >= self.max_extra_draws:
@@ -228,8 +299,29 @@ class ExperienceMaker:
             metrics["train/dynamic_sampling/extra_draws"] = all_reduce(torch.tensor(float(draws), device=device))
             if kept_groups == 0:  # nothing learnable after every draw: train on the last draw (advantages are 0)
                 parts[-1] = (parts[-1][0], parts[-1][1], torch.ones_like(parts[-1][2]), parts[-1][3])
-        fields, rewards, picked = concat_groups(parts, G, num_prompts if self.dynamic_sampling else None)
+        width = max(part[1].shape[1] for part in parts)  # as many turn columns in every draw
+        parts = [(r, nn.functional.pad(t, (0, width - t.shape[1]), value=float("nan")), k, a) for r, t, k, a in parts]
+        fields, columns, picked = concat_groups(parts, G, num_prompts if self.dynamic_sampling else None)
+        rewards, baselines, turn_rewards = columns[:, 0], None, None
+        if self.per_turn:
+            turn_rewards = columns[:, 2 if self.baseline == "greedy" else 1:]
+        if self.baseline == "greedy":
+            baselines = columns[:, 1]
+            metrics["train/greedy_reward"] = all_reduce(baselines.nansum().to(device)) / all_reduce(
+                torch.isfinite(baselines).sum().float().to(device)).clamp(min=1)
         exp = Experience(advantages=rewards.new_zeros(rewards.shape).to(device), **fields)
+        if self.baseline == "critic":
+            if self.kl_in_reward > 0:
+                if reference is None:
+                    raise ValueError(f"reference.kl_in_reward={self.kl_in_reward} needs the reference's log-probs: "
+                                     "pass make(..., reference=...)")
+                exp.ref_logprobs = reference(exp).detach()
+            self.token_advantages(exp, rewards, values, metrics, device, turn_rewards)
+            self._last_step = (scored, picked, row_means(exp.advantages, exp.completion_mask))
+            metrics.update(self.sandbox_metrics(device))
+            if self.mask_truncated_completions:
+                exp.completion_mask = exp.completion_mask * exp.finished[:, None].long()
+            return exp, metrics
         if self.kl_in_reward > 0:
             if reference is None:
                 raise ValueError(f"reference.kl_in_reward={self.kl_in_reward} needs the reference's log-probs: "
@@ -243,13 +335,73 @@ class ExperienceMaker:
         tokens = exp.completion_mask.sum(-1).to(rewards.device) if self.config.whitening == "token" else None
         moments = (self.batch_moments(batch_values(rewards, G, self.estimator), device, batch_weights(rewards, tokens))
                    if self.advantage_scale == "batch" else (None, None))
-        exp.advantages = estimate_advantages(rewards, G, self.estimator, self.advantage_scale, *moments,
-                                             token_counts=tokens).to(device)
-        self._last_step = (scored, picked, exp.advantages)
+        if self.per_turn:
+            exp.advantages = self.turn_advantages(exp, rewards, turn_rewards, device)
+        else:
+            exp.advantages = estimate_advantages(rewards, G, self.estimator, self.advantage_scale, *moments,
+                                                 token_counts=tokens, baselines=baselines).to(device)
+        self._last_step = (scored, picked, exp.advantages if exp.advantages.dim() == 1
+                           else row_means(exp.advantages, exp.completion_mask))
         metrics.update(self.sandbox_metrics(device))
         if self.mask_truncated_completions:
             exp.completion_mask = exp.completion_mask * exp.finished[:, None].long()
         return exp, metrics
+
+    def greedy_rewards(self, batch: Mapping[str, Any], greedy: Callable[[Mapping[str, Any]], RolloutBatch],
+                       trainer_state: Any) -> Tensor:
+        """``[P]`` the rewards of one greedy completion of each prompt of ``batch`` (ReMax's baselines; NaN where none
+        was given), scored as the sampled ones are; the completions log keeps the sampled ones."""
+        sampled = self.last_scored
+        try:
+            return self.score(batch, greedy(batch), trainer_state).total.float()
+        finally:
+            self.last_scored = sampled
+
+    def turn_advantages(self, exp: Experience, rewards: Tensor, turn_rewards: Tensor, device: torch.device) -> Tensor:
+        """``[N, T]`` per-turn advantages (``turn_credit="turn"`` without a critic): each turn's discounted return
+        (:func:`~polopt_lightning.step.advantages.turn_returns`) through the estimator, turn index by turn index over
+        the group's completions that reached it (a completion without that turn left out), on that turn's tokens."""
+        G, mask = self.num_generations, exp.completion_mask
+        index = turn_index(mask)
+        turns = (index.amax(-1) + 1).cpu()
+        returns = turn_returns(rewards.cpu(), turn_rewards.cpu(), turns, self.config.turn_discount)
+        K = int(all_reduce(torch.tensor(returns.shape[1], device=device), "max"))  # as many columns on every process
+        advantages = torch.zeros((returns.shape[0], max(K, 1)))
+        for k in range(K):
+            column = returns[:, k] if k < returns.shape[1] else torch.full_like(rewards.cpu(), float("nan"))
+            moments = (self.batch_moments(batch_values(column, G, self.estimator), device)
+                       if self.advantage_scale == "batch" else (None, None))
+            advantages[:, k] = estimate_advantages(column, G, self.estimator, self.advantage_scale, *moments)
+        return spread_turns(advantages.to(device), index.clamp(max=advantages.shape[1] - 1).to(device)
+                            if K else torch.full_like(index, -1)).float()
+
+    def token_advantages(self, exp: Experience, rewards: Tensor, values: Callable[[Experience], Tensor],
+                         metrics: dict[str, Tensor], device: torch.device, turn_rewards: Tensor | None = None) -> None:
+        """GAE (:func:`~polopt_lightning.step.advantages.gae`) over the completion tokens from the critic's values:
+        ``exp.values``, ``exp.returns`` and per-token ``exp.advantages``, whitened over every process's tokens (the
+        critic settings' ``whiten``). The reward sits on each completion's last policy token; a KL reward penalty is
+        taken token by token (verl's ``compute_rewards``). A completion without a reward (None) gets advantage 0 and
+        its values as its targets."""
+        critic = self.critic
+        mask = exp.completion_mask.bool()
+        with torch.no_grad():
+            exp.values = values(exp).detach().float()
+        token_rewards = (outcome_token_rewards(rewards.to(device), mask) if turn_rewards is None
+                         else turn_token_rewards(rewards.to(device), turn_rewards.to(device), mask))
+        if self.kl_in_reward > 0:
+            zero = torch.zeros_like(exp.sampling_logprobs)
+            kl = kl_estimate(torch.where(mask, exp.sampling_logprobs, zero), torch.where(mask, exp.ref_logprobs, zero),
+                             self.reward_kl_estimator)
+            penalty = self.kl_in_reward * kl * mask
+            token_rewards = token_rewards - penalty.float()
+            metrics["train/kl_reward_penalty"] = all_reduce(penalty.sum()) / all_reduce(
+                torch.tensor(float(mask.shape[0]), device=device))
+        advantages, returns = gae(token_rewards, exp.values, mask, critic.gamma, critic.lam)
+        scored = mask & torch.isfinite(rewards.to(device))[:, None]
+        if critic.whiten:
+            advantages = masked_whiten(advantages, scored, all_reduce(masked_moments(advantages, scored)))
+        exp.advantages = torch.where(scored, advantages, torch.zeros_like(advantages))
+        exp.returns = torch.where(scored, returns, exp.values)
 
     def kl_penalty(self, exp: Experience) -> Tensor:
         """Each row's KL reward penalty ``[N]``: ``kl_in_reward x sum_t KL_t`` over its completion tokens, the sampler's
@@ -366,6 +518,27 @@ class ExperienceMaker:
         if count < 2:
             return mean, torch.zeros(())
         return mean, ((squares - total ** 2 / count) / (count - 1)).clamp(min=0).sqrt().float()
+
+
+def turn_reward_matrix(rollout: RolloutBatch) -> Tensor:
+    """``[N, K]`` each completion's environment reward per policy turn (a multi-turn rollout's ``turn_rewards``), NaN
+    where there is none; ``[N, 0]`` for a rollout without turns."""
+    n = rollout.completion_ids.shape[0]
+    per_row = (rollout.extras or {}).get("turn_rewards") or [[] for _ in range(n)]
+    width = max((len(r) for r in per_row), default=0)
+    out = torch.full((n, width), float("nan"))
+    for i, row in enumerate(per_row):
+        for k, value in enumerate(row):
+            if value is not None:
+                out[i, k] = float(value)
+    return out
+
+
+def row_means(values: Tensor, mask: Tensor) -> Tensor:
+    """``[N]`` each row's mean of ``values`` ``[N, T]`` over its ``mask`` (per-token advantages, as the completions log
+    shows one a row)."""
+    m = mask.to(values.dtype)
+    return (values * m).sum(-1) / m.sum(-1).clamp(min=1)
 
 
 def last_message(conversation: Sequence[Mapping[str, str]]) -> str:

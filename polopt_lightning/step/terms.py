@@ -146,6 +146,8 @@ def build_terms(updater: Any) -> list[LossTerm]:
 def advantages_for(terms: list[LossTerm], batch: MiniBatch, piece: Piece) -> Tensor:
     """What the objective takes as the piece's advantages: the rollout's, through each term's ``advantages`` in order."""
     advantages = batch.exp.advantages[piece.rows]
+    if advantages.dim() == 2:  # per token (GAE): the piece's width
+        advantages = advantages[:, :piece.width]
     for term in terms:
         advantages = term.advantages(batch, piece, advantages)
     return advantages

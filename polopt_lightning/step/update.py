@@ -284,15 +284,21 @@ class Updater:
     the reference's log-probs (the KL term or its tracking); ``reuse_sampling_logprobs``: the sampler's log-probs may
     stand for the old ones when the engine says they match; ``seed``: the mini-batch orders are drawn from it and the
     step counter; ``terms``: the loss terms (:mod:`~polopt_lightning.step.terms`) in the order they act, ``None``:
-    those the settings ask for (:func:`~polopt_lightning.step.terms.build_terms`). The module builds it with a
+    those the settings ask for (:func:`~polopt_lightning.step.terms.build_terms`); ``critic``: PPO's value model, trained
+    by its value loss in the same optimizer steps (a parameter group of the same optimizer), its gradient clipped by
+    its own norm, alone during ``critic_config.warmup_steps`` (:class:`~polopt_lightning.step.critic.CriticConfig`).
+    The module builds it with a
     :class:`~polopt_lightning.step.loop.LightningLoop`; without Lightning, :class:`~polopt_lightning.step.loop.TorchLoop`
     runs it.
     """
 
     def __init__(self, policy: nn.Module, objective: Any, scorer: Any, engine: Any, config: UpdateConfig,
                  loop: TrainingLoop, *, anchor: Any = None, reference: bool = False,
-                 reuse_sampling_logprobs: bool = False, seed: int = 0, terms: list[LossTerm] | None = None) -> None:
+                 reuse_sampling_logprobs: bool = False, seed: int = 0, terms: list[LossTerm] | None = None,
+                 critic: nn.Module | None = None, critic_config: Any = None) -> None:
         self.policy, self.objective, self.scorer, self.engine = policy, objective, scorer, engine
+        #: PPO's value model and its settings (:mod:`~polopt_lightning.step.critic`), trained beside the policy
+        self.critic, self.critic_config = critic, critic_config
         self.config, self.loop, self.anchor = config, loop, anchor
         self.reference, self.reuse_sampling_logprobs, self.seed = reference, reuse_sampling_logprobs, seed
         #: the entropy bonus's coefficient (and its adaptive state, saved in checkpoints) and the top-entropy mask's share
@@ -376,6 +382,7 @@ class Updater:
         loop = self.loop
         optimizer.zero_grad(set_to_none=True)
         metrics = self.accumulate(exp, rows, record_old)
+        critic_norm = self.critic_gradients(metrics)
         # Under autocast (Lightning's *-mixed precisions wrap the whole training_step) the forward cached a low-precision
         # copy of every trainable weight, kept until the context exits and never refreshed: the next mini-batch's
         # forward, after this update, would run on the weights from before it (measured: the same output after an
@@ -386,7 +393,8 @@ class Updater:
         # leaves every parameter and its state as they are (it skips parameters without a gradient) while the step
         # still counts. `train/skipped_updates` says so, and the collapse monitor acts on it. The norm is the same on
         # every process (gradients are reduced first), so all of them skip together.
-        finite = bool(torch.isfinite(metrics["grad_norm"])) and bool(torch.isfinite(metrics["loss"]))
+        finite = (bool(torch.isfinite(metrics["grad_norm"])) and bool(torch.isfinite(metrics["loss"]))
+                  and bool(torch.isfinite(critic_norm)))
         metrics["skipped_updates"] = torch.tensor(0.0 if finite else 1.0, device=metrics["grad_norm"].device)
         limit = self.config.max_grad_norm
         if not finite:
@@ -394,6 +402,8 @@ class Updater:
             rank_zero_warn(f"step {loop.global_step}: non-finite loss ({float(metrics['loss']):.4g}) or gradient norm "
                            f"({float(metrics['grad_norm']):.4g}); the update is skipped")
         elif limit:
+            if self.critic is not None:  # by its own norm, as verl's critic clips apart from its actor
+                scale_gradients(self.critic, limit, critic_norm)
             if self.clips_in_place():  # the norm is known: one scaling pass, and none when it is within the limit
                 scale_gradients(self.policy, limit, metrics["grad_norm"])
             else:
@@ -405,6 +415,21 @@ class Updater:
         optimizer.zero_grad(set_to_none=True)
         scheduler.step()
         return metrics
+
+    def critic_gradients(self, metrics: dict[str, Tensor]) -> Tensor:
+        """With a critic: its gradient norm (logged as ``critic/grad_norm``) and, during its warm-up, the policy's
+        gradients dropped (the optimizer skips parameters without one: the policy and its optimizer state stay as they
+        are). 0 without a critic."""
+        if self.critic is None:
+            return torch.zeros(())
+        norm = metrics["critic/grad_norm"] = grad_norm(self.critic)
+        if self.loop.global_step < self.critic_config.warmup_steps:
+            for p in self.policy.parameters():
+                p.grad = None
+            metrics["critic/warmup"] = torch.ones((), device=norm.device)
+        else:
+            metrics["critic/warmup"] = torch.zeros((), device=norm.device)
+        return norm
 
     def clips_in_place(self) -> bool:
         """Whether the loop lets the update scale the gradients by the norm it measured (see

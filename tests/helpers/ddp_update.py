@@ -6,7 +6,8 @@
 wide, whose weights from 512 on are large enough for the oneDNN linear layers; ``max_grad_norm=C``: clipping by global
 norm, none by default; ``optimizer=adamw``: the shipped conf/optimizer/adamw.yaml instead of plain SGD;
 ``sampler_noise=S``: the sampler's log-probs off the trainer's by S x a normal draw a token (seeded by the prompt), so
-the trainer computes the old log-probs and logs their gap; ``balance_tokens=true|false``: token balancing between the processes always or never (default: where the passes
+the trainer computes the old log-probs and logs their gap; ``critic_lr=LR``: PPO's critic at this learning rate (its
+weights saved beside the policy's, as ``critic.*``); ``balance_tokens=true|false``: token balancing between the processes always or never (default: where the passes
 follow the real tokens); ``skew=true``: process 0's prompts (those of even
 index) complete in ``max_new_tokens`` tokens (default 4), process 1's in one; ``mini_batches=M``: M optimizer steps on the rollout, none of its rows twice, split in each process's row order so that
 1 and 2 processes put the same prompts in each step): rank 0 writes ``OUT`` (torch.save) with the policy's weights after
@@ -82,7 +83,10 @@ class Recording(PolicyOptimizationModule):
     def make_experience(self, batch):
         exp, metrics = super().make_experience(batch)
         G = self.experience.num_generations
-        local = {p: exp.advantages[i * G:(i + 1) * G].tolist() for i, p in enumerate(batch["prompts"])}
+        rows = exp.advantages if exp.advantages.dim() == 1 else [  # per token (GAE): each completion's own tokens
+            a[m.bool()] for a, m in zip(exp.advantages, exp.completion_mask)]
+        local = {p: [float(v) for r in rows[i * G:(i + 1) * G] for v in r.reshape(-1)]
+                 for i, p in enumerate(batch["prompts"])}
         self.advantages = {k: v for part in all_gather_objects(local) for k, v in part.items()}
         return exp, metrics
 
@@ -119,7 +123,8 @@ def main() -> None:
     module = Recording(
         model, tok, objective=spec, reward_fns=[digit_share, ExactMatchReward()], generation={"max_new_tokens": int(options.get("max_new_tokens", 4))},
         experience={"num_generations": 4, "advantage_scale": options.get("advantage_scale"),
-                    "advantage_estimator": options.get("advantage_estimator", "grpo")},
+                    "advantage_estimator": options.get("advantage_estimator")},
+        critic={"lr": float(options.get("critic_lr", 1e-5))},
         update={"mini_batches": mini_batches,
                 "max_grad_norm": float(options["max_grad_norm"]) if "max_grad_norm" in options else None,
                 "micro_batch_tokens": int(options["micro_batch_tokens"]) if "micro_batch_tokens" in options else None,
@@ -143,6 +148,8 @@ def main() -> None:
                         num_sanity_val_steps=0, limit_val_batches=0)
     trainer.fit(module, datamodule=data)
     weights = module.policy.state_dict()
+    if module.critic is not None:
+        weights.update({f"critic.{k}": v for k, v in module.critic.state_dict().items()})
     if any(hasattr(v, "full_tensor") for v in weights.values()):  # FSDP2 shards: gathered (collective)
         weights = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in weights.items()}
     if trainer.is_global_zero:

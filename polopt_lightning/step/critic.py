@@ -1,0 +1,200 @@
+"""PPO's critic: its settings (:class:`CriticConfig`, the ``critic`` group), the value model (:class:`ValueModel`: a
+causal LM's trunk with a scalar head), its values at the completion tokens (:func:`token_values`) and its clipped value
+loss (:func:`value_loss`, the :class:`ValueLoss` term of the update). The experience's advantages come from its values
+by GAE (:func:`~polopt_lightning.step.advantages.gae`, ``experience.advantage_estimator=gae``, ``objective=ppo``)."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor, nn
+
+from .._hf import peft_base, positions_from_mask
+from ..distributed import all_reduce
+from ..settings import Settings
+from .terms import LossTerm, MiniBatch, Piece, register_term
+
+if TYPE_CHECKING:
+    from .experience import Experience
+
+
+#: the critic's learning rate over the policy's where ``critic.lr`` is null (verl's examples: actor 1e-6, critic 1e-5)
+LR_RATIO = 10.0
+
+
+@dataclass
+class CriticConfig(Settings):
+    """The critic of PPO (the module's ``critic`` argument, ``critic.*`` in the CLI); used where the advantage
+    estimator is ``gae`` (``objective=ppo`` picks it).
+
+    Args:
+        name_or_path: where the value model comes from: ``None``, a copy of the policy's trunk (its adapters and quantized
+            base too: a LoRA policy's critic trains its own adapters) with a new value head; a path or hub id, that
+            model's trunk (``AutoModel.from_pretrained``) with a new head. The module's ``critic_model`` argument
+            gives one built already.
+        lr: the critic's learning rate (its parameter group in the policy's optimizer; the schedule scales both).
+            ``None``: :data:`LR_RATIO` times the policy's (verl's examples: 1e-6 and 1e-5).
+        value_clip: PPO's value clipping: a new value may move at most this far from the value at sampling time in
+            the loss (verl's ``cliprange_value``); ``None``: no clipping.
+        warmup_steps: the first optimizer steps train the critic alone (verl's ``critic_warmup``): the policy's
+            gradients are dropped before each of those steps, so its weights and optimizer state stay as they are.
+        gamma: the discount of GAE over completion tokens (1: none; verl's ``algorithm.gamma``).
+        lam: GAE's lambda (1: Monte-Carlo returns less the value; verl's ``algorithm.lam``).
+        whiten: whiten the advantages over the step's completion tokens (every process's), as verl and OpenRLHF do.
+    """
+
+    name_or_path: str | None = None
+    lr: float | None = None
+    value_clip: float | None = 0.5
+    warmup_steps: int = 0
+    gamma: float = 1.0
+    lam: float = 1.0
+    whiten: bool = True
+
+    KEY = "critic"
+
+    def set_lr(self, optimizer: torch.optim.Optimizer) -> None:
+        """The critic's group (the optimizer's second) at :attr:`lr`, or :data:`LR_RATIO` times the policy's (its
+        first)."""
+        policy, critic = optimizer.param_groups[0], optimizer.param_groups[1]
+        critic["lr"] = self.lr if self.lr is not None else LR_RATIO * policy["lr"]
+    RULES = {
+        "lr": (lambda v: v is None or v > 0, "> 0 or None"),
+        "value_clip": (lambda v: v is None or v > 0, "> 0 or None"),
+        "warmup_steps": (lambda v: v >= 0, ">= 0"),
+        "gamma": (lambda v: 0 <= v <= 1, "in [0, 1]"),
+        "lam": (lambda v: 0 <= v <= 1, "in [0, 1]"),
+    }
+
+
+class ValueModel(nn.Module):
+    """A value model: a causal LM's trunk (``backbone``, e.g. ``Qwen2Model``) and a linear head giving one value per
+    position, started at 0 (so the first step's advantages are the returns themselves). ``forward(input_ids,
+    attention_mask, position_ids)`` returns ``[B, L]`` float32 values."""
+
+    def __init__(self, backbone: nn.Module, hidden_size: int | None = None) -> None:
+        super().__init__()
+        self.backbone = backbone
+        hidden = hidden_size or backbone.config.hidden_size
+        self.value_head = nn.Linear(hidden, 1)
+        nn.init.zeros_(self.value_head.weight)
+        nn.init.zeros_(self.value_head.bias)
+
+    @property
+    def _no_split_modules(self) -> list[str]:  # FSDP shards the trunk's blocks (strategies.decoder_layer_classes)
+        return list(getattr(self.backbone, "_no_split_modules", None) or [])
+
+    @classmethod
+    def from_policy(cls, policy: nn.Module) -> ValueModel:
+        """A copy of ``policy``'s trunk (a peft policy's adapters and frozen, possibly quantized, base with it) and a
+        new head. The copy's adapters train; its frozen base stays frozen."""
+        base = peft_base(policy)
+        trunk = getattr(base, "base_model", None)
+        if trunk is None or trunk is base:
+            raise ValueError(f"critic: cannot find the trunk of {type(base).__name__} (its base_model) to copy; give "
+                             "critic.model a path or the module a critic_model")
+        return cls(copy.deepcopy(trunk), base.config.hidden_size)
+
+    @classmethod
+    def from_pretrained(cls, name: str, **kwargs: Any) -> ValueModel:
+        """The trunk of the model at ``name`` (a path or hub id, ``AutoModel.from_pretrained``) and a new head."""
+        from transformers import AutoModel
+
+        trunk = AutoModel.from_pretrained(name, **kwargs)
+        return cls(trunk, trunk.config.hidden_size)
+
+    def forward(self, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor | None = None) -> Tensor:
+        out = self.backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                            use_cache=False)
+        hidden = out.last_hidden_state
+        return self.value_head(hidden.to(self.value_head.weight.dtype)).squeeze(-1).float()
+
+
+def build_critic(policy: nn.Module, config: CriticConfig) -> ValueModel:
+    """The critic ``config.model`` names: a copy of ``policy``'s trunk (``None``) or a pretrained model's, with a new
+    head, in the policy's floating dtype."""
+    critic = ValueModel.from_policy(policy) if config.name_or_path is None else ValueModel.from_pretrained(config.name_or_path)
+    dtype = next((p.dtype for p in policy.parameters() if p.is_floating_point()), torch.float32)
+    if config.name_or_path is not None:
+        critic.backbone.to(dtype)
+    return critic
+
+
+def token_values(critic: nn.Module, exp: Experience, rows: Tensor | slice, width: int | None = None) -> Tensor:
+    """The critic's values ``[n, width]`` at the completions ``rows``: at token ``t`` the value of the state before
+    it (the position that predicts it, as the log-probs are taken), the prompt left-padded and the context (a
+    multi-turn rollout's tool results too) attended to."""
+    width = exp.completion_ids.shape[1] if width is None else width
+    prompt_ids, prompt_mask = exp.prompt_ids[rows], exp.prompt_mask[rows]
+    input_ids = torch.cat([prompt_ids, exp.completion_ids[rows, :width]], dim=1)
+    attention_mask = torch.cat([prompt_mask, exp.attention_mask[rows, :width].to(prompt_mask.dtype)], dim=1)
+    values = critic(input_ids, attention_mask, positions_from_mask(attention_mask))
+    start = prompt_ids.shape[1] - 1
+    return values[:, start:start + width]
+
+
+def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor, clip: float | None
+               ) -> tuple[Tensor, Tensor]:
+    """PPO's clipped value loss per token: ``0.5 max((V - R)^2, (clip(V, V_old - c, V_old + c) - R)^2)`` (verl's
+    ``compute_value_loss`` before its aggregation; unclipped without ``clip``), and where the clipped term was larger
+    (its clip fraction). Both ``[B, T]``, 0 outside ``mask``."""
+    mask = mask.bool()
+    unclipped = (values - returns) ** 2
+    if clip is None:
+        clipped = unclipped
+    else:
+        clipped = (torch.clamp(values, old_values - clip, old_values + clip) - returns) ** 2
+    loss = 0.5 * torch.maximum(unclipped, clipped)
+    return torch.where(mask, loss, torch.zeros_like(loss)), mask & (clipped > unclipped)
+
+
+@register_term("value_loss")
+class ValueLoss(LossTerm):
+    """The critic's clipped value loss (:func:`value_loss`), a mean over the mini-batch's completion tokens (every
+    process's), added to each piece's loss: its graph reaches only the critic, so one backward trains both. Logs
+    ``critic/value_loss``, ``critic/clip_frac``, ``critic/values``, ``critic/returns`` and ``critic/explained_variance``
+    (``1 - Var(R - V) / Var(R)`` over the mini-batch at sampling time). In the update of every module with a critic."""
+
+    def __init__(self, critic: nn.Module, clip: float | None) -> None:
+        self.critic, self.clip = critic, clip
+
+    @classmethod
+    def build(cls, updater: Any) -> ValueLoss | None:
+        critic = getattr(updater, "critic", None)
+        return None if critic is None else cls(critic, updater.critic_config.value_clip)
+
+    def begin(self, batch: MiniBatch) -> dict[str, Tensor]:
+        if batch.exp.returns is None:
+            raise ValueError("the update has a critic, but the experience has no returns: use the gae advantage "
+                             "estimator (experience.advantage_estimator=gae)")
+        mask = batch.exp.completion_mask[batch.rows].bool()
+        self._tokens = all_reduce(mask.sum().to(torch.float64))
+        self._sums: dict[str, Tensor] = {}
+        return {}
+
+    def loss(self, batch: MiniBatch, piece: Piece, out: Any) -> Tensor:
+        exp = batch.exp
+        values = token_values(self.critic, exp, piece.rows, piece.width)
+        old, returns = exp.values[piece.rows, :piece.width], exp.returns[piece.rows, :piece.width]
+        per_token, clipped = value_loss(values, old, returns, piece.mask, self.clip)
+        mask = piece.mask.bool()
+        residual = torch.where(mask, returns - old, torch.zeros_like(old)).double()
+        target = torch.where(mask, returns, torch.zeros_like(returns)).double()
+        sums = torch.stack([per_token.detach().sum().double(), clipped.sum().double(),
+                            torch.where(mask, values.detach(), torch.zeros_like(values)).sum().double(),
+                            target.sum(), residual.sum(), (residual ** 2).sum(), (target ** 2).sum()])
+        self._sums["all"] = self._sums.get("all", 0) + sums
+        return per_token.sum() / self._tokens.clamp(min=1).to(per_token) * batch.world
+
+    def end(self, batch: MiniBatch) -> dict[str, Tensor]:
+        loss, clipped, values, returns, res, res_sq, ret_sq = all_reduce(self._sums["all"]).unbind()
+        n = self._tokens.clamp(min=1)
+        var_returns = ret_sq / n - (returns / n) ** 2
+        var_residual = res_sq / n - (res / n) ** 2
+        explained = 1 - var_residual / var_returns if float(var_returns) > 1e-12 else torch.zeros((), dtype=n.dtype)
+        return {"critic/value_loss": (loss / n).float(), "critic/clip_frac": (clipped / n).float(),
+                "critic/values": (values / n).float(), "critic/returns": (returns / n).float(),
+                "critic/explained_variance": explained.float()}
