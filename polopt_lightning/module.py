@@ -32,7 +32,7 @@ from .rng import restore_rng
 from .rollout import RolloutBatch, RolloutEngine, SamplingConfig, build_engine
 from .settings import MOVED_ARGUMENTS, settings_of, with_moved
 from .step.advantages import get_estimator
-from .step.critic import CriticConfig, build_critic, token_values
+from .step.critic import CriticConfig, build_critic, own_parameters, token_values
 from .step.experience import Experience, ExperienceConfig, ExperienceMaker
 from .step.logprobs import Scorer
 from .step.loop import LightningLoop
@@ -232,7 +232,7 @@ class PolicyOptimizationModule(L.LightningModule):
         params: list[Any] = [p for p in self.policy.parameters() if p.requires_grad]
         adjust = None
         if self.critic is not None:  # a group of its own, at its own learning rate
-            params = [{"params": params}, {"params": [p for p in self.critic.parameters() if p.requires_grad]}]
+            params = [{"params": params}, {"params": own_parameters(self.critic, self.policy)}]
             adjust = self.critic_config.set_lr
         return optimizer_and_schedule(params, self.optimizer_factory, self.update_config, self._trainer,
                                       self.updater.clips_in_place, adjust)
@@ -278,6 +278,10 @@ class PolicyOptimizationModule(L.LightningModule):
         if self.ref_model is not None:
             shard_fully(self.ref_model, mesh["data_parallel"], reshard)
         if self.critic is not None:
+            if self.critic_config.share_trunk:
+                raise ValueError("critic.share_trunk=true under strategy=fsdp: the value head would run the policy's "
+                                 "sharded trunk outside the policy's own forward; use a critic of its own "
+                                 "(critic.share_trunk=false) or strategy=ddp")
             shard_fully(self.critic, mesh["data_parallel"], reshard)
 
     def score(self, batch: Mapping[str, Any], rollout: RolloutBatch) -> RewardOutput:

@@ -347,3 +347,41 @@ def test_per_turn_credit_needs_an_objective_that_takes_token_advantages(tiny, ar
         make(tiny, arithmetic_rows, objective="gspo", experience={"turn_credit": "turn"})
     with pytest.raises(ValueError, match="experience.turn_credit=turn: the remax estimator"):
         make(tiny, arithmetic_rows, experience={"turn_credit": "turn", "advantage_estimator": "remax"})
+
+
+def test_a_value_head_on_the_policys_own_trunk_trains_the_trunk_by_value_coef(tiny, arithmetic_rows, tmp_path):
+    module, dm = make(tiny, arithmetic_rows, objective="ppo", critic={"share_trunk": True, "value_coef": 0.5})
+    assert module.critic.backbone is module.policy.model  # no copy
+    assert [id(p) for p in module.updater.critic_params] == [id(p) for p in module.critic.value_head.parameters()]
+    dm.setup("fit")
+    exp, _ = module.make_experience(next(iter(dm.train_dataloader())))
+    rows = torch.arange(exp.completion_ids.shape[0])
+    module.critic.value_head.weight.data.normal_(0, 0.1)  # a head that passes a gradient back to the trunk
+
+    def trunk_grads(coef):
+        module.policy.zero_grad(set_to_none=True)
+        module.critic.zero_grad(set_to_none=True)
+        module.updater.terms[-1].coef = coef
+        module.accumulate_gradients(exp, rows)
+        return torch.cat([p.grad.flatten() for p in module.policy.model.layers[0].parameters()])
+
+    none, half, whole = trunk_grads(0.0), trunk_grads(0.5), trunk_grads(1.0)
+    value = whole - none  # the value loss's own gradient on the trunk, linear in its weight
+    assert value.abs().max() > 1e-6
+    torch.testing.assert_close(half - none, value / 2, rtol=1e-4, atol=1e-7)
+    # and a fit: the head alone in the optimizer's second group (the trunk is the policy's, in the first)
+    t = trainer(tmp_path, steps=2, limit_val_batches=0)
+    t.fit(module, datamodule=dm)
+    assert len(t.optimizers[0].param_groups[1]["params"]) == 2
+
+
+def test_a_critic_from_a_saved_model_takes_its_trunk(tiny, arithmetic_rows, tmp_path):
+    model, tok = tiny
+    from polopt_lightning.models import build_tiny_model
+
+    other, _ = build_tiny_model(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64, seed=7)
+    other.save_pretrained(tmp_path / "value")
+    module, _ = make(tiny, arithmetic_rows, objective="ppo", critic={"name_or_path": str(tmp_path / "value")})
+    torch.testing.assert_close(module.critic.backbone.embed_tokens.weight, other.model.embed_tokens.weight)
+    with pytest.raises(ValueError, match="critic.share_trunk=true puts the value head on the policy's trunk"):
+        make(tiny, arithmetic_rows, objective="ppo", critic={"name_or_path": "x", "share_trunk": True})

@@ -35,6 +35,12 @@ class CriticConfig(Settings):
             base too: a LoRA policy's critic trains its own adapters) with a new value head; a path or hub id, that
             model's trunk (``AutoModel.from_pretrained``) with a new head. The module's ``critic_model`` argument
             gives one built already.
+        share_trunk: the value head sits on the policy's own trunk instead (one model, no copy: TRL's
+            ``AutoModelForCausalLMWithValueHead``): the value loss's gradient, times ``value_coef``, reaches the
+            policy's trunk (its adapters) beside the policy loss's; the critic's own parameters are the head's. Not
+            under FSDP (the policy's root is gathered by its own forward only).
+        value_coef: the value loss's weight in the loss (TRL's ``vf_coef``: 0.1 on a shared trunk); with a separate
+            critic it scales only the critic's gradient.
         lr: the critic's learning rate (its parameter group in the policy's optimizer; the schedule scales both).
             ``None``: :data:`LR_RATIO` times the policy's (verl's examples: 1e-6 and 1e-5).
         value_clip: PPO's value clipping: a new value may move at most this far from the value at sampling time in
@@ -47,6 +53,8 @@ class CriticConfig(Settings):
     """
 
     name_or_path: str | None = None
+    share_trunk: bool = False
+    value_coef: float = 1.0
     lr: float | None = None
     value_clip: float | None = 0.5
     warmup_steps: int = 0
@@ -65,6 +73,7 @@ class CriticConfig(Settings):
         "lr": (lambda v: v is None or v > 0, "> 0 or None"),
         "value_clip": (lambda v: v is None or v > 0, "> 0 or None"),
         "warmup_steps": (lambda v: v >= 0, ">= 0"),
+        "value_coef": (lambda v: v >= 0, ">= 0"),
         "gamma": (lambda v: 0 <= v <= 1, "in [0, 1]"),
         "lam": (lambda v: 0 <= v <= 1, "in [0, 1]"),
     }
@@ -114,13 +123,26 @@ class ValueModel(nn.Module):
 
 
 def build_critic(policy: nn.Module, config: CriticConfig) -> ValueModel:
-    """The critic ``config.model`` names: a copy of ``policy``'s trunk (``None``) or a pretrained model's, with a new
-    head, in the policy's floating dtype."""
-    critic = ValueModel.from_policy(policy) if config.name_or_path is None else ValueModel.from_pretrained(config.name_or_path)
+    """The critic ``config`` asks for: a value head on ``policy``'s own trunk (``share_trunk``), or on a copy of it
+    (``name_or_path=None``) or on a pretrained model's trunk, in the policy's floating dtype."""
+    if config.share_trunk:
+        if config.name_or_path is not None:
+            raise ValueError(f"critic.share_trunk=true puts the value head on the policy's trunk, and critic.name_or_path="
+                             f"{config.name_or_path!r} names another model: set one of them")
+        base = peft_base(policy)
+        return ValueModel(base.base_model, base.config.hidden_size)
+    critic = (ValueModel.from_policy(policy) if config.name_or_path is None
+              else ValueModel.from_pretrained(config.name_or_path))
     dtype = next((p.dtype for p in policy.parameters() if p.is_floating_point()), torch.float32)
     if config.name_or_path is not None:
         critic.backbone.to(dtype)
     return critic
+
+
+def own_parameters(critic: nn.Module, policy: nn.Module) -> list[nn.Parameter]:
+    """The critic's trainable parameters that are not the policy's (a shared trunk's head alone)."""
+    shared = {id(p) for p in policy.parameters()}
+    return [p for p in critic.parameters() if p.requires_grad and id(p) not in shared]
 
 
 def token_values(critic: nn.Module, exp: Experience, rows: Tensor | slice, width: int | None = None) -> Tensor:
@@ -158,13 +180,14 @@ class ValueLoss(LossTerm):
     ``critic/value_loss``, ``critic/clip_frac``, ``critic/values``, ``critic/returns`` and ``critic/explained_variance``
     (``1 - Var(R - V) / Var(R)`` over the mini-batch at sampling time). In the update of every module with a critic."""
 
-    def __init__(self, critic: nn.Module, clip: float | None) -> None:
-        self.critic, self.clip = critic, clip
+    def __init__(self, critic: nn.Module, clip: float | None, coef: float = 1.0) -> None:
+        self.critic, self.clip, self.coef = critic, clip, coef
 
     @classmethod
     def build(cls, updater: Any) -> ValueLoss | None:
         critic = getattr(updater, "critic", None)
-        return None if critic is None else cls(critic, updater.critic_config.value_clip)
+        config = updater.critic_config
+        return None if critic is None else cls(critic, config.value_clip, config.value_coef)
 
     def begin(self, batch: MiniBatch) -> dict[str, Tensor]:
         if batch.exp.returns is None:
@@ -187,7 +210,7 @@ class ValueLoss(LossTerm):
                             torch.where(mask, values.detach(), torch.zeros_like(values)).sum().double(),
                             target.sum(), residual.sum(), (residual ** 2).sum(), (target ** 2).sum()])
         self._sums["all"] = self._sums.get("all", 0) + sums
-        return per_token.sum() / self._tokens.clamp(min=1).to(per_token) * batch.world
+        return self.coef * per_token.sum() / self._tokens.clamp(min=1).to(per_token) * batch.world
 
     def end(self, batch: MiniBatch) -> dict[str, Tensor]:
         loss, clipped, values, returns, res, res_sq, ret_sq = all_reduce(self._sums["all"]).unbind()

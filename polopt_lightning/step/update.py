@@ -240,11 +240,13 @@ def lr_factor(step: int, schedule: str, warmup: int, total: int, floor: float) -
     return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def grad_norm(model: nn.Module) -> Tensor:
-    """The global L2 norm of the gradients; for sharded (DTensor) gradients, of every process's shards together."""
+def grad_norm(model: nn.Module | list[nn.Parameter]) -> Tensor:
+    """The global L2 norm of the gradients of ``model`` (or of a list of parameters); for sharded (DTensor) gradients,
+    of every process's shards together."""
     from torch.distributed.tensor import DTensor
 
-    grads = [p.grad.detach() for p in model.parameters() if p.grad is not None]
+    params = model.parameters() if isinstance(model, nn.Module) else model
+    grads = [p.grad.detach() for p in params if p.grad is not None]
     if not grads:
         return torch.zeros(())
     if not any(isinstance(g, DTensor) for g in grads):
@@ -259,13 +261,14 @@ def grad_norm(model: nn.Module) -> Tensor:
     return all_reduce(squares).sqrt()
 
 
-def scale_gradients(model: nn.Module, max_norm: float, norm: Tensor) -> None:
+def scale_gradients(model: nn.Module | list[nn.Parameter], max_norm: float, norm: Tensor) -> None:
     """Clip by global norm with the norm already measured, as ``torch.nn.utils.clip_grad_norm_`` does (the same
     factor ``max_norm / (norm + 1e-6)``, computed the same way, so the same bits), except that it skips the
     multiplication when the factor is 1 (a pass over every gradient that changes nothing)."""
     factor = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
     if float(factor) < 1.0:
-        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        params = model.parameters() if isinstance(model, nn.Module) else model
+        grads = [p.grad for p in params if p.grad is not None]
         for device in dict.fromkeys(g.device for g in grads):
             torch._foreach_mul_([g for g in grads if g.device == device], factor.to(device))
 
@@ -297,8 +300,13 @@ class Updater:
                  reuse_sampling_logprobs: bool = False, seed: int = 0, terms: list[LossTerm] | None = None,
                  critic: nn.Module | None = None, critic_config: Any = None) -> None:
         self.policy, self.objective, self.scorer, self.engine = policy, objective, scorer, engine
-        #: PPO's value model and its settings (:mod:`~polopt_lightning.step.critic`), trained beside the policy
+        #: PPO's value model and its settings (:mod:`~polopt_lightning.step.critic`), trained beside the policy; its
+        #: own parameters (a shared trunk's: the head's), whose gradient it clips by its own norm
         self.critic, self.critic_config = critic, critic_config
+        if critic is not None:
+            from .critic import own_parameters
+
+            self.critic_params = own_parameters(critic, policy)
         self.config, self.loop, self.anchor = config, loop, anchor
         self.reference, self.reuse_sampling_logprobs, self.seed = reference, reuse_sampling_logprobs, seed
         #: the entropy bonus's coefficient (and its adaptive state, saved in checkpoints) and the top-entropy mask's share
@@ -403,7 +411,7 @@ class Updater:
                            f"({float(metrics['grad_norm']):.4g}); the update is skipped")
         elif limit:
             if self.critic is not None:  # by its own norm, as verl's critic clips apart from its actor
-                scale_gradients(self.critic, limit, critic_norm)
+                scale_gradients(self.critic_params, limit, critic_norm)
             if self.clips_in_place():  # the norm is known: one scaling pass, and none when it is within the limit
                 scale_gradients(self.policy, limit, metrics["grad_norm"])
             else:
@@ -422,7 +430,7 @@ class Updater:
         are). 0 without a critic."""
         if self.critic is None:
             return torch.zeros(())
-        norm = metrics["critic/grad_norm"] = grad_norm(self.critic)
+        norm = metrics["critic/grad_norm"] = grad_norm(self.critic_params)
         if self.loop.global_step < self.critic_config.warmup_steps:
             for p in self.policy.parameters():
                 p.grad = None
