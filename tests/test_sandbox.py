@@ -147,6 +147,8 @@ def test_every_attack_through_the_python_tool_is_an_error_message(sandbox, host)
         assert "error:" in result.value, (name, result.value)
         assert "SECRET-7d3f" not in result.value and "TOKEN-91ab" not in result.value
     assert "ran past its time limit" in results["infinite loop"].value
+    # the time-out is the sandbox's own flag (counted as the tool runner's time-outs), not read from a message
+    assert results["infinite loop"].timed_out and not results["output flood"].timed_out
     assert "more output than allowed" in results["output flood"].value
     check_host(host)
 
@@ -224,8 +226,8 @@ def test_untrusted_tools_run_in_the_sandbox(sandbox):
 
     with pytest.raises(ValueError, match="'local' cannot be marked untrusted"):
         untrusted(local)
-    value, error = run_tool(sandbox, where_am_i, {"tag": {1, 2}}, 5)
-    assert value is None and "not JSON" in error
+    value, error, timed_out = run_tool(sandbox, where_am_i, {"tag": {1, 2}}, 5)
+    assert value is None and "not JSON" in error and not timed_out
 
 
 def test_the_pool_runs_executions_at_once(sandbox):
@@ -424,7 +426,7 @@ def test_the_launchers_settings_are_not_shown_to_the_code(sandbox):
 
 def test_the_python_tool_names_a_wrong_argument(sandbox):
     assert run_tool(sandbox, python, {"cod": "print(1)"}, 2) == (
-        None, "the python tool takes one argument, code; got ['cod']")
+        None, "the python tool takes one argument, code; got ['cod']", False)
 
 
 def test_a_refused_sandbox_stops_the_run_before_the_warm_start(monkeypatch, tmp_path):

@@ -174,8 +174,8 @@ def _run_sandboxed(calls: list[ToolCall], sandbox: Any) -> list[ToolResult]:
     def job(call: ToolCall) -> Callable:
         def run(sb: Any) -> ToolResult:
             start = time.monotonic()
-            value, error = run_tool(sb, call.fn, call.arguments, call.timeout)
-            return ToolResult(call.name, value=value, error=error, timed_out=bool(error and "timed out" in error),
+            value, error, timed_out = run_tool(sb, call.fn, call.arguments, call.timeout)
+            return ToolResult(call.name, value=value, error=error, timed_out=timed_out,
                               seconds=time.monotonic() - start)
         return run
 

@@ -13,7 +13,7 @@ import sys
 from collections.abc import Callable, Mapping
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from .core import ExecResult, Sandbox
 
@@ -55,41 +55,51 @@ def _module_file(fn: Callable) -> Path:
     return Path(file)
 
 
-def run_tool(sandbox: Sandbox, fn: Callable, arguments: Mapping[str, Any], timeout: float | None) -> tuple[Any, str | None]:
-    """``fn(**arguments)`` in ``sandbox`` within ``timeout`` seconds (at most its ``limits.wall_s``): (value, error).
-    The :func:`python` tool runs its code directly; another tool's module file is loaded in a fresh interpreter."""
+class ToolOutcome(NamedTuple):
+    """What :func:`run_tool` gives: the tool's value (``None`` on an error), the error, and whether it ran past its
+    time limit (and was killed)."""
+
+    value: Any
+    error: str | None
+    timed_out: bool = False
+
+
+def run_tool(sandbox: Sandbox, fn: Callable, arguments: Mapping[str, Any], timeout: float | None) -> ToolOutcome:
+    """``fn(**arguments)`` in ``sandbox`` within ``timeout`` seconds (at most its ``limits.wall_s``): its
+    :class:`ToolOutcome`. The :func:`python` tool runs its code directly (its value says how the code ended, a time-out
+    too); another tool's module file is loaded in a fresh interpreter."""
     limits = sandbox.limits if timeout is None else replace(sandbox.limits, wall_s=min(timeout, sandbox.limits.wall_s))
     if fn is python or getattr(fn, "__wrapped__", None) is python:
         if set(arguments) != {"code"}:
-            return None, f"the python tool takes one argument, code; got {sorted(arguments)}"
+            return ToolOutcome(None, f"the python tool takes one argument, code; got {sorted(arguments)}")
         result = sandbox.run_python(str(arguments["code"]), limits=limits)
-        return (result.summary() if result.error is None else None), result.error
+        return ToolOutcome(result.summary() if result.error is None else None, result.error, result.timed_out)
     marker = "<<polopt-result-" + secrets.token_hex(8) + ">>"
     file = _module_file(fn)
     program = _CALL.format(module=fn.__module__, file="tool_module.py", name=fn.__name__, marker=marker)
     try:
         payload = json.dumps(dict(arguments))
     except (TypeError, ValueError) as exc:
-        return None, f"the arguments of tool {fn.__name__!r} are not JSON: {exc}"
+        return ToolOutcome(None, f"the arguments of tool {fn.__name__!r} are not JSON: {exc}")
     result = sandbox.run_python(program, files={"tool_module.py": file.read_bytes()}, stdin=payload, limits=limits,
                                 packages=True)
     return _tool_value(fn.__name__, result, marker, limits.wall_s)
 
 
-def _tool_value(name: str, result: ExecResult, marker: str, wall_s: float) -> tuple[Any, str | None]:
+def _tool_value(name: str, result: ExecResult, marker: str, wall_s: float) -> ToolOutcome:
     if result.timed_out:
-        return None, f"the tool timed out after {wall_s:g} s"
+        return ToolOutcome(None, f"the tool timed out after {wall_s:g} s", True)
     if result.error is not None:
-        return None, result.error
+        return ToolOutcome(None, result.error)
     if result.output_exceeded:
-        return None, f"tool {name!r} wrote more output than the sandbox allows"
+        return ToolOutcome(None, f"tool {name!r} wrote more output than the sandbox allows")
     if result.returncode != 0 or marker not in result.stdout:
         last = result.stderr.strip().splitlines()[-1:] or [f"exit status {result.returncode}"]
-        return None, last[0]
+        return ToolOutcome(None, last[0])
     try:
-        return json.loads(result.stdout.rsplit(marker, 1)[1]), None
+        return ToolOutcome(json.loads(result.stdout.rsplit(marker, 1)[1]), None)
     except json.JSONDecodeError as exc:
-        return None, f"tool {name!r} returned something that is not JSON: {exc}"
+        return ToolOutcome(None, f"tool {name!r} returned something that is not JSON: {exc}")
 
 
 def python(code: str) -> str:
