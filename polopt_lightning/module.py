@@ -157,10 +157,10 @@ class PolicyOptimizationModule(L.LightningModule):
         self.accel = accelerators.training(accel)
         # PPO's critic, where the advantages come from a value per token (experience.advantage_estimator gae)
         self.critic_config = CriticConfig.of(critic)
-        estimator = self.experience_config.estimator(objective.advantage_estimator)
+        estimator = self.experience_config.estimator(getattr(objective, "advantage_estimator", None))
         self.critic: nn.Module | None = None
         if get_estimator(estimator).baseline == "critic":
-            if not objective.accepts_token_advantages:
+            if not getattr(objective, "accepts_token_advantages", False):
                 raise ValueError(f"experience.advantage_estimator={estimator} gives an advantage per token, and the "
                                  f"{type(objective).__name__} objective takes one per completion: use objective=ppo "
                                  "(or grpo, dapo, ...), or another estimator")
@@ -169,14 +169,14 @@ class PolicyOptimizationModule(L.LightningModule):
         elif critic_model is not None:
             raise ValueError(f"critic_model is given, but experience.advantage_estimator={estimator} uses no critic "
                              "(gae does; objective=ppo picks it)")
-        if self.experience_config.turn_credit == "turn" and not objective.accepts_token_advantages:
+        if self.experience_config.turn_credit == "turn" and not getattr(objective, "accepts_token_advantages", False):
             raise ValueError(f"experience.turn_credit=turn gives each turn's tokens their own advantage, and the "
                              f"{type(objective).__name__} objective takes one per completion: use grpo, dapo, ppo, "
                              "cispo or sapo (or gspo_token), or turn_credit=episode")
         # rollout, rewards, dynamic sampling, advantages and the anchor's targets: one step's experience
         self.experience = ExperienceMaker(self.tokenizer, self.rewards, self.experience_config, anchor,
                                           objective.advantage_scale, self.reference_config,
-                                          objective.advantage_estimator,
+                                          getattr(objective, "advantage_estimator", None),
                                           self.critic_config if self.critic is not None else None)
         self.engine = build_engine(rollout_engine)
         staleness = self.experience_config.max_staleness
@@ -190,6 +190,8 @@ class PolicyOptimizationModule(L.LightningModule):
             self.engine.set_tokenizer(self.tokenizer)
         if config.gradient_checkpointing:
             enable_gradient_checkpointing(model, "update.gradient_checkpointing")
+            if self.critic is not None and not self.critic_config.share_trunk and hasattr(self.critic, "backbone"):
+                enable_gradient_checkpointing(self.critic.backbone, "update.gradient_checkpointing")
         # sampler log-probs equal a training forward only when dropout cannot make them differ
         self.reuse_sampling_logprobs = config.reuse_sampling_logprobs and config.disable_dropout
         self.seed = seed

@@ -207,6 +207,12 @@ def test_the_experience_carries_per_token_advantages_from_the_critics_values(tin
     torch.testing.assert_close(exp.advantages, masked_whiten(adv, mask))
 
 
+def test_the_critic_checkpoints_its_activations_with_the_policy(tiny, arithmetic_rows, tmp_path):
+    module, dm = make(tiny, arithmetic_rows, objective="ppo", update={"gradient_checkpointing": True})
+    assert module.critic.backbone.is_gradient_checkpointing and module.policy.is_gradient_checkpointing
+    trainer(tmp_path, steps=1, limit_val_batches=0).fit(module, datamodule=dm)
+
+
 def test_a_ppo_checkpoint_resumes_to_the_uninterrupted_runs_weights(arithmetic_rows, tmp_path):
     from polopt_lightning.models import build_tiny_model
 
