@@ -6,6 +6,7 @@ with the keys named."""
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import lightning as L
 import pytest
@@ -275,42 +276,51 @@ def test_quantized_reference_for_full_fine_tuning(tmp_path, tiny):
     assert 0 < float(trainer.logged_metrics["train/kl"]) < 1
 
 
-LOAD_MERGED = """
+ELSEWHERE = """
 import json, sys, torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
-model = AutoModelForCausalLM.from_pretrained(sys.argv[1]).eval()
-assert not any("lora" in n for n, _ in model.named_parameters()) and "quantization_config" not in model.config.to_dict()
-tok = AutoTokenizer.from_pretrained(sys.argv[1])
-"""
-LOAD_ADAPTER = """
-import json, sys, torch
-from peft import PeftModel
 from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
-quant = json.loads(sys.argv[3])
-config = (BitsAndBytesConfig(load_in_8bit=True) if quant == "int8" else
-          BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-                             bnb_4bit_compute_dtype=torch.float32))
-adapter = json.load(open(sys.argv[1] + "/adapter_config.json"))
-base = AutoModelForCausalLM.from_pretrained(adapter["base_model_name_or_path"], quantization_config=config)
-model = PeftModel.from_pretrained(base, sys.argv[1])
-model.train()  # the kernels the policy trained with (int8 layers compute otherwise in eval mode); no dropout here
-tok = AutoTokenizer.from_pretrained(sys.argv[1])
-"""
-SCORE = """
-ids = tok(sys.argv[2], return_tensors="pt")["input_ids"]
-with torch.no_grad():
-    logits = model(input_ids=ids).logits.float()
-lp = torch.log_softmax(logits[0, :-1], -1).gather(-1, ids[0, 1:, None])[:, 0]
+
+
+def merged(folder, quant):
+    model = AutoModelForCausalLM.from_pretrained(folder).eval()
+    assert not any("lora" in n for n, _ in model.named_parameters())
+    assert "quantization_config" not in model.config.to_dict()
+    return model
+
+
+def adapter(folder, quant):
+    from peft import PeftModel
+
+    config = (BitsAndBytesConfig(load_in_8bit=True) if quant == "int8" else
+              BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                                 bnb_4bit_compute_dtype=torch.float32))
+    spec = json.load(open(folder + "/adapter_config.json"))
+    base = AutoModelForCausalLM.from_pretrained(spec["base_model_name_or_path"], quantization_config=config)
+    model = PeftModel.from_pretrained(base, folder)
+    model.train()  # the kernels the policy trained with (int8 layers compute otherwise in eval mode); no dropout here
+    return model
+
+
+out = []
+for kind, folder, quant in json.loads(sys.argv[2]):
+    model = {"merged": merged, "adapter": adapter}[kind](folder, quant)
+    ids = AutoTokenizer.from_pretrained(folder)(sys.argv[1], return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits.float()
+    out.append(torch.log_softmax(logits[0, :-1], -1).gather(-1, ids[0, 1:, None])[:, 0].tolist())
 assert not any(m.startswith("polopt_lightning") for m in sys.modules), "polopt_lightning was imported"
-print(json.dumps(lp.tolist()))
+print(json.dumps(out))
 """
 
 
-def score_elsewhere(script, folder, *args):
-    proc = subprocess.run([sys.executable, "-c", script + SCORE, str(folder), TEXT, *args], capture_output=True,
+def score_elsewhere(exports: list[tuple[str, Path]], quant: str) -> list[torch.Tensor]:
+    """Each export's log-probs of TEXT, loaded by transformers (and peft) alone in one fresh process: ``exports`` are
+    ``("merged" | "adapter", folder)``, an adapter's base quantized as ``quant``."""
+    spec = json.dumps([(kind, str(folder), quant) for kind, folder in exports])
+    proc = subprocess.run([sys.executable, "-c", ELSEWHERE, TEXT, spec], capture_output=True,
                           text=True, timeout=300, env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"})
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return torch.tensor(json.loads(proc.stdout.strip().splitlines()[-1]))
+    return [torch.tensor(lp) for lp in json.loads(proc.stdout.strip().splitlines()[-1])]
 
 
 @pytest.mark.parametrize("mode", ["nf4", "int8"])
@@ -325,18 +335,17 @@ def test_export_round_trips_merged_and_adapter_alone(mode, tmp_path):
     assert (tmp_path / "adapter" / "adapter_model.safetensors").is_file()
     assert json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())["base_model_name_or_path"] == str(
         base_dir)
-    torch.testing.assert_close(score_elsewhere(LOAD_MERGED, tmp_path / "merged"), live, atol=1e-4, rtol=0)
-    torch.testing.assert_close(score_elsewhere(LOAD_ADAPTER, tmp_path / "adapter", json.dumps(mode)), live,
-                               atol=1e-5, rtol=0)
     # the same from a checkpoint, through the command line
     trainer.save_checkpoint(tmp_path / "last.ckpt")
     for flags, folder in (([], "ckpt_merged"), (["--adapter-only"], "ckpt_adapter")):
         proc = subprocess.run([sys.executable, "-m", "polopt_lightning.export", str(tmp_path / "last.ckpt"),
                                str(tmp_path / folder), *flags], capture_output=True, text=True, timeout=300)
         assert proc.returncode == 0, proc.stderr[-3000:]
-    torch.testing.assert_close(score_elsewhere(LOAD_MERGED, tmp_path / "ckpt_merged"), live, atol=1e-4, rtol=0)
-    torch.testing.assert_close(score_elsewhere(LOAD_ADAPTER, tmp_path / "ckpt_adapter", json.dumps(mode)), live,
-                               atol=1e-5, rtol=0)
+    # each export loaded by transformers and peft alone (one process for the four): the policy's log-probs
+    exports = [("merged", tmp_path / "merged"), ("adapter", tmp_path / "adapter"),
+               ("merged", tmp_path / "ckpt_merged"), ("adapter", tmp_path / "ckpt_adapter")]
+    for (kind, folder), scored in zip(exports, score_elsewhere(exports, mode)):
+        torch.testing.assert_close(scored, live, atol=1e-4 if kind == "merged" else 1e-5, rtol=0, msg=str(folder))
 
 
 def test_adapter_only_export_of_a_full_fine_tuning_checkpoint_is_refused(tmp_path, tiny):
