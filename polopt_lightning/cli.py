@@ -225,6 +225,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     from .models import as_adapter, as_quantization, check_combination, prepare_policy, train_in_float32
     from .module import PolicyOptimizationModule
     from .optim import optimizer_factory
+    from .step.critic import SHARED_UNDER_FSDP, needs_critic
     from .step.loop import TorchLoop
     from .step.update import Updater
     from .strategies import SHARDED, check_strategy, strategy_kind
@@ -241,6 +242,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     anchor = _built_early(cfg, "anchor") if (cfg.get("anchor") or {}).get("_target_") else None
     if objective is not None and update is not None:  # the update's terms check themselves against the objective
         Updater(None, objective, None, engine, update, TorchLoop())  # (a token-level sampler correction for GSPO)
+    critic_used = objective is not None and experience is not None and needs_critic(objective, experience)
     optimizer = optimizer_factory(instantiate(cfg.optimizer) if cfg.get("optimizer") else None)
     run_dir = _run_dir(cfg)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -253,6 +255,8 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     check_combination(quantization, adapter)  # before anything loads
     strategy_cfg = _container(cfg, "strategy")
     kind = strategy_kind(strategy_cfg)
+    if critic_used and critic is not None and critic.share_trunk and kind == "fsdp":
+        raise ValueError(SHARED_UNDER_FSDP)
     check_strategy(kind, accelerator=str(cfg.trainer.get("accelerator", "auto")), quantized=quantization.mode,
                    micro_batch_tokens=update.micro_batch_tokens if update else None,
                    optimizer=(cfg.get("optimizer") or {}).get("name"),

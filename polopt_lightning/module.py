@@ -31,8 +31,7 @@ from .rewards import MixtureRewards, RewardComposer, RewardOutput, TrainerState,
 from .rng import restore_rng
 from .rollout import RolloutBatch, RolloutEngine, SamplingConfig, build_engine
 from .settings import MOVED_ARGUMENTS, settings_of, with_moved
-from .step.advantages import get_estimator
-from .step.critic import CriticConfig, build_critic, own_parameters, token_values
+from .step.critic import SHARED_UNDER_FSDP, CriticConfig, build_critic, needs_critic, own_parameters, token_values
 from .step.experience import Experience, ExperienceConfig, ExperienceMaker
 from .step.logprobs import Scorer
 from .step.loop import LightningLoop
@@ -157,22 +156,14 @@ class PolicyOptimizationModule(L.LightningModule):
         self.accel = accelerators.training(accel)
         # PPO's critic, where the advantages come from a value per token (experience.advantage_estimator gae)
         self.critic_config = CriticConfig.of(critic)
-        estimator = self.experience_config.estimator(getattr(objective, "advantage_estimator", None))
         self.critic: nn.Module | None = None
-        if get_estimator(estimator).baseline == "critic":
-            if not getattr(objective, "accepts_token_advantages", False):
-                raise ValueError(f"experience.advantage_estimator={estimator} gives an advantage per token, and the "
-                                 f"{type(objective).__name__} objective takes one per completion: use objective=ppo "
-                                 "(or grpo, dapo, ...), or another estimator")
+        if needs_critic(objective, self.experience_config):
             self.critic = critic_model if critic_model is not None else build_critic(model, self.critic_config)
             self.critic.train()
         elif critic_model is not None:
+            estimator = self.experience_config.estimator(getattr(objective, "advantage_estimator", None))
             raise ValueError(f"critic_model is given, but experience.advantage_estimator={estimator} uses no critic "
                              "(gae does; objective=ppo picks it)")
-        if self.experience_config.turn_credit == "turn" and not getattr(objective, "accepts_token_advantages", False):
-            raise ValueError(f"experience.turn_credit=turn gives each turn's tokens their own advantage, and the "
-                             f"{type(objective).__name__} objective takes one per completion: use grpo, dapo, ppo, "
-                             "cispo or sapo (or gspo_token), or turn_credit=episode")
         # rollout, rewards, dynamic sampling, advantages and the anchor's targets: one step's experience
         self.experience = ExperienceMaker(self.tokenizer, self.rewards, self.experience_config, anchor,
                                           objective.advantage_scale, self.reference_config,
@@ -281,9 +272,7 @@ class PolicyOptimizationModule(L.LightningModule):
             shard_fully(self.ref_model, mesh["data_parallel"], reshard)
         if self.critic is not None:
             if self.critic_config.share_trunk:
-                raise ValueError("critic.share_trunk=true under strategy=fsdp: the value head would run the policy's "
-                                 "sharded trunk outside the policy's own forward; use a critic of its own "
-                                 "(critic.share_trunk=false) or strategy=ddp")
+                raise ValueError(SHARED_UNDER_FSDP)
             shard_fully(self.critic, mesh["data_parallel"], reshard)
 
     def score(self, batch: Mapping[str, Any], rollout: RolloutBatch) -> RewardOutput:

@@ -90,6 +90,8 @@ def test_one_ddp_update_equals_the_single_process_update(args, tmp_path):
     assert moved > (5e-5 if "optimizer=adamw" in args else 1e-2)
     if "max_grad_norm=1.0" in args:  # the clip acts: the steps' global norms (their mean logged) are above it
         assert one["metrics"]["train/grad_norm"] > 1.0
+    if args[0] == "ppo":  # the critic's gradient, measured over its own parameters (FSDP2's sharded ones too)
+        assert one["metrics"]["train/critic/grad_norm"] > 0 and two["metrics"]["train/critic/grad_norm"] > 0
     for name, weight in one["weights"].items():
         assert torch.allclose(weight, two["weights"][name], atol=1e-6, rtol=1e-5), name
     # how even the processes' tokens were, before and after balancing: logged where it runs, under data parallelism

@@ -391,3 +391,25 @@ def test_a_critic_from_a_saved_model_takes_its_trunk(tiny, arithmetic_rows, tmp_
     torch.testing.assert_close(module.critic.backbone.embed_tokens.weight, other.model.embed_tokens.weight)
     with pytest.raises(ValueError, match="critic.share_trunk=true puts the value head on the policy's trunk"):
         make(tiny, arithmetic_rows, objective="ppo", critic={"name_or_path": "x", "share_trunk": True})
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["objective=gspo", "experience.advantage_estimator=gae"], "advantage_estimator=gae gives an advantage per token"),
+    (["objective=gspo", "experience.turn_credit=turn"], "experience.turn_credit=turn gives each turn's tokens"),
+    (["objective=ppo", "critic.share_trunk=true", "strategy=fsdp"], "critic.share_trunk=true under strategy=fsdp"),
+])
+def test_the_command_line_refuses_a_critic_that_cannot_work_before_anything_loads(overrides, message, tmp_path,
+                                                                                   monkeypatch):
+    from polopt_lightning import cli
+
+    from .helpers import FAST, compose_with, set_hydra
+
+    def loaded(*args, **kwargs):
+        raise AssertionError("the model was loaded before the settings were checked")
+
+    monkeypatch.setattr(cli, "_warm_start", loaded)
+    monkeypatch.setattr("polopt_lightning.models.build_tiny_model", loaded)  # conf/model/tiny.yaml's target
+    cfg = compose_with(FAST + overrides, tmp_path)
+    set_hydra(cfg)
+    with pytest.raises(ValueError, match=message):
+        cli.train(cfg)

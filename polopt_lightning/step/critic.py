@@ -15,6 +15,7 @@ from torch import Tensor, nn
 from .._hf import peft_base, positions_from_mask
 from ..distributed import all_reduce
 from ..settings import Settings
+from .advantages import get_estimator
 from .terms import LossTerm, MiniBatch, Piece, register_term
 
 if TYPE_CHECKING:
@@ -79,6 +80,29 @@ class CriticConfig(Settings):
     }
 
 
+def needs_critic(objective: Any, experience: Any) -> bool:
+    """Whether ``objective`` with the :class:`~polopt_lightning.step.experience.ExperienceConfig` ``experience`` trains
+    a critic (the estimator, the objective's own where unset, is ``gae``); an objective that takes one advantage a
+    sequence where the settings give one a token (``gae``, ``turn_credit=turn``) is refused, naming the keys."""
+    estimator = experience.estimator(getattr(objective, "advantage_estimator", None))
+    per_token = getattr(objective, "accepts_token_advantages", False)
+    needs = get_estimator(estimator).baseline == "critic"
+    if needs and not per_token:
+        raise ValueError(f"experience.advantage_estimator={estimator} gives an advantage per token, and the "
+                         f"{type(objective).__name__} objective takes one per completion: use objective=ppo "
+                         "(or grpo, dapo, ...), or another estimator")
+    if experience.turn_credit == "turn" and not per_token:
+        raise ValueError(f"experience.turn_credit=turn gives each turn's tokens their own advantage, and the "
+                         f"{type(objective).__name__} objective takes one per completion: use grpo, dapo, ppo, "
+                         "cispo or sapo (or gspo_token), or turn_credit=episode")
+    return needs
+
+
+SHARED_UNDER_FSDP = ("critic.share_trunk=true under strategy=fsdp: the value head would run the policy's sharded trunk "
+                     "outside the policy's own forward; use a critic of its own (critic.share_trunk=false) or "
+                     "strategy=ddp")
+
+
 class ValueModel(nn.Module):
     """A value model: a causal LM's trunk (``backbone``, e.g. ``Qwen2Model``) and a linear head giving one value per
     position, started at 0 (so the first step's advantages are the returns themselves). ``forward(input_ids,
@@ -104,7 +128,7 @@ class ValueModel(nn.Module):
         trunk = getattr(base, "base_model", None)
         if trunk is None or trunk is base:
             raise ValueError(f"critic: cannot find the trunk of {type(base).__name__} (its base_model) to copy; give "
-                             "critic.model a path or the module a critic_model")
+                             "critic.name_or_path a path or the module a critic_model")
         return cls(copy.deepcopy(trunk), base.config.hidden_size)
 
     @classmethod
@@ -118,8 +142,9 @@ class ValueModel(nn.Module):
     def forward(self, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor | None = None) -> Tensor:
         out = self.backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                             use_cache=False)
-        hidden = out.last_hidden_state
-        return self.value_head(hidden.to(self.value_head.weight.dtype)).squeeze(-1).float()
+        hidden = out.last_hidden_state.to(self.value_head.weight.dtype)
+        # [B, L] as a tensor of its own (not a view of the head's [B, L, 1]: FSDP2 warns of a view returned)
+        return (torch.matmul(hidden, self.value_head.weight[0]) + self.value_head.bias[0]).float()
 
 
 def build_critic(policy: nn.Module, config: CriticConfig) -> ValueModel:
@@ -176,9 +201,11 @@ def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor
 @register_term("value_loss")
 class ValueLoss(LossTerm):
     """The critic's clipped value loss (:func:`value_loss`), a mean over the mini-batch's completion tokens (every
-    process's), added to each piece's loss: its graph reaches only the critic, so one backward trains both. Logs
-    ``critic/value_loss``, ``critic/clip_frac``, ``critic/values``, ``critic/returns`` and ``critic/explained_variance``
-    (``1 - Var(R - V) / Var(R)`` over the mini-batch at sampling time). In the update of every module with a critic."""
+    process's), times ``critic.value_coef``, added to each piece's loss: its graph reaches only the critic (and a shared
+    trunk), so one backward trains both. Logs ``critic/value_loss``, ``critic/clip_frac``, ``critic/values`` (the
+    critic's values in the update, before its step), ``critic/returns`` (their targets) and
+    ``critic/explained_variance`` (``1 - Var(R - V_old) / Var(R)`` over the mini-batch, with the values at sampling
+    time; NaN where the returns do not vary). In the update of every module with a critic."""
 
     def __init__(self, critic: nn.Module, clip: float | None, coef: float = 1.0) -> None:
         self.critic, self.clip, self.coef = critic, clip, coef
@@ -217,7 +244,8 @@ class ValueLoss(LossTerm):
         n = self._tokens.clamp(min=1)
         var_returns = ret_sq / n - (returns / n) ** 2
         var_residual = res_sq / n - (res / n) ** 2
-        explained = 1 - var_residual / var_returns if float(var_returns) > 1e-12 else torch.zeros((), dtype=n.dtype)
+        explained = (1 - var_residual / var_returns if float(var_returns) > 1e-12  # nothing to explain: NaN, not 0
+                     else torch.full((), float("nan"), dtype=n.dtype))
         return {"critic/value_loss": (loss / n).float(), "critic/clip_frac": (clipped / n).float(),
                 "critic/values": (values / n).float(), "critic/returns": (returns / n).float(),
                 "critic/explained_variance": explained.float()}

@@ -300,13 +300,8 @@ class Updater:
                  reuse_sampling_logprobs: bool = False, seed: int = 0, terms: list[LossTerm] | None = None,
                  critic: nn.Module | None = None, critic_config: Any = None) -> None:
         self.policy, self.objective, self.scorer, self.engine = policy, objective, scorer, engine
-        #: PPO's value model and its settings (:mod:`~polopt_lightning.step.critic`), trained beside the policy; its
-        #: own parameters (a shared trunk's: the head's), whose gradient it clips by its own norm
+        #: PPO's value model and its settings (:mod:`~polopt_lightning.step.critic`), trained beside the policy
         self.critic, self.critic_config = critic, critic_config
-        if critic is not None:
-            from .critic import own_parameters
-
-            self.critic_params = own_parameters(critic, policy)
         self.config, self.loop, self.anchor = config, loop, anchor
         self.reference, self.reuse_sampling_logprobs, self.seed = reference, reuse_sampling_logprobs, seed
         #: the entropy bonus's coefficient (and its adaptive state, saved in checkpoints) and the top-entropy mask's share
@@ -423,6 +418,14 @@ class Updater:
         optimizer.zero_grad(set_to_none=True)
         scheduler.step()
         return metrics
+
+    @property
+    def critic_params(self) -> list[nn.Parameter]:
+        """The critic's own parameters (a shared trunk's: the head's), whose gradient it clips by its own norm; taken
+        when asked, since FSDP2 replaces the parameters it shards once the processes exist."""
+        from .critic import own_parameters
+
+        return own_parameters(self.critic, self.policy)
 
     def critic_gradients(self, metrics: dict[str, Tensor]) -> Tensor:
         """With a critic: its gradient norm (logged as ``critic/grad_norm``) and, during its warm-up, the policy's
