@@ -39,8 +39,8 @@ def run(runs: Path, study: str, setting: str, seed: int, quick: bool, cache: Pat
     # quick: the default job's warm start to a fixed few steps (its probe target would not be met)
     results, lines = train_run(runs / f"{study}-{setting}-s{seed}", [*base, *settings[setting],
                                *(["warm_start.target_accuracy=null"] if quick else [])], seed, quick, cache, threads)
-    explained = [float(line["train/critic/explained_variance"]) for line in lines
-                 if line.get("train/critic/explained_variance")][-50:]
+    explained = [float(line["train/critic/explained_variance"]) for line in lines  # NaN: returns that did not vary
+                 if line.get("train/critic/explained_variance") not in (None, "", "nan")][-50:]
     return {"study": study, "setting": setting, "seed": seed,
             "accuracy_before": round(results["val_accuracy_before"], 4),
             "accuracy_after": round(results["val_accuracy_after"], 4),
