@@ -125,6 +125,10 @@ SERVER = "polopt-serve --port 8000"  # docs/async.md: the server rollout=server 
 RUNS = {
     "polopt-train objective=gspo trainer.max_steps=50": Run(ARITHMETIC),
     "polopt-train objective=ppo critic.warmup_steps=5": Run(ARITHMETIC),
+    "polopt-train experience.advantage_estimator=remax": Run(ARITHMETIC),
+    "polopt-train experience.advantage_estimator=pass_at_k": Run(ARITHMETIC),
+    "polopt-train reward.aggregation=normalize_each": Run(ARITHMETIC),
+    "polopt-train experiment=tool_arithmetic experience.turn_credit=turn": Run(TOOL),
     "polopt-train -m objective=grpo,gspo seed=0,1,2": Run(ARITHMETIC, runs=6),
     # a GPU recipe: where torch sees no CUDA device it stops first on that, naming trainer.accelerator
     "polopt-train experiment=gsm8k": Run(["trainer.max_steps=2"], env=OFFLINE,
