@@ -413,3 +413,36 @@ def test_the_command_line_refuses_a_critic_that_cannot_work_before_anything_load
     set_hydra(cfg)
     with pytest.raises(ValueError, match=message):
         cli.train(cfg)
+
+
+def test_a_reward_functions_per_turn_rewards_go_to_their_turns(tiny):
+    from polopt_lightning.rollout import RolloutBatch
+    from polopt_lightning.step.experience import ExperienceMaker
+
+    model, tok = tiny
+    mask = torch.tensor([[1, 1, 0, 1], [1, 0, 0, 1], [1, 1, 1, 0]])
+    rollout = RolloutBatch(prompt_ids=torch.ones(3, 2, dtype=torch.long), prompt_mask=torch.ones(3, 2, dtype=torch.long),
+                           completion_ids=torch.full((3, 4), 5), completion_mask=mask,
+                           sampling_logprobs=torch.zeros(3, 4), finished=torch.ones(3, dtype=torch.bool), group_size=3,
+                           context_mask=torch.ones(3, 4, dtype=torch.long), conversations=[[], [], []],
+                           extras={"turn_rewards": [[0.2, None], [None, None], [None]], "env_reward": [0.2, 0, 0],
+                                   "tool_calls": [1, 1, 0]})
+    # an outcome, and a function that rewards each turn (a list per completion: its sum is the completion's reward)
+    composer = RewardComposer({"answer": lambda prompts, completions, **kw: [1.0, 0.0, 0.5],
+                               "format": lambda prompts, completions, **kw: [[0.1, 0.3], [0.0, None], [0.4]]},
+                              weights={"answer": 1.0, "format": 0.5})
+    out = composer(["p"] * 3, ["c"] * 3)
+    torch.testing.assert_close(out.per_function[:, 1], torch.tensor([0.4, 0.0, 0.4]))
+    assert out.turns == [[0.05, 0.15], [0.0, 0.0], [0.2]]
+    maker = ExperienceMaker(tok, composer, {"num_generations": 3, "turn_credit": "turn", "turn_discount": 1.0})
+    batch = {"prompt_ids": torch.ones(1, 2, dtype=torch.long), "prompts": ["p"], "columns": {}}
+    exp, _ = maker.make(batch, lambda b: rollout, lambda: None, torch.device("cpu"))
+    # by hand: turn rewards = the environment's + 0.5 x the function's; the outcome on the last turn
+    first = torch.tensor([0.2 + 0.05 + 0.15 + 1.0, 0.0 + 0.0 + 0.0, 0.2 + 0.5])
+    first = (first - first.mean()) / first.std()
+    second = torch.tensor([0.15 + 1.0, 0.0])
+    second = (second - second.mean()) / second.std()
+    want = torch.tensor([[first[0], first[0], 0, second[0]], [first[1], 0, 0, second[1]], [first[2]] * 3 + [0]])
+    torch.testing.assert_close(exp.advantages, want)
+    with pytest.raises(Exception, match="per-turn rewards .* expected finite floats or None"):
+        RewardComposer([lambda prompts, completions, **kw: [["x"]]])(["p"], ["c"])

@@ -30,7 +30,8 @@ class RewardFunction(Protocol):
     lists of messages and each completion is ``[{"role": "assistant", "content": text}]``; otherwise both are
     strings. ``columns`` holds every extra dataset column (one value per completion), ``completion_ids`` and
     ``trainer_state`` (a :class:`TrainerState`). ``None`` means "not applicable to this sample". The function may be
-    ``async``.
+    ``async``. For a multi-turn completion a value may be a list, one reward per policy turn (``None`` for none): the
+    completion's reward is their sum, and per-turn credit (``experience.turn_credit=turn``) gives each to its turn.
     """
 
     def __call__(self, prompts: list[str], completions: list[str], **columns: Any) -> list[float | None]: ...
@@ -123,6 +124,9 @@ class RewardOutput:
     per_function: Tensor
     total: Tensor
     metrics: dict[str, Tensor] = field(default_factory=dict)
+    #: per completion, the weighted sum of the per-turn rewards that functions gave as lists (one per policy turn; their
+    #: sums are in ``total`` too); ``None`` where no function gave one
+    turns: list[list[float] | None] | None = None
 
 
 def _nan_std(values: Tensor) -> Tensor:
@@ -263,13 +267,22 @@ class RewardComposer:
 
         per_function = torch.full((n, len(self.reward_fns)), float("nan"))
         errors = torch.zeros(len(self.reward_fns))
+        turns: list[list[float] | None] = [None] * n
         for j, (fn, name, out) in enumerate(zip(self.reward_fns, self.names, raw)):
-            values, n_err = self._check_output(fn, name, out, prompts, completions, columns)
+            lists: dict[int, list[float]] = {}
+            values, n_err = self._check_output(fn, name, out, prompts, completions, columns, turns=lists)
             per_function[:, j] = values
             errors[j] = n_err
+            for i, parts in lists.items():  # this function's per-turn rewards, weighted, added to the sample's
+                if torch.isfinite(values[i]):
+                    mine = [float(self.weights[j]) * p for p in parts]
+                    old = turns[i] or []
+                    turns[i] = [(old[k] if k < len(old) else 0.0) + (mine[k] if k < len(mine) else 0.0)
+                                for k in range(max(len(old), len(mine)))]
 
         total = self.combine(self.normalized(per_function, group_size))
-        return RewardOutput(per_function=per_function, total=total, metrics=self.summarize(per_function, errors))
+        return RewardOutput(per_function=per_function, total=total, metrics=self.summarize(per_function, errors),
+                            turns=turns if any(t is not None for t in turns) else None)
 
     def normalized(self, per_function: Tensor, group_size: int | None) -> Tensor:
         """``[N, F]`` rewards as :meth:`combine` sums them: as they are (``aggregation="sum"``, or no groups), or each
@@ -316,11 +329,14 @@ class RewardComposer:
             raise RewardError(message) from cause
         warnings.warn(message + " -> treated as None (on_error='none')", RuntimeWarning, stacklevel=4)
 
-    def _check_output(self, fn, name, out, prompts, completions, columns, offset: int = 0) -> tuple[Tensor, int]:
+    def _check_output(self, fn, name, out, prompts, completions, columns, offset: int = 0,
+                      turns: dict[int, list[float]] | None = None) -> tuple[Tensor, int]:
+        """``out`` checked: ``[n]`` values (NaN: none) and the failures counted; a sample's list of per-turn rewards
+        (None: 0) is summed, and kept in ``turns`` by sample."""
         n = len(completions)
         values = torch.full((n,), float("nan"))
         if isinstance(out, BaseException):
-            return self._locate_exception(fn, name, out, prompts, completions, columns)
+            return self._locate_exception(fn, name, out, prompts, completions, columns, turns)
         if isinstance(out, Tensor):
             out = out.detach().cpu().reshape(-1).tolist()
         try:
@@ -337,6 +353,16 @@ class RewardComposer:
                 continue
             if isinstance(v, Tensor) and v.numel() == 1:
                 v = v.item()
+            if isinstance(v, (list, tuple)):  # one reward per policy turn
+                if not all(p is None or (isinstance(p, numbers.Real) and math.isfinite(float(p))) for p in v):
+                    self._fail(f"reward function {name!r} returned the per-turn rewards {v!r} for sample {offset + i}, "
+                               "expected finite floats or None")
+                    n_err += 1
+                    continue
+                parts = [0.0 if p is None else float(p) for p in v]
+                if turns is not None:
+                    turns[i] = parts
+                v = sum(parts)
             if not isinstance(v, numbers.Real):
                 self._fail(f"reward function {name!r} returned {type(v).__name__} {v!r} for sample {offset + i}, expected float or None")
                 n_err += 1
@@ -348,7 +374,8 @@ class RewardComposer:
             values[i] = float(v)
         return values, n_err
 
-    def _locate_exception(self, fn, name, exc, prompts, completions, columns) -> tuple[Tensor, int]:
+    def _locate_exception(self, fn, name, exc, prompts, completions, columns,
+                          turns: dict[int, list[float]] | None = None) -> tuple[Tensor, int]:
         """Re-run a failing function one sample at a time to name the sample(s) that make it raise."""
         n = len(completions)
         values = torch.full((n,), float("nan"))
@@ -368,7 +395,11 @@ class RewardComposer:
                 )
                 n_err += 1
                 continue
-            single, err = self._check_output(fn, name, out, [prompts[i]], [completions[i]], cols, offset=i)
+            sample_turns: dict[int, list[float]] = {}
+            single, err = self._check_output(fn, name, out, [prompts[i]], [completions[i]], cols, offset=i,
+                                             turns=sample_turns)
+            if 0 in sample_turns and turns is not None:
+                turns[i] = sample_turns[0]
             values[i] = single[0]
             n_err += err
         if n_err == 0:

@@ -118,6 +118,7 @@ class MixtureRewards:
         ids = self.task_ids(columns, n)
         per_function = torch.full((n, len(self.names)), float("nan"))
         combined = per_function.clone()  # what each composer sums (its aggregation's)
+        turns: list[list[float] | None] = [None] * n
         errors = torch.zeros(len(self.names))
         for t, (task, composer) in enumerate(self.composers.items()):
             rows = torch.nonzero(ids == t).flatten().tolist()
@@ -127,9 +128,12 @@ class MixtureRewards:
             out = composer([prompts[i] for i in rows], [completions[i] for i in rows], **sub)
             per_function[rows, self._columns[task]] = out.per_function
             combined[rows, self._columns[task]] = composer.normalized(out.per_function, group_size)
+            for i, parts in zip(rows, out.turns or []):
+                turns[i] = parts
             errors[self._columns[task]] = torch.stack([out.metrics[f"reward_errors/{fn}"] for fn in composer.names])
         return RewardOutput(per_function=per_function, total=self.combine(combined),
-                            metrics=self.summarize(per_function, errors))
+                            metrics=self.summarize(per_function, errors),
+                            turns=turns if any(t is not None for t in turns) else None)
 
     def combine(self, per_function: Tensor) -> Tensor:
         """Each row's total under its own task's weights (NaN where no function of its task gave a value)."""

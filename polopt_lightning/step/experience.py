@@ -285,8 +285,12 @@ class ExperienceMaker:
             if self.baseline == "greedy":
                 total = torch.cat([total, self.greedy_rewards(batch, greedy, trainer_state).repeat_interleave(G)[:, None]],
                                   -1)
-            if self.per_turn:
-                total = torch.cat([total, turn_reward_matrix(rollout)], -1)
+            if self.per_turn:  # the reward functions' per-turn parts go to their turns, not to the outcome
+                if rewards.turns is not None and getattr(self.rewards, "aggregation", "sum") != "sum":
+                    raise ValueError("a reward function gave per-turn rewards, which reward.aggregation="
+                                     f"{self.rewards.aggregation} cannot normalise in their groups: use sum")
+                matrix, given = turn_reward_matrix(rollout, rewards.turns)
+                total = torch.cat([total - given[:, None], matrix], -1)
             parts.append((rollout, total, keep, self.anchor_targets(batch, device)))
             scored.append(self.last_scored)
             kept_groups += int(keep.sum())
@@ -520,18 +524,25 @@ class ExperienceMaker:
         return mean, ((squares - total ** 2 / count) / (count - 1)).clamp(min=0).sqrt().float()
 
 
-def turn_reward_matrix(rollout: RolloutBatch) -> Tensor:
-    """``[N, K]`` each completion's environment reward per policy turn (a multi-turn rollout's ``turn_rewards``), NaN
-    where there is none; ``[N, 0]`` for a rollout without turns."""
+def turn_reward_matrix(rollout: RolloutBatch, functions: Sequence[Sequence[float] | None] | None = None
+                       ) -> tuple[Tensor, Tensor]:
+    """``[N, K]`` each completion's reward per policy turn: the environment's (a multi-turn rollout's
+    ``turn_rewards``) plus the reward functions' per-turn parts (``functions``, weighted: :attr:`RewardOutput.turns`),
+    NaN where neither gave one; and ``[N]`` the sum of the functions' parts (already in the completion's reward)."""
     n = rollout.completion_ids.shape[0]
     per_row = (rollout.extras or {}).get("turn_rewards") or [[] for _ in range(n)]
-    width = max((len(r) for r in per_row), default=0)
+    functions = functions or [None] * n
+    width = max([len(r) for r in per_row] + [len(f or []) for f in functions] + [0])
     out = torch.full((n, width), float("nan"))
-    for i, row in enumerate(per_row):
+    given = torch.zeros(n)
+    for i, (row, parts) in enumerate(zip(per_row, functions)):
         for k, value in enumerate(row):
             if value is not None:
                 out[i, k] = float(value)
-    return out
+        for k, value in enumerate(parts or []):
+            out[i, k] = value + (0.0 if torch.isnan(out[i, k]) else float(out[i, k]))
+            given[i] += value
+    return out, given
 
 
 def row_means(values: Tensor, mask: Tensor) -> Tensor:
