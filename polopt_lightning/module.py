@@ -308,12 +308,17 @@ class PolicyOptimizationModule(L.LightningModule):
     def critic_values(self, exp: Experience) -> Tensor:
         """The critic's values ``[N, T]`` at the rollout's completion tokens at sampling time (GAE's), without
         gradient, in pieces of ``update.micro_batch_tokens``."""
-        from .step.update import micro_batches
+        from .step.update import even_pieces, micro_batches
 
         out = torch.zeros(exp.completion_ids.shape, dtype=torch.float32, device=exp.completion_ids.device)
         rows = torch.arange(exp.completion_ids.shape[0], device=exp.completion_ids.device)
-        with torch.no_grad(), evaluating(self.critic):
-            for piece in micro_batches(exp, rows, self.update_config.micro_batch_tokens, False):
+        # eval mode for the pass, as the log-probs' (a shared trunk is the policy's own); the quantized layers keep the
+        # kernels the update's forward uses
+        trunk = getattr(self.critic, "backbone", self.critic)
+        with torch.no_grad(), evaluating(self.critic, keep_quantized=True), evaluating(trunk, keep_quantized=True):
+            # as many pieces on every process: each forward of a sharded critic gathers its weights collectively
+            for piece in even_pieces(micro_batches(exp, rows, self.update_config.micro_batch_tokens, False),
+                                     self.critic, self.device):
                 width = max(int(exp.attention_mask[piece].sum(-1).max()), 1)
                 out[piece, :width] = token_values(self.critic, exp, piece, width)
         return out

@@ -63,9 +63,10 @@ def _update(tmp_path, world, *args):
                                    "balance_tokens=true"),
                                   ("grpo", "skew=true", "max_new_tokens=12", "mini_batches=2", "strategy=fsdp",
                                    "micro_batch_tokens=40"),
-                                  # PPO under FSDP2: the critic sharded too, in the optimizer's second group (plain SGD:
-                                  # AdamW's first steps on the zero-started head's tiny gradients amplify rounding)
-                                  ("ppo", "strategy=fsdp", "critic_lr=0.5", "mini_batches=2")],
+                                  # PPO under FSDP2: the critic sharded too, in the optimizer's second group, each clipped
+                                  # by its own norm (plain SGD: AdamW's first steps on the zero-started head's tiny
+                                  # gradients amplify rounding)
+                                  ("ppo", "strategy=fsdp", "critic_lr=0.5", "mini_batches=2", "max_grad_norm=1.0")],
                          ids=["ppo-critic-micro-batches-kl-in-reward-clip", "gspo-batch-scale-anchor", "dr_grpo-kl",
                               "fsdp-grpo-kl-anchor", "grpo-kl-onednn-linear", "cispo-reinforce-pp-whitened",
                               "grpo-entropy-bonus-top-mask-kl-in-reward", "fused-head-padding-free-entropy-bonus-kl",

@@ -358,6 +358,9 @@ def test_per_turn_credit_needs_an_objective_that_takes_token_advantages(tiny, ar
 def test_a_value_head_on_the_policys_own_trunk_trains_the_trunk_by_value_coef(tiny, arithmetic_rows, tmp_path):
     module, dm = make(tiny, arithmetic_rows, objective="ppo", critic={"share_trunk": True, "value_coef": 0.5})
     assert module.critic.backbone is module.policy.model  # no copy
+    # the trunk is the policy's: saved (and sharded, quantized, loaded) there once, the critic's own weights the head's
+    assert {k for k in module.state_dict() if k.startswith("critic.")} == {"critic.value_head.weight",
+                                                                           "critic.value_head.bias"}
     assert [id(p) for p in module.updater.critic_params] == [id(p) for p in module.critic.value_head.parameters()]
     dm.setup("fit")
     exp, _ = module.make_experience(next(iter(dm.train_dataloader())))
@@ -446,3 +449,28 @@ def test_a_reward_functions_per_turn_rewards_go_to_their_turns(tiny):
     torch.testing.assert_close(exp.advantages, want)
     with pytest.raises(Exception, match="per-turn rewards .* expected finite floats or None"):
         RewardComposer([lambda prompts, completions, **kw: [["x"]]])(["p"], ["c"])
+
+
+def test_per_turn_credit_keeps_the_reward_of_a_turn_the_environment_never_answered(tiny):
+    from polopt_lightning.rollout import RolloutBatch
+    from polopt_lightning.step.advantages import turn_returns, turn_token_rewards
+    from polopt_lightning.step.experience import ExperienceMaker
+
+    # two policy turns, one environment answer: the last turn was cut by the token budget
+    R = turn_returns(torch.tensor([1.0, 0.0]), torch.tensor([[0.5], [0.0]]), torch.tensor([2, 2]))
+    torch.testing.assert_close(R, torch.tensor([[1.5, 1.0], [0.0, 0.0]]))
+    # a reward for a turn past the completion's last goes to its last turn (here: to the outcome's token)
+    mask = torch.tensor([[1, 1, 0, 0]])
+    torch.testing.assert_close(turn_token_rewards(torch.tensor([1.0]), torch.tensor([[0.25, 0.5]]), mask),
+                               torch.tensor([[0.0, 1.75, 0.0, 0.0]]))
+    # a rollout of one turn (no environment) under per-turn credit: the episode's advantages, on every token
+    model, tok = tiny
+    rollout = RolloutBatch(prompt_ids=torch.ones(2, 2, dtype=torch.long), prompt_mask=torch.ones(2, 2, dtype=torch.long),
+                           completion_ids=torch.full((2, 3), 5), completion_mask=torch.tensor([[1, 1, 1], [1, 1, 0]]),
+                           sampling_logprobs=torch.zeros(2, 3), finished=torch.ones(2, dtype=torch.bool), group_size=2)
+    composer = RewardComposer([lambda prompts, completions, **kw: [1.0, 0.0]])
+    maker = ExperienceMaker(tok, composer, {"num_generations": 2, "turn_credit": "turn"})
+    batch = {"prompt_ids": torch.ones(1, 2, dtype=torch.long), "prompts": ["p"], "columns": {}}
+    exp, _ = maker.make(batch, lambda b: rollout, lambda: None, torch.device("cpu"))
+    a = 1 / torch.tensor([1.0, 0.0]).std()
+    torch.testing.assert_close(exp.advantages, torch.tensor([[a / 2, a / 2, a / 2], [-a / 2, -a / 2, 0]]))

@@ -135,6 +135,11 @@ class MixtureRewards:
                             metrics=self.summarize(per_function, errors),
                             turns=turns if any(t is not None for t in turns) else None)
 
+    @property
+    def aggregation(self) -> str:
+        """``"normalize_each"`` where a task's composer normalises its functions within groups, else ``"sum"``."""
+        return "normalize_each" if any(c.aggregation != "sum" for c in self.composers.values()) else "sum"
+
     def combine(self, per_function: Tensor) -> Tensor:
         """Each row's total under its own task's weights (NaN where no function of its task gave a value)."""
         total = torch.full((per_function.shape[0],), float("nan"))

@@ -337,14 +337,20 @@ def turn_index(mask: Tensor) -> Tensor:
 def turn_returns(outcome: Tensor, turn_rewards: Tensor, turns: Tensor, gamma: float = 1.0) -> Tensor:
     """``[N, K]`` each turn's discounted return: ``R_k = sum_{j >= k} gamma^(j-k) r_j`` over the completion's own
     ``turns`` ``[N]`` turns, with ``r_j`` the environment's reward for turn ``j`` (``turn_rewards`` ``[N, K]``, NaN:
-    none) and the completion's reward (``outcome`` ``[N]``) added to its last turn's; NaN past its last turn, and on
-    every turn of a completion without a reward."""
-    N, K = turn_rewards.shape
+    none) and the completion's reward (``outcome`` ``[N]``) added to its last turn's, as is any reward given for a turn
+    past its last (a turn the token budget cut before the environment answered it); NaN past its last turn, and on
+    every turn of a completion without a reward. ``K`` is at least the longest completion's turns."""
+    turn_rewards = turn_rewards.float()
+    N = turn_rewards.shape[0]
+    K = max(turn_rewards.shape[1], int(turns.max()) if turns.numel() else 0)
+    turn_rewards = torch.nn.functional.pad(turn_rewards, (0, K - turn_rewards.shape[1]), value=float("nan"))
     k = torch.arange(K, device=turn_rewards.device).expand(N, K)
     inside = k < turns[:, None]
-    rewards = torch.where(inside & torch.isfinite(turn_rewards), turn_rewards.float(), torch.zeros_like(turn_rewards))
+    given = torch.where(torch.isfinite(turn_rewards), turn_rewards, torch.zeros_like(turn_rewards))
+    rewards = torch.where(inside, given, torch.zeros_like(given))
     last = k == (turns[:, None] - 1)
-    rewards = rewards + torch.where(last, torch.nan_to_num(outcome.float(), nan=0.0)[:, None], torch.zeros_like(rewards))
+    extra = torch.nan_to_num(outcome.float(), nan=0.0) + torch.where(inside, torch.zeros_like(given), given).sum(-1)
+    rewards = rewards + torch.where(last, extra[:, None], torch.zeros_like(rewards))
     out = torch.zeros_like(rewards)
     running = torch.zeros_like(rewards[:, 0])
     for j in range(K - 1, -1, -1):
@@ -366,7 +372,12 @@ def turn_token_rewards(outcome: Tensor, turn_rewards: Tensor, mask: Tensor) -> T
     NaN: none) on its last token, the completion's reward (``outcome``) on its last policy token (GAE then carries
     each back to the tokens before it)."""
     index = turn_index(mask)
-    out = outcome_token_rewards(outcome, mask)
+    turns = index.amax(-1) + 1
+    # rewards for turns past a completion's last (cut before the environment answered) go to its last token
+    k = torch.arange(turn_rewards.shape[1], device=turn_rewards.device).expand_as(turn_rewards)
+    beyond = torch.where((k >= turns[:, None].to(k.device)) & torch.isfinite(turn_rewards), turn_rewards.float(),
+                         torch.zeros_like(turn_rewards, dtype=torch.float32)).sum(-1)
+    out = outcome_token_rewards(outcome.float() + beyond.to(outcome.device), mask)
     is_end = (index >= 0) & torch.cat([index[:, 1:] != index[:, :-1], torch.ones_like(index[:, :1], dtype=torch.bool)],
                                       dim=1)
     rows, cols = torch.nonzero(is_end, as_tuple=True)

@@ -108,9 +108,12 @@ class ValueModel(nn.Module):
     position, started at 0 (so the first step's advantages are the returns themselves). ``forward(input_ids,
     attention_mask, position_ids)`` returns ``[B, L]`` float32 values."""
 
-    def __init__(self, backbone: nn.Module, hidden_size: int | None = None) -> None:
+    def __init__(self, backbone: nn.Module, hidden_size: int | None = None, shared: bool = False) -> None:
         super().__init__()
-        self.backbone = backbone
+        if shared:  # the policy's own trunk: not a submodule (its weights are the policy's, saved and sharded there)
+            object.__setattr__(self, "backbone", backbone)
+        else:
+            self.backbone = backbone
         hidden = hidden_size or backbone.config.hidden_size
         self.value_head = nn.Linear(hidden, 1)
         nn.init.zeros_(self.value_head.weight)
@@ -155,7 +158,7 @@ def build_critic(policy: nn.Module, config: CriticConfig) -> ValueModel:
             raise ValueError(f"critic.share_trunk=true puts the value head on the policy's trunk, and critic.name_or_path="
                              f"{config.name_or_path!r} names another model: set one of them")
         base = peft_base(policy)
-        return ValueModel(base.base_model, base.config.hidden_size)
+        return ValueModel(base.base_model, base.config.hidden_size, shared=True)
     critic = (ValueModel.from_policy(policy) if config.name_or_path is None
               else ValueModel.from_pretrained(config.name_or_path))
     dtype = next((p.dtype for p in policy.parameters() if p.is_floating_point()), torch.float32)

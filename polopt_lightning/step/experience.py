@@ -120,7 +120,7 @@ class ExperienceConfig(Settings):
             scale = self.scale()
             if not get_estimator(self.estimator()).whiten or scale != "batch":
                 raise ValueError(f"experience.whitening=token weighs REINFORCE++'s batch whitening by tokens, and "
-                                 f"experience.advantage_estimator={self.advantage_estimator} with advantage_scale="
+                                 f"experience.advantage_estimator={self.estimator()} with advantage_scale="
                                  f"{scale} does not whiten: use reinforce_pp or reinforce_pp_baseline (advantage_scale "
                                  "batch or null), or whitening=completion")
 
@@ -200,7 +200,7 @@ class ExperienceMaker:
         if self.per_turn and self.baseline == "greedy":
             raise ValueError(f"experience.turn_credit=turn: the {self.estimator} estimator's baseline is the greedy "
                              "completion's reward, which has no turns to compare with; use grpo, rloo, gae, ...")
-        if self.baseline == "greedy" and getattr(rewards, "aggregation", "sum") != "sum":
+        if self.baseline == "greedy" and rewards.aggregation != "sum":
             raise ValueError(f"experience.advantage_estimator={self.estimator} compares each reward with the greedy "
                              f"completion's, which has no group to be normalised in: reward.aggregation="
                              f"{rewards.aggregation} does not apply (use sum)")
@@ -286,7 +286,7 @@ class ExperienceMaker:
                 total = torch.cat([total, self.greedy_rewards(batch, greedy, trainer_state).repeat_interleave(G)[:, None]],
                                   -1)
             if self.per_turn:  # the reward functions' per-turn parts go to their turns, not to the outcome
-                if rewards.turns is not None and getattr(self.rewards, "aggregation", "sum") != "sum":
+                if rewards.turns is not None and self.rewards.aggregation != "sum":
                     raise ValueError("a reward function gave per-turn rewards, which reward.aggregation="
                                      f"{self.rewards.aggregation} cannot normalise in their groups: use sum")
                 matrix, given = turn_reward_matrix(rollout, rewards.turns)
@@ -368,8 +368,10 @@ class ExperienceMaker:
         G, mask = self.num_generations, exp.completion_mask
         index = turn_index(mask)
         turns = (index.amax(-1) + 1).cpu()
+        # as many turn columns on every process (the collectives below run once a column), before anything can fail
+        K = int(all_reduce(torch.tensor(max(turn_rewards.shape[1], int(turns.max()) if turns.numel() else 0),
+                                        device=device), "max"))
         returns = turn_returns(rewards.cpu(), turn_rewards.cpu(), turns, self.config.turn_discount)
-        K = int(all_reduce(torch.tensor(returns.shape[1], device=device), "max"))  # as many columns on every process
         advantages = torch.zeros((returns.shape[0], max(K, 1)))
         for k in range(K):
             column = returns[:, k] if k < returns.shape[1] else torch.full_like(rewards.cpu(), float("nan"))

@@ -405,10 +405,16 @@ class Updater:
             rank_zero_warn(f"step {loop.global_step}: non-finite loss ({float(metrics['loss']):.4g}) or gradient norm "
                            f"({float(metrics['grad_norm']):.4g}); the update is skipped")
         elif limit:
+            in_place = self.clips_in_place()
             if self.critic is not None:  # by its own norm, as verl's critic clips apart from its actor
-                scale_gradients(self.critic_params, limit, critic_norm)
-            if self.clips_in_place():  # the norm is known: one scaling pass, and none when it is within the limit
+                if in_place:
+                    scale_gradients(self.critic_params, limit, critic_norm)
+                else:  # sharded gradients: torch's clip, the critic's alone
+                    torch.nn.utils.clip_grad_norm_(self.critic_params, limit)
+            if in_place:  # the norm is known: one scaling pass, and none when it is within the limit
                 scale_gradients(self.policy, limit, metrics["grad_norm"])
+            elif self.critic is not None:  # the policy's alone (Lightning's clip would take the critic's with it)
+                torch.nn.utils.clip_grad_norm_([p for p in self.policy.parameters() if p.grad is not None], limit)
             else:
                 loop.clip_gradients(optimizer, limit)
         loop.optimizer_step(optimizer)
