@@ -225,7 +225,7 @@ class ValueLoss(LossTerm):
                              "estimator (experience.advantage_estimator=gae)")
         mask = batch.exp.completion_mask[batch.rows].bool()
         self._tokens = all_reduce(mask.sum().to(torch.float64))
-        self._sums: dict[str, Tensor] = {}
+        self._sums = torch.zeros(7, dtype=torch.float64, device=self._tokens.device)  # the metrics' sums, piece by piece
         return {}
 
     def loss(self, batch: MiniBatch, piece: Piece, out: Any) -> Tensor:
@@ -239,11 +239,11 @@ class ValueLoss(LossTerm):
         sums = torch.stack([per_token.detach().sum().double(), clipped.sum().double(),
                             torch.where(mask, values.detach(), torch.zeros_like(values)).sum().double(),
                             target.sum(), residual.sum(), (residual ** 2).sum(), (target ** 2).sum()])
-        self._sums["all"] = self._sums.get("all", 0) + sums
+        self._sums = self._sums + sums.to(self._sums.device)
         return self.coef * per_token.sum() / self._tokens.clamp(min=1).to(per_token) * batch.world
 
     def end(self, batch: MiniBatch) -> dict[str, Tensor]:
-        loss, clipped, values, returns, res, res_sq, ret_sq = all_reduce(self._sums["all"]).unbind()
+        loss, clipped, values, returns, res, res_sq, ret_sq = all_reduce(self._sums).unbind()
         n = self._tokens.clamp(min=1)
         var_returns = ret_sq / n - (returns / n) ** 2
         var_residual = res_sq / n - (res / n) ** 2

@@ -314,36 +314,29 @@ class ExperienceMaker:
             metrics["train/greedy_reward"] = all_reduce(baselines.nansum().to(device)) / all_reduce(
                 torch.isfinite(baselines).sum().float().to(device)).clamp(min=1)
         exp = Experience(advantages=rewards.new_zeros(rewards.shape).to(device), **fields)
-        if self.baseline == "critic":
-            if self.kl_in_reward > 0:
-                if reference is None:
-                    raise ValueError(f"reference.kl_in_reward={self.kl_in_reward} needs the reference's log-probs: "
-                                     "pass make(..., reference=...)")
-                exp.ref_logprobs = reference(exp).detach()
-            self.token_advantages(exp, rewards, values, metrics, device, turn_rewards)
-            self._last_step = (scored, picked, row_means(exp.advantages, exp.completion_mask))
-            metrics.update(self.sandbox_metrics(device))
-            if self.mask_truncated_completions:
-                exp.completion_mask = exp.completion_mask * exp.finished[:, None].long()
-            return exp, metrics
         if self.kl_in_reward > 0:
             if reference is None:
                 raise ValueError(f"reference.kl_in_reward={self.kl_in_reward} needs the reference's log-probs: "
                                  "pass make(..., reference=...)")
             exp.ref_logprobs = reference(exp).detach()  # a target: no graph is kept over the rollout
-            penalty = self.kl_penalty(exp)
-            rewards = rewards - penalty.to(rewards)
-            metrics["train/kl_reward_penalty"] = all_reduce(penalty.sum()) / all_reduce(
-                torch.tensor(float(penalty.numel()), device=penalty.device))
-        # per-token whitening: each completion's value counts once per completion token
-        tokens = exp.completion_mask.sum(-1).to(rewards.device) if self.config.whitening == "token" else None
-        moments = (self.batch_moments(batch_values(rewards, G, self.estimator), device, batch_weights(rewards, tokens))
-                   if self.advantage_scale == "batch" else (None, None))
-        if self.per_turn:
-            exp.advantages = self.turn_advantages(exp, rewards, turn_rewards, device)
+        if self.baseline == "critic":  # per token from the critic's values, the KL penalty per token
+            self.token_advantages(exp, rewards, values, metrics, device, turn_rewards)
         else:
-            exp.advantages = estimate_advantages(rewards, G, self.estimator, self.advantage_scale, *moments,
-                                                 token_counts=tokens, baselines=baselines).to(device)
+            if self.kl_in_reward > 0:
+                penalty = self.kl_penalty(exp)
+                rewards = rewards - penalty.to(rewards)
+                metrics["train/kl_reward_penalty"] = all_reduce(penalty.sum()) / all_reduce(
+                    torch.tensor(float(penalty.numel()), device=penalty.device))
+            if self.per_turn:
+                exp.advantages = self.turn_advantages(exp, rewards, turn_rewards, device)
+            else:
+                # per-token whitening: each completion's value counts once per completion token
+                tokens = exp.completion_mask.sum(-1).to(rewards.device) if self.config.whitening == "token" else None
+                moments = (self.batch_moments(batch_values(rewards, G, self.estimator), device,
+                                              batch_weights(rewards, tokens))
+                           if self.advantage_scale == "batch" else (None, None))
+                exp.advantages = estimate_advantages(rewards, G, self.estimator, self.advantage_scale, *moments,
+                                                     token_counts=tokens, baselines=baselines).to(device)
         self._last_step = (scored, picked, exp.advantages if exp.advantages.dim() == 1
                            else row_means(exp.advantages, exp.completion_mask))
         metrics.update(self.sandbox_metrics(device))

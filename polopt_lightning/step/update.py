@@ -240,13 +240,18 @@ def lr_factor(step: int, schedule: str, warmup: int, total: int, floor: float) -
     return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
+def _gradients(model: nn.Module | list[nn.Parameter]) -> list[Tensor]:
+    """The gradients of ``model``'s parameters (or of a list of parameters) that have one."""
+    params = model.parameters() if isinstance(model, nn.Module) else model
+    return [p.grad for p in params if p.grad is not None]
+
+
 def grad_norm(model: nn.Module | list[nn.Parameter]) -> Tensor:
     """The global L2 norm of the gradients of ``model`` (or of a list of parameters); for sharded (DTensor) gradients,
     of every process's shards together."""
     from torch.distributed.tensor import DTensor
 
-    params = model.parameters() if isinstance(model, nn.Module) else model
-    grads = [p.grad.detach() for p in params if p.grad is not None]
+    grads = [g.detach() for g in _gradients(model)]
     if not grads:
         return torch.zeros(())
     if not any(isinstance(g, DTensor) for g in grads):
@@ -267,8 +272,7 @@ def scale_gradients(model: nn.Module | list[nn.Parameter], max_norm: float, norm
     multiplication when the factor is 1 (a pass over every gradient that changes nothing)."""
     factor = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
     if float(factor) < 1.0:
-        params = model.parameters() if isinstance(model, nn.Module) else model
-        grads = [p.grad for p in params if p.grad is not None]
+        grads = _gradients(model)
         for device in dict.fromkeys(g.device for g in grads):
             torch._foreach_mul_([g for g in grads if g.device == device], factor.to(device))
 
@@ -385,7 +389,8 @@ class Updater:
         loop = self.loop
         optimizer.zero_grad(set_to_none=True)
         metrics = self.accumulate(exp, rows, record_old)
-        critic_norm = self.critic_gradients(metrics)
+        critic_params = self.critic_params  # once a step (FSDP2 replaces them once it shards)
+        critic_norm = self.critic_gradients(metrics, critic_params)
         # Under autocast (Lightning's *-mixed precisions wrap the whole training_step) the forward cached a low-precision
         # copy of every trainable weight, kept until the context exits and never refreshed: the next mini-batch's
         # forward, after this update, would run on the weights from before it (measured: the same output after an
@@ -408,9 +413,9 @@ class Updater:
             in_place = self.clips_in_place()
             if self.critic is not None:  # by its own norm, as verl's critic clips apart from its actor
                 if in_place:
-                    scale_gradients(self.critic_params, limit, critic_norm)
+                    scale_gradients(critic_params, limit, critic_norm)
                 else:  # sharded gradients: torch's clip, the critic's alone
-                    torch.nn.utils.clip_grad_norm_(self.critic_params, limit)
+                    torch.nn.utils.clip_grad_norm_(critic_params, limit)
             if in_place:  # the norm is known: one scaling pass, and none when it is within the limit
                 scale_gradients(self.policy, limit, metrics["grad_norm"])
             elif self.critic is not None:  # the policy's alone (Lightning's clip would take the critic's with it)
@@ -431,15 +436,15 @@ class Updater:
         when asked, since FSDP2 replaces the parameters it shards once the processes exist."""
         from .critic import own_parameters
 
-        return own_parameters(self.critic, self.policy)
+        return [] if self.critic is None else own_parameters(self.critic, self.policy)
 
-    def critic_gradients(self, metrics: dict[str, Tensor]) -> Tensor:
-        """With a critic: its gradient norm (logged as ``critic/grad_norm``) and, during its warm-up, the policy's
+    def critic_gradients(self, metrics: dict[str, Tensor], params: list[nn.Parameter]) -> Tensor:
+        """With a critic: the gradient norm of its own ``params`` (logged as ``critic/grad_norm``) and, during its warm-up, the policy's
         gradients dropped (the optimizer skips parameters without one: the policy and its optimizer state stay as they
         are). 0 without a critic."""
         if self.critic is None:
             return torch.zeros(())
-        norm = metrics["critic/grad_norm"] = grad_norm(self.critic_params)
+        norm = metrics["critic/grad_norm"] = grad_norm(params)
         if self.loop.global_step < self.critic_config.warmup_steps:
             for p in self.policy.parameters():
                 p.grad = None

@@ -209,3 +209,16 @@ def start_server(port: int, *args: str, command: list[str] | None = None, timeou
         log.seek(0)
         raise RuntimeError(f"{err}: {log.read()[-3000:]}") from None
     return proc
+
+
+def quick_study(script: str, tmp_path: Path) -> tuple[list[dict], str]:
+    """``benchmarks/<script>`` in its quick form (seed 0, two runs at a time) into ``tmp_path``: its results.csv rows
+    and its summary.md."""
+    import csv
+
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.run([sys.executable, str(root / "benchmarks" / script), "--out", str(tmp_path / "out"),
+                           "--runs", str(tmp_path / "runs"), "--quick", "--seeds", "0", "--jobs", "2"],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return list(csv.DictReader(open(tmp_path / "out" / "results.csv"))), (tmp_path / "out" / "summary.md").read_text()
