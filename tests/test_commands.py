@@ -11,6 +11,8 @@ benchmarks' long runs are run elsewhere: `ELSEWHERE` says where, and a test chec
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import re
@@ -283,6 +285,19 @@ def _params():
     return out
 
 
+@contextlib.contextmanager
+def port_lock(port: int):
+    """Held by one test process at a time on this machine: the tests that start a server on ``port``."""
+    import tempfile
+
+    with open(Path(tempfile.gettempdir()) / f"polopt-tests-port-{port}.lock", "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 @pytest.mark.parametrize("line,run", _params())
 def test_documented_command_runs(line, run, tmp_path):
     if run.setup:
@@ -291,17 +306,17 @@ def test_documented_command_runs(line, run, tmp_path):
         line = line.replace("<run>", str(an_earlier_run(tmp_path)))
     if line.startswith("python3 -m venv"):
         line = line.rsplit("&& ", 1)[1]
-    server = None
-    if run.background:  # as written, in a process of its own, until the line is done
-        server = start_server(int(run.background.rsplit(" ", 1)[1]), command=["bash", "-c", f"exec {run.background}"],
-                              env=shell_env(tmp_path))
-    start = time.perf_counter()
-    try:
+    with contextlib.ExitStack() as stack:
+        server = None
+        if run.background:  # as written, in a process of its own, until the line is done
+            port = int(run.background.rsplit(" ", 1)[1])
+            # the documented port is fixed: lines that need a server take turns on it, whatever worker runs them (two
+            # at once: the second server cannot bind, the first answers both trainers)
+            stack.enter_context(port_lock(port))
+            server = start_server(port, command=["bash", "-c", f"exec {run.background}"], env=shell_env(tmp_path))
+            stack.callback(lambda: (server.kill(), server.wait()))
+        start = time.perf_counter()
         proc = polopt(line + "".join(f" {s}" for s in run.shrink), tmp_path, run.env)
-    finally:
-        if server is not None:
-            server.kill()
-            server.wait()
     output = proc.stdout + proc.stderr
     if run.fails:
         assert proc.returncode != 0 and re.search(run.fails, output), output[-3000:]

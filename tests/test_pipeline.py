@@ -158,3 +158,24 @@ def test_a_run_resumed_with_rollouts_in_flight_ends_with_the_uninterrupted_runs_
     with pytest.raises(ValueError, match=r"experience\.max_staleness=2; resume with the same experience\."
                                          r"max_staleness and processes \(this run: 1, 1\)"):
         fit(tmp_path / "other", 6, None, 1, ckpt_path=tmp_path / "ckpt" / "step=3.ckpt")
+
+
+def test_a_run_with_a_server_resumed_with_rollouts_in_flight_ends_with_the_uninterrupted_runs_weights(tmp_path):
+    # the server samples each request with a seed the trainer draws from its own (checkpointed) generator, and a
+    # resumed trainer sends the server its weights again: the server's own state is never needed for an exact resume
+    port = free_port()
+    proc = start_server(port, "--threads", "1")
+    try:
+        engine = {"name": "server", "servers": f"127.0.0.1:{port}", "timeout_s": 60}
+        whole, _, _ = fit(tmp_path / "whole", 5, engine, 1)
+        saves = RolloutCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=2, save_top_k=-1, filename="{step}")
+        first, _, _ = fit(tmp_path / "first", 2, engine, 1, callbacks=[saves])
+        assert len(first.pipeline.queue) == 1  # a rollout in flight at the checkpoint, sampled by the server
+        resumed, _, trainer = fit(tmp_path / "resumed", 5, engine, 1, ckpt_path=tmp_path / "ckpt" / "step=2.ckpt")
+    finally:
+        proc.kill()
+        proc.wait()
+    assert trainer.global_step == 5
+    assert logged(trainer, "train/staleness") == [1.0, 1.0, 1.0]
+    for (name, a), b in zip(whole.policy.state_dict().items(), resumed.policy.state_dict().values()):
+        assert torch.equal(a, b), name

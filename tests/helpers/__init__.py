@@ -194,10 +194,17 @@ def start_server(port: int, *args: str, command: list[str] | None = None, timeou
                  env: dict | None = None):
     """``polopt-serve --port PORT *args`` in a process of its own (``command``: another command line for it, ``env``
     its environment), once it answers its health check; the caller kills it."""
+    import socket
     import tempfile
 
     from polopt_lightning.rollout.wire import ServerError, wait_for_health
 
+    with socket.socket() as probe:  # a server already on the port would answer the health check for this one
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server binds: TIME_WAIT is no owner
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError as err:
+            raise RuntimeError(f"port {port} is taken (another test's server?): {err}") from None
     command = command or [sys.executable, "-m", "polopt_lightning.serve", "--port", str(port), *args]
     log = tempfile.TemporaryFile("w+")  # not a pipe: a server that logs much would block on a full one
     proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, text=True, env=env)
