@@ -50,6 +50,7 @@ class GenerationServer:
         self.model: nn.Module | None = None
         self.config: dict[str, Any] | None = None
         self.pristine: dict[str, torch.Tensor] = {}  # a LoRA policy's base of the weights its adapters change
+        self.quantization: str | None = None  # a 4-bit base held as the trainer holds it (nf4, fp4), adapters beside
         self.version = -1
         # one request works on the model at a time, in the trainer's order: a rollout waits for the weights version it
         # was asked of, a push for the rollouts the trainer asked of the version before (served: count per version)
@@ -64,7 +65,8 @@ class GenerationServer:
     # -- requests ----------------------------------------------------------------------------------------------
     def health(self, _: dict[str, Any] | None = None) -> dict[str, Any]:
         return {"ok": True, "backend": self.backend, "device": str(self.device), "gpu": gpu_id(self.device),
-                "version": self.version, "group": self.group is not None, "join_error": self._join_error}
+                "version": self.version, "group": self.group is not None, "join_error": self._join_error,
+                "holds_4bit": self.backend == "hf" and holds_4bit(), "quantization": self.quantization}
 
     def join(self, request: dict[str, Any]) -> dict[str, Any]:
         """Join the trainer's weight group (in the background: the group forms once every server has joined)."""
@@ -112,15 +114,23 @@ class GenerationServer:
                 received.update(unpack(buffer, entries))
             adapters = {name: received.pop(name) for name in list(received) if name.startswith((LORA_A, LORA_B))}
             scalings = request.get("scalings")
-            if received and request.get("config") is not None and (self.model is None or
-                                                                   request["config"] != self.config):
-                self.model = build_model(request["config"], received, self.device)
-                self.config = request["config"]
+            config = request.get("config")
+            if received and config is not None and (self.model is None or config != self.config
+                                                    or "quantization_config" in config):  # a 4-bit base: built anew
+                self.quantization = (config.get("quantization_config") or {}).get("bnb_4bit_quant_type")
+                if self.quantization is None:
+                    self.model = build_model(config, received, self.device)
+                else:  # the 4-bit base as the trainer holds it; the adapters stay apart (a 4-bit weight has no sum)
+                    self.model = add_adapters(build_model_4bit(config, received, self.device), adapters,
+                                              scalings or {})
+                self.config = config
             elif self.model is None:
                 raise RuntimeError("the first push carries no config and no base: nothing to build the model from")
             else:
                 load_weights(self.model, received)
-            if scalings:
+            if self.quantization is not None:
+                set_adapters(self.model, adapters)
+            elif scalings:
                 self.merge(received, adapters, scalings)
             else:
                 self.pristine = {}
@@ -211,6 +221,68 @@ def build_model(config: dict[str, Any], weights: dict[str, torch.Tensor], device
     load_weights(model, weights, strict=True)
     model.eval()
     return model
+
+
+def holds_4bit() -> bool:
+    """Whether this server can hold a 4-bit base as the trainer does (bitsandbytes importable)."""
+    import importlib.util
+
+    return importlib.util.find_spec("bitsandbytes") is not None
+
+
+def build_model_4bit(config: dict[str, Any], weights: dict[str, torch.Tensor], device: torch.device) -> nn.Module:
+    """A ``transformers`` causal LM whose linear layers hold the trainer's 4-bit (bitsandbytes) weights as they are
+    (packed, with their quantization state: ``config``'s ``quantization_config``), loaded as a saved 4-bit model is,
+    through a temporary folder; bitsandbytes' CPU inference repacking off, as on the trainer (the same numerics)."""
+    import tempfile
+
+    from safetensors.torch import save_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from .models import prepare_quantized
+
+    settings = dict(config)
+    model_type = settings.pop("model_type")
+    floating = [t.dtype for k, t in weights.items() if t.is_floating_point() and ".weight." not in k]
+    dtype = max(set(floating), key=floating.count) if floating else torch.float32
+    with tempfile.TemporaryDirectory(prefix="polopt_serve_") as folder:
+        AutoConfig.for_model(model_type, **settings).save_pretrained(folder)
+        save_file({k: v.clone() for k, v in weights.items()}, f"{folder}/model.safetensors", metadata={"format": "pt"})
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, device_map={"": str(device)})
+        accel.loaded(model)  # its weights out of the folder's mapped file before the folder goes
+    return prepare_quantized(model).eval()
+
+
+def add_adapters(model: nn.Module, adapters: dict[str, torch.Tensor], scalings: dict[str, float]) -> nn.Module:
+    """``model`` with a peft LoRA adapter on each weight ``scalings`` names (rank from the pushed ``A``, alpha
+    giving the pushed scaling), as the trainer's policy has them; their values come with each push
+    (:func:`set_adapters`)."""
+    import re
+
+    from peft import LoraConfig, get_peft_model
+
+    if not scalings:
+        raise RuntimeError("a 4-bit base was pushed without adapters: a quantized policy samples on a server only "
+                           "with its LoRA adapters (rollout.adapter_only)")
+    ranks = {name.removesuffix(".weight"): adapters[LORA_A + name].shape[0] for name in scalings}
+    alphas = {name.removesuffix(".weight"): scaling * ranks[name.removesuffix(".weight")]
+              for name, scaling in scalings.items()}
+    r, alpha = max(set(ranks.values()), key=list(ranks.values()).count), next(iter(alphas.values()))
+    config = LoraConfig(r=r, lora_alpha=alpha, target_modules=list(ranks), lora_dropout=0.0, bias="none",
+                        rank_pattern={re.escape(k): v for k, v in ranks.items() if v != r},
+                        alpha_pattern={re.escape(k): v for k, v in alphas.items() if v != alpha})
+    return get_peft_model(model, config).eval()
+
+
+def set_adapters(model: nn.Module, adapters: dict[str, torch.Tensor]) -> None:
+    """The pushed LoRA ``A`` and ``B`` of each adapted weight copied into ``model``'s adapters (built by
+    :func:`add_adapters`)."""
+    base = model.get_base_model()
+    with torch.no_grad():
+        for key, value in adapters.items():
+            which, name = ("lora_A", key[len(LORA_A):]) if key.startswith(LORA_A) else ("lora_B", key[len(LORA_B):])
+            layer = getattr(base.get_submodule(name.removesuffix(".weight")), which)
+            layer[next(iter(layer))].weight.copy_(value)
 
 
 def load_weights(model: nn.Module, weights: dict[str, torch.Tensor], strict: bool = False) -> None:

@@ -15,7 +15,7 @@ import torch
 
 from polopt_lightning.models import build_tiny_model
 from polopt_lightning.rollout import HFRolloutEngine, SamplingConfig, build_engine
-from polopt_lightning.rollout.wire import ServerError, buckets, pack, tensor_layout, unpack
+from polopt_lightning.rollout.wire import ServerError, buckets, call, pack, tensor_layout, unpack
 
 from .helpers import free_port, make, run_if, start_server
 
@@ -78,10 +78,11 @@ def test_the_servers_sample_with_the_trainers_weights_after_every_push(servers, 
 @pytest.mark.parametrize("servers", [1], indirect=True)
 @pytest.mark.parametrize("quantization", ["none", "nf4"])
 def test_a_lora_policy_sends_its_base_once_then_only_its_adapters(servers, quantization):
-    """Adapter-only sync: the first push carries the base (a 4-bit base dequantized: QLoRA policies sample on servers
-    too) and the adapters, the next ones the adapters alone (a small share of the bytes); the server's merged weights
-    sample the trainer's greedy tokens after each; with ``adapter_only=false`` every push carries the merged weights
-    (refused for a quantized base, which has no plain form)."""
+    """Adapter-only sync: the first push carries the base and the adapters, the next ones the adapters alone (a small
+    share of the bytes); the server's weights sample the trainer's greedy tokens after each (a float base: the
+    adapters merged into it; a 4-bit base: held packed as the trainer holds it, in fewer bytes than the float
+    weights, the adapters beside it); with ``adapter_only=false`` every push carries the merged weights (refused for a
+    quantized base, which has no plain form)."""
     from polopt_lightning.models import Adapter, Quantization, apply_adapter, quantized_copy
 
     addresses, _ = servers
@@ -107,7 +108,14 @@ def test_a_lora_policy_sends_its_base_once_then_only_its_adapters(servers, quant
                     p.add_(torch.randn(p.shape, generator=gen) * 0.3)
         engine.policy_updated(model)
     adapters = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "lora_" in n)
-    assert sizes[0] >= full + adapters and sizes[1] == sizes[2] == adapters < full / 10, (sizes, full)
+    assert sizes[1] == sizes[2] == adapters < full / 10, (sizes, full)
+    health = call(f"http://{addresses[0]}", "/health", None, 5.0, "the server")
+    if quantization == "none":
+        assert sizes[0] >= full + adapters and health["quantization"] is None, (sizes, full, health)
+    else:  # the linear layers' 4-bit bytes, not their float values
+        # the policy's own tensors (its adapters included), the head tied to the embeddings sent once
+        held = sum(t.numel() * t.element_size() for k, t in base.state_dict().items() if k != "lm_head.weight")
+        assert sizes[0] == held < full and health["quantization"] == quantization, (sizes, full, held, health)
     merged = build_engine({"name": "server", "servers": addresses, "timeout_s": 60, "adapter_only": False})
     if quantization != "none":
         with pytest.raises(ValueError, match=r"rollout=server with rollout\.adapter_only=false .*QLoRA policy samples "

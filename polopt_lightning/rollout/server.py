@@ -24,8 +24,10 @@ from torch import Tensor, nn
 
 from .._hf import peft_base
 from ..distributed import all_reduce
+from ..export import dequantized_state
+from ..models import float_dtype
 from .base import RolloutBatch, RolloutEngine, SamplingConfig
-from .weights import adapter_layers, base_weights, policy_weights, whole
+from .weights import QUANT_STATE, adapter_layers, base_weights, four_bit, policy_weights, whole
 from .wire import (
     LORA_A,
     LORA_B,
@@ -106,6 +108,7 @@ class ServerRolloutEngine(RolloutEngine):
         self._group: Any = None
         self._store: Any = None
         self._wire = "gloo"
+        self._hold_quantized = False  # whether every server holds a 4-bit base as it is (the transformers backend)
         self._stale = True
         self._source: nn.Module | None = None
         # the requests of a rollout go out at once; rollouts are put together one after another, in order
@@ -137,6 +140,7 @@ class ServerRolloutEngine(RolloutEngine):
         gpus = [h.get("gpu") for h in health]
         separate = own is not None and all(g is not None and g != own for g in gpus) and len(set(gpus)) == len(gpus)
         self._wire = self.group_backend or ("nccl" if separate else "gloo")
+        self._hold_quantized = all(h.get("holds_4bit") for h in health)  # transformers servers with bitsandbytes
         world = len(self.urls) + 1
         self._group = self._store = None  # an earlier group's store released first (its port may be the same)
         self._store = open_store(self.group_host, self.group_port, world, True, self.timeout_s)
@@ -167,10 +171,11 @@ class ServerRolloutEngine(RolloutEngine):
     def push(self, model: nn.Module) -> None:
         """The policy's weights to every server (collective under FSDP: every process gathers, rank 0 sends). A LoRA
         policy (:func:`lora_layers`, ``adapter_only``) sends its base once per weight group and then its adapters
-        alone: the servers merge them into their copy of the base."""
+        alone: the servers merge them into their copy of the base, or, for a 4-bit base that servers of the
+        transformers backend hold as it is (packed), run them beside it as the policy does."""
         layers = adapter_layers(model, self.adapter_only)
         if layers is not None:  # the base once (while the servers hold it), the adapters every time
-            weights = {} if self._base_sent else base_weights(model)
+            weights = {} if self._base_sent else base_weights(model, keep_quantized=True)
             for name, (A, B, _) in layers.items():
                 weights[f"{LORA_A}{name}"], weights[f"{LORA_B}{name}"] = whole(A), whole(B)
         else:
@@ -189,10 +194,16 @@ class ServerRolloutEngine(RolloutEngine):
             weights.pop("lm_head.weight", None)
         if self._group is None:
             self._connect(model)
+        # a 4-bit base goes over as it is held (packed, with its quantization state) to servers that hold it so;
+        # dequantized to the others (vLLM's) and for 8-bit bases
+        quantized = four_bit(weights) and self._hold_quantized
+        if not quantized and any(QUANT_STATE in k or k.endswith("SCB") for k in weights):
+            weights = dequantized_state(weights, float_dtype(model))
         layout = tensor_layout(weights)
         plan = buckets(layout, self.bucket_bytes)
         settings = json.loads(config.to_json_string(use_diff=False))
-        settings.pop("quantization_config", None)  # a quantized base goes over dequantized (adapter-only)
+        if not quantized:
+            settings.pop("quantization_config", None)
         request = {"layout": layout, "buckets": plan, "config": settings,
                    "version": self.version + 1, "timeout_s": self.timeout_s, "backend": self._wire,
                    "group": self._prefix,

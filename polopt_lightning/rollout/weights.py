@@ -79,12 +79,23 @@ def adapter_layers(model: nn.Module, adapter_only: bool | None) -> dict[str, tup
     return layers
 
 
-def base_weights(model: nn.Module) -> dict[str, Tensor]:
+def base_weights(model: nn.Module, keep_quantized: bool = False) -> dict[str, Tensor]:
     """A LoRA policy's base weights, unmerged, by their plain ``transformers`` names; a quantized base's weights as
-    the floating-point values its layers compute with (in the dtype of its other weights)."""
+    the floating-point values its layers compute with (in the dtype of its other weights), or with
+    ``keep_quantized`` as bitsandbytes holds them (4-bit: packed bytes and quantization-state entries, the form a
+    saved 4-bit model has)."""
     from ..export import dequantized_state
     from ..models import float_dtype, is_quantized
     state = {k: whole(v) for k, v in model.get_base_model().state_dict().items() if "lora_" not in k}
-    if is_quantized(model):
+    if is_quantized(model) and not keep_quantized:
         state = dequantized_state(state, float_dtype(model))
     return {k.replace(".base_layer", ""): v for k, v in state.items()}
+
+
+#: a 4-bit weight's quantization state, in a (saved or pushed) state dict: ``<weight>.quant_state.bitsandbytes__nf4``
+QUANT_STATE = ".quant_state.bitsandbytes__"
+
+
+def four_bit(state: dict[str, Tensor]) -> bool:
+    """Whether ``state`` holds bitsandbytes 4-bit weights (and no 8-bit ones: those travel dequantized)."""
+    return any(QUANT_STATE in k for k in state) and not any(k.endswith("SCB") for k in state)

@@ -131,12 +131,16 @@ def pack(tensors: list[Tensor], device: torch.device | str = "cpu") -> Tensor:
 
 
 def unpack(buffer: Tensor, entries: list[list[Any]]) -> dict[str, Tensor]:
-    """The tensors :func:`pack` joined, by name, from their layout entries (views of ``buffer``)."""
+    """The tensors :func:`pack` joined, by name, from their layout entries (views of ``buffer``; a copy where a
+    tensor starts off its dtype's alignment, after byte tensors of odd sizes: a 4-bit base's)."""
     out, start = {}, 0
     for entry in entries:
         name, dtype, shape = entry
         n = nbytes(entry)
-        out[name] = buffer[start:start + n].view(DTYPES[dtype]).reshape(shape)
+        chunk = buffer[start:start + n]
+        if start % DTYPES[dtype].itemsize:
+            chunk = chunk.clone()
+        out[name] = chunk.view(DTYPES[dtype]).reshape(shape)
         start += n
     return out
 
