@@ -301,8 +301,8 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     if kind == "deepspeed" and clip:  # DeepSpeed clips inside its engine, from its own config
         strategy.config = {**(strategy.config or {}), "gradient_clipping": float(clip)}
     precision, why = {}, None
-    if str(cfg.trainer.get("precision")) == "auto":  # Lightning has no such value: chosen here, by the hardware
-        precision["precision"], why = auto_precision(str(cfg.trainer.get("accelerator", "auto")))
+    if str(cfg.trainer.get("precision")) == "auto":  # Lightning has no such value: chosen here, by hardware and size
+        precision["precision"], why = auto_precision(str(cfg.trainer.get("accelerator", "auto")), model=model)
         trained_in = checkpoint_precision(Path(cfg.ckpt_path)) if cfg.get("ckpt_path") else None
         if trained_in and trained_in != precision["precision"]:  # a resumed run goes on as it was trained
             why = f"the checkpoint resumed was trained in {trained_in}, kept; here auto would take " \

@@ -123,8 +123,11 @@ def test_every_group_value_composes_and_builds(group, value, tmp_path):
     elif group == "trainer" and node.accelerator == "gpu" and not torch.cuda.is_available():
         # composes (inheriting the cpu defaults); building a GPU Trainer needs a GPU
         assert node.precision == "bf16-mixed" and node.max_steps == 3000 and node.num_sanity_val_steps == 0
-    elif group == "trainer":
-        trainer = instantiate(node, logger=False, enable_checkpointing=False)
+    elif group == "trainer":  # as the CLI builds it: `auto` (not Lightning's) resolved first
+        from polopt_lightning.accel.precision import auto_precision
+
+        chosen = {"precision": auto_precision(node.accelerator)[0]} if node.precision == "auto" else {}
+        trainer = instantiate(node, logger=False, enable_checkpointing=False, **chosen)
         assert trainer.max_steps == cfg.trainer.max_steps
     else:
         if group == "model" and value == "tiny":
@@ -199,7 +202,7 @@ def test_a_bf16_checkpoint_through_model_pretrained_trains_in_float32_unless_tol
                                "experience.num_generations=4", "trainer.max_steps=4", *overrides,
                                "+reward.functions.distinct._target_=hydra.utils.get_method",
                                "+reward.functions.distinct.path=tests.helpers.distinct_chars"], tmp_path / "run")
-    assert cfg.model.dtype == dtype and cfg.trainer.precision == "32-true"
+    assert cfg.model.dtype == dtype and cfg.trainer.precision == "auto"  # float32 for this model on every CPU
     set_hydra(cfg)
     with caplog.at_level(logging.INFO, logger="polopt_lightning"):
         assert train(cfg)["steps"] == 4

@@ -142,7 +142,7 @@ RUNS = {
                                  "data.batch_size=2", "experience.num_generations=2"], a_pretrained_model_and_data),
     "polopt-train strategy=ddp_cpu num_threads=1": Run(ARITHMETIC),
     "polopt-train callbacks=protect": Run(ARITHMETIC),
-    "polopt-train trainer.precision=auto": Run(ARITHMETIC),
+    "polopt-train trainer.precision=32-true": Run(ARITHMETIC),
     "polopt-train experiment=multitask anchor=constant": Run(MIXTURE),
     "polopt-train rollout=vllm": Run(ARITHMETIC, marker="vllm"),
     "polopt-train experiment=tool_arithmetic": Run(TOOL),

@@ -65,6 +65,44 @@ def test_unreadable_cpu_features_mean_float32():
     assert chosen == "32-true" and "cannot be read" in why
 
 
+def test_on_a_cpu_bf16_is_chosen_only_for_models_large_enough_for_it_to_pay():
+    """On a CPU with bf16 arithmetic a model whose largest linear layer (the head aside) has fewer than 2^19 weights
+    trains in float32 (the casts cost more than the products save), saying so; a quantized or adapted layer counts
+    by its shape; a GPU has no such rule."""
+    from polopt_lightning.models import Adapter, apply_adapter, build_tiny_model
+
+    cpu = CPUINFO.format(extra="amx_bf16 avx512_bf16")
+    tiny, _ = build_tiny_model(hidden_size=256, num_layers=1, intermediate_size=512, seed=0)  # the default job's
+    assert precision.largest_linear(tiny) == 256 * 512
+    chosen, why = precision.auto_precision("cpu", cpu, model=tiny)
+    assert chosen == "32-true" and why == ("the CPU has amx_bf16 and avx512_bf16, but the model's largest linear layer "
+                                           "has 131,072 weights (fewer than 524,288): bfloat16's casts would cost "
+                                           "more than its products save")
+    wide, _ = build_tiny_model(hidden_size=512, num_layers=1, intermediate_size=1376, seed=0)
+    assert precision.auto_precision("cpu", cpu, model=wide) == ("bf16-mixed", "the CPU has amx_bf16 and avx512_bf16")
+    assert precision.largest_linear(apply_adapter(wide, Adapter(kind="lora", r=4))) == 512 * 1376
+    assert precision.auto_precision("cpu", CPUINFO.format(extra=""), model=wide)[0] == "32-true"  # no bf16: float32
+
+
+def test_the_default_precision_is_auto_and_the_default_jobs_model_trains_in_float32_everywhere(tmp_path, monkeypatch,
+                                                                                               caplog):
+    """The shipped default (`trainer.precision=auto`) on a CPU with bf16 arithmetic: the default job's model shape
+    in float32 (its results the same on every CPU kind's rule), a wider model in bf16-mixed."""
+    import logging
+
+    monkeypatch.setattr(precision, "cpu_flags", lambda cpuinfo=None: {"avx2", "avx512_bf16"})
+    shape = ["model.hidden_size=256", "model.intermediate_size=512", "model.num_heads=4"]
+    for widths, expected in ((shape, "32-true"), (["model.hidden_size=512", "model.intermediate_size=1376",
+                                                    "model.num_heads=8"], "bf16-mixed")):
+        cfg = compose_with(FAST + widths, tmp_path / expected)
+        assert cfg.trainer.precision == "auto"
+        set_hydra(cfg)
+        with caplog.at_level(logging.INFO, logger="polopt_lightning"):
+            results = train(cfg)
+        assert results["steps"] == 2 and results["precision"] == expected, results
+        assert f"trainer.precision=auto: {expected}" in caplog.text
+
+
 @pytest.mark.parametrize("flags,expected", [({"avx2", "avx512_bf16"}, "bf16-mixed"), ({"avx2"}, "32-true")])
 def test_auto_from_the_command_line_trains_in_what_it_chose(tmp_path, monkeypatch, caplog, flags, expected):
     """The CLI resolves `auto` before Lightning sees it (Lightning has no such value), says why, and results.json
@@ -72,6 +110,7 @@ def test_auto_from_the_command_line_trains_in_what_it_chose(tmp_path, monkeypatc
     import logging
 
     monkeypatch.setattr(precision, "cpu_flags", lambda cpuinfo=None: flags)
+    monkeypatch.setattr(precision, "BF16_CPU_MIN_WEIGHTS", 0)  # the tiny model too
     cfg = compose_with(FAST + ["trainer.precision=auto", "update.mini_batches=2", "trainer.max_steps=2"], tmp_path)
     set_hydra(cfg)
     with caplog.at_level(logging.INFO, logger="polopt_lightning"):
@@ -101,6 +140,7 @@ def test_a_resumed_auto_run_keeps_the_precision_it_was_trained_in(tmp_path, monk
     """The checkpoint records what the steps computed in; resumed with `auto` on a machine where the rule would
     choose otherwise, the run goes on as it was trained, and says so."""
     monkeypatch.setattr(precision, "cpu_flags", lambda cpuinfo=None: {"avx512_bf16"})
+    monkeypatch.setattr(precision, "BF16_CPU_MIN_WEIGHTS", 0)  # the tiny model too
     cfg = compose_with(FAST + ["trainer.precision=auto", "trainer.max_steps=2"], tmp_path / "a")
     set_hydra(cfg)
     assert train(cfg)["precision"] == "bf16-mixed"

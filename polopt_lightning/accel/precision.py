@@ -3,21 +3,40 @@ Trainer is made (Lightning itself has no such value), and the check of ``trainer
 
 bfloat16 mixed precision (``bf16-mixed``: float32 master weights and optimizer state, bf16 products, float32
 log-softmax) where the device has bf16 arithmetic: a CUDA device that supports it, a CPU with AMX (``amx_bf16``) or
-AVX512-BF16 (``avx512_bf16``); float32 (``32-true``) elsewhere, where bf16 products are emulated (AVX2, AVX-512 without
-BF16) and slower than float32's. Where it pays and what it costs: docs/performance.md.
+AVX512-BF16 (``avx512_bf16``) for a model large enough that bf16 pays there (:data:`BF16_CPU_MIN_WEIGHTS`); float32
+(``32-true``) elsewhere, where bf16 products are emulated (AVX2, AVX-512 without BF16) and slower than float32's, and
+for small models on the CPU. The CPU trainer's default (``conf/trainer/cpu.yaml``). Where it pays and what it costs:
+docs/performance.md.
 Each run chooses on the machine it runs on (every process for itself); a resumed run keeps the precision its
 checkpoint was trained in (:func:`polopt_lightning.cli.train`). From a Trainer of your own:
-``L.Trainer(precision=auto_precision("cpu")[0])``.
+``L.Trainer(precision=auto_precision("cpu", model=model)[0])``.
 """
 
 from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 
 BF16_CPU_FLAGS = ("amx_bf16", "avx512_bf16")
+
+#: On a CPU, bfloat16 pays only where the products are large enough to outweigh the casts around them: a model whose
+#: largest linear layer (the output head aside) has fewer weights than this trains in float32 under ``auto``. Measured
+#: on an Intel Xeon with AMX (docs/performance.md): 2^17 weights (the default job's 2.6M model) 1.4x slower in bf16,
+#: 2^19.4 (a 25M model, hidden 512) 1.37x faster, the 0.5B shape (2^22) faster.
+BF16_CPU_MIN_WEIGHTS = 2**19
+
+
+def largest_linear(model: Any) -> int | None:
+    """The most weights of one linear layer of ``model`` (its output head aside, which a tied model shares with the
+    embeddings; a quantized or adapted layer counted by its shape), or ``None`` where it has none."""
+    from torch import nn
+
+    sizes = [m.in_features * m.out_features for name, m in model.named_modules()
+             if isinstance(m, nn.Linear) and not name.endswith("lm_head")]
+    return max(sizes) if sizes else None
 
 
 def cpu_flags(cpuinfo: str | None = None) -> set[str] | None:
@@ -34,9 +53,10 @@ def cpu_flags(cpuinfo: str | None = None) -> set[str] | None:
     return None
 
 
-def auto_precision(accelerator: str = "auto", cpuinfo: str | None = None) -> tuple[str, str]:
+def auto_precision(accelerator: str = "auto", cpuinfo: str | None = None, model: Any = None) -> tuple[str, str]:
     """``(precision, why)`` for ``trainer.precision=auto`` on ``accelerator`` (``cpu``, ``gpu``/``cuda`` or ``auto``:
-    CUDA where available): ``"bf16-mixed"`` where the device multiplies bfloat16 natively, else ``"32-true"``."""
+    CUDA where available): ``"bf16-mixed"`` where the device multiplies bfloat16 natively (on a CPU: for a ``model``
+    whose largest linear layer has at least :data:`BF16_CPU_MIN_WEIGHTS` weights), else ``"32-true"``."""
     cuda = accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available())
     if cuda:
         if not torch.cuda.is_available():
@@ -51,6 +71,11 @@ def auto_precision(accelerator: str = "auto", cpuinfo: str | None = None) -> tup
         return "32-true", f"the CPU's features cannot be read on {sys.platform}: float32"
     have = [flag for flag in BF16_CPU_FLAGS if flag in flags]
     if have:
+        size = largest_linear(model) if model is not None else None
+        if size is not None and size < BF16_CPU_MIN_WEIGHTS:
+            return "32-true", (f"the CPU has {' and '.join(have)}, but the model's largest linear layer has {size:,} "
+                               f"weights (fewer than {BF16_CPU_MIN_WEIGHTS:,}): bfloat16's casts would cost more than "
+                               "its products save")
         return "bf16-mixed", f"the CPU has {' and '.join(have)}"
     return "32-true", (f"the CPU has neither {' nor '.join(BF16_CPU_FLAGS)}: float32; bfloat16 products are emulated "
                        "there, or not measured")
