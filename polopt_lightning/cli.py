@@ -301,14 +301,18 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     if kind == "deepspeed" and clip:  # DeepSpeed clips inside its engine, from its own config
         strategy.config = {**(strategy.config or {}), "gradient_clipping": float(clip)}
     precision, why = {}, None
+    trained_in = checkpoint_precision(Path(cfg.ckpt_path)) if cfg.get("ckpt_path") else None
     if str(cfg.trainer.get("precision")) == "auto":  # Lightning has no such value: chosen here, by hardware and size
         precision["precision"], why = auto_precision(str(cfg.trainer.get("accelerator", "auto")), model=model)
-        trained_in = checkpoint_precision(Path(cfg.ckpt_path)) if cfg.get("ckpt_path") else None
         if trained_in and trained_in != precision["precision"]:  # a resumed run goes on as it was trained
             why = f"the checkpoint resumed was trained in {trained_in}, kept; here auto would take " \
                   f"{precision['precision']} ({why})"
             precision["precision"] = trained_in
         log.info("trainer.precision=auto: %s (%s)", precision["precision"], why)
+    elif trained_in and trained_in != str(cfg.trainer.get("precision")):  # asked for: done, but said
+        log.warning("trainer.precision=%s: the checkpoint resumed was trained in %s; the run goes on in %s as asked "
+                    "(trainer.precision=auto keeps the checkpoint's)", cfg.trainer.precision, trained_in,
+                    cfg.trainer.precision)
     trainer: L.Trainer = instantiate(cfg.trainer, logger=loggers or False, callbacks=callbacks,
                                      default_root_dir=str(run_dir), strategy=strategy,
                                      plugins=[AtomicCheckpointIO()] if kind != "deepspeed" else None, **precision)

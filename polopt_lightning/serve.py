@@ -66,7 +66,7 @@ class GenerationServer:
     def health(self, _: dict[str, Any] | None = None) -> dict[str, Any]:
         return {"ok": True, "backend": self.backend, "device": str(self.device), "gpu": gpu_id(self.device),
                 "version": self.version, "group": self.group is not None, "join_error": self._join_error,
-                "holds_4bit": self.backend == "hf" and holds_4bit(), "quantization": self.quantization}
+                "can_hold_4bit": self.backend == "hf" and can_hold_4bit(), "quantization": self.quantization}
 
     def join(self, request: dict[str, Any]) -> dict[str, Any]:
         """Join the trainer's weight group (in the background: the group forms once every server has joined)."""
@@ -82,7 +82,8 @@ class GenerationServer:
                 log.error("joining the weight group failed: %s", self._join_error)
 
         if self.group_id is not None and self.group_id != request.get("prefix"):
-            log.warning("a trainer joins while another held this server: the earlier one's requests are refused now")
+            log.warning("a trainer joins (another, or one resumed): requests of the weight group before are refused "
+                        "now")
         self.group, self._join_error, self.group_id = None, None, request.get("prefix")
         self._joining = threading.Thread(target=run, daemon=True)
         self._joining.start()
@@ -223,7 +224,7 @@ def build_model(config: dict[str, Any], weights: dict[str, torch.Tensor], device
     return model
 
 
-def holds_4bit() -> bool:
+def can_hold_4bit() -> bool:
     """Whether this server can hold a 4-bit base as the trainer does (bitsandbytes importable)."""
     import importlib.util
 

@@ -22,7 +22,8 @@ def test_the_rule_reads_the_cpus_bf16_flags(extra, expected):
     chosen, why = precision.auto_precision("cpu", CPUINFO.format(extra=extra))
     assert chosen == expected
     have = [flag for flag in extra.split() if flag in precision.BF16_CPU_FLAGS]
-    assert why == (f"the CPU has {' and '.join(have)}" if have else
+    assert why == (f"the CPU has {' and '.join(have)} (no model given: its size not checked; pass model= for the "
+                   "size rule)" if have else
                    "the CPU has neither amx_bf16 nor avx512_bf16: float32; bfloat16 products are emulated there, or "
                    "not measured")
 
@@ -79,7 +80,11 @@ def test_on_a_cpu_bf16_is_chosen_only_for_models_large_enough_for_it_to_pay():
                                            "has 131,072 weights (fewer than 524,288): bfloat16's casts would cost "
                                            "more than its products save")
     wide, _ = build_tiny_model(hidden_size=512, num_layers=1, intermediate_size=1376, seed=0)
-    assert precision.auto_precision("cpu", cpu, model=wide) == ("bf16-mixed", "the CPU has amx_bf16 and avx512_bf16")
+    assert precision.auto_precision("cpu", cpu, model=wide) == (
+        "bf16-mixed", "the CPU has amx_bf16 and avx512_bf16 and the model's largest linear layer has 704,512 weights "
+                      "(at least 524,288)")
+    assert precision.auto_precision("cpu", cpu)[1].endswith("(no model given: its size not checked; pass model= for "
+                                                            "the size rule)")
     assert precision.largest_linear(apply_adapter(wide, Adapter(kind="lora", r=4))) == 512 * 1376
     assert precision.auto_precision("cpu", CPUINFO.format(extra=""), model=wide)[0] == "32-true"  # no bf16: float32
 
@@ -136,7 +141,7 @@ def test_a_precision_neither_auto_nor_lightnings_is_refused_before_anything_load
         check_config(cfg)
 
 
-def test_a_resumed_auto_run_keeps_the_precision_it_was_trained_in(tmp_path, monkeypatch):
+def test_a_resumed_auto_run_keeps_the_precision_it_was_trained_in(tmp_path, monkeypatch, caplog):
     """The checkpoint records what the steps computed in; resumed with `auto` on a machine where the rule would
     choose otherwise, the run goes on as it was trained, and says so."""
     monkeypatch.setattr(precision, "cpu_flags", lambda cpuinfo=None: {"avx512_bf16"})
@@ -155,6 +160,15 @@ def test_a_resumed_auto_run_keeps_the_precision_it_was_trained_in(tmp_path, monk
     assert results["steps"] == 4 and results["precision"] == "bf16-mixed"
     assert results["precision_auto"].startswith("the checkpoint resumed was trained in bf16-mixed, kept; here auto "
                                                 "would take 32-true")
+    # asked for another precision outright: done as asked, and said
+    import logging
+
+    cfg = compose_with(FAST + ["trainer.precision=32-true", "trainer.max_steps=4", f"ckpt_path={ckpt}"], tmp_path / "c")
+    set_hydra(cfg)
+    with caplog.at_level(logging.WARNING, logger="polopt_lightning"):
+        assert train(cfg)["precision"] == "32-true"
+    assert ("trainer.precision=32-true: the checkpoint resumed was trained in bf16-mixed; the run goes on in 32-true "
+            "as asked") in caplog.text
 
 
 def test_a_gpu_trainer_without_cuda_is_refused_before_the_model_loads(tmp_path, monkeypatch):

@@ -71,12 +71,15 @@ def auto_precision(accelerator: str = "auto", cpuinfo: str | None = None, model:
         return "32-true", f"the CPU's features cannot be read on {sys.platform}: float32"
     have = [flag for flag in BF16_CPU_FLAGS if flag in flags]
     if have:
-        size = largest_linear(model) if model is not None else None
+        cpu = f"the CPU has {' and '.join(have)}"
+        if model is None:
+            return "bf16-mixed", f"{cpu} (no model given: its size not checked; pass model= for the size rule)"
+        size = largest_linear(model)
         if size is not None and size < BF16_CPU_MIN_WEIGHTS:
-            return "32-true", (f"the CPU has {' and '.join(have)}, but the model's largest linear layer has {size:,} "
-                               f"weights (fewer than {BF16_CPU_MIN_WEIGHTS:,}): bfloat16's casts would cost more than "
-                               "its products save")
-        return "bf16-mixed", f"the CPU has {' and '.join(have)}"
+            return "32-true", (f"{cpu}, but the model's largest linear layer has {size:,} weights (fewer than "
+                               f"{BF16_CPU_MIN_WEIGHTS:,}): bfloat16's casts would cost more than its products save")
+        return "bf16-mixed", (f"{cpu} and the model's largest linear layer has {size:,} weights (at least "
+                              f"{BF16_CPU_MIN_WEIGHTS:,})" if size is not None else cpu)
     return "32-true", (f"the CPU has neither {' nor '.join(BF16_CPU_FLAGS)}: float32; bfloat16 products are emulated "
                        "there, or not measured")
 

@@ -140,7 +140,7 @@ class ServerRolloutEngine(RolloutEngine):
         gpus = [h.get("gpu") for h in health]
         separate = own is not None and all(g is not None and g != own for g in gpus) and len(set(gpus)) == len(gpus)
         self._wire = self.group_backend or ("nccl" if separate else "gloo")
-        self._hold_quantized = all(h.get("holds_4bit") for h in health)  # transformers servers with bitsandbytes
+        self._hold_quantized = all(h.get("can_hold_4bit") for h in health)  # transformers servers with bitsandbytes
         world = len(self.urls) + 1
         self._group = self._store = None  # an earlier group's store released first (its port may be the same)
         self._store = open_store(self.group_host, self.group_port, world, True, self.timeout_s)
@@ -181,7 +181,8 @@ class ServerRolloutEngine(RolloutEngine):
         else:
             weights = policy_weights(model, key="rollout=server" if self.adapter_only is None else
                                      "rollout=server with rollout.adapter_only=false (a QLoRA policy samples on servers "
-                                     "with rollout.adapter_only=null: its base dequantized once, then its adapters)")
+                                     "with rollout.adapter_only=null, the default: its base sent once, packed to "
+                                     "transformers-backend servers and dequantized to vLLM's, then its adapters)")
         self._base_sent = layers is not None  # on every process alike: gathering a sharded base is collective
         asked, self._asked = self._asked, [0] * len(self.urls)
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:  # every process's rollouts
