@@ -246,6 +246,27 @@ def test_bf16_mixed_trainer_fits_off_policy_with_gradient_clipping(tmp_path, tin
     assert torch.isfinite(trainer.callback_metrics["train/loss"])
 
 
+@pytest.mark.parametrize("precision,dtype,expected", [("bf16-mixed", None, torch.bfloat16),
+                                                       ("bf16-mixed", "float32", torch.float32),
+                                                       ("32-true", None, torch.float32)])
+def test_under_bf16_mixed_the_reference_copy_holds_bf16_weights_unless_told(tmp_path, tiny, arithmetic_rows, precision,
+                                                                            dtype, expected):
+    """The frozen reference copy made by the module follows bf16-mixed (its products are bf16 under autocast anyway:
+    half the memory, no cast of every weight each pass); `reference.dtype=float32` keeps it, and float32 training
+    leaves it as it is."""
+    model, tok = tiny
+    module = PolicyOptimizationModule(model, tok, objective={"name": "grpo", "beta": 0.04}, reward_fns=[distinct_chars],
+                                      experience={"num_generations": 2}, generation={"max_new_tokens": 4},
+                                      reference={"dtype": dtype}, seed=1)
+    dm = PromptDataModule(train=arithmetic_rows[0], tokenizer=tok, batch_size=2)
+    trainer = L.Trainer(accelerator="cpu", precision=precision, max_steps=2, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0)
+    trainer.fit(module, datamodule=dm)
+    assert {p.dtype for p in module.ref_model.parameters()} == {expected}
+    assert all(p.dtype == torch.float32 for p in module.policy.parameters())
+    assert torch.isfinite(trainer.callback_metrics["train/kl"])
+
+
 def test_the_optimizer_is_unfused_where_lightning_clips(tiny):
     """A loss scaler (16-mixed) or sharded gradients clip through Lightning, which refuses a fused optimizer: the rule,
     then the optimizer a module attached to a bf16-mixed Trainer builds (clipped in place: fused)."""

@@ -32,7 +32,9 @@ class ReferenceConfig(Settings):
 
     Args:
         dtype: the reference copy's weights in this dtype (e.g. ``"bfloat16"``: half the memory and a faster pass on
-            GPUs and AMX CPUs, at bf16 rounding of the KL term); a given ``ref_model`` is cast in place.
+            GPUs and AMX CPUs, at bf16 rounding of the KL term); a given ``ref_model`` is cast in place. Unset: the
+            policy's, except under ``bf16-mixed``, where the copy the module makes holds bf16 weights (its products
+            are bf16 there anyway); ``"float32"`` keeps it float32.
         quantization: the reference copy quantized (``"int8"``, ``"nf4"``, or :class:`~polopt_lightning.models.
             Quantization` fields): a quarter to an eighth of its memory, for full fine-tuning (it never needs
             gradients). A ``transformers`` policy only; not with an adapter, whose reference is its own base.
