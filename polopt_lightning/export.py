@@ -219,11 +219,15 @@ def _policy_state(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Ten
     return {k[len(POLICY_PREFIX):]: v for k, v in state_dict.items() if k.startswith(POLICY_PREFIX)}
 
 
+#: a 4-bit weight's quantization state, in a (saved or pushed) state dict: ``<weight>.quant_state.bitsandbytes__nf4``
+QUANT_STATE = ".quant_state.bitsandbytes__"
+
+
 def dequantized_state(state: Mapping[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """``state`` with every bitsandbytes-quantized weight (4-bit with its quant-state entries, int8 with its ``SCB``
     row scales) replaced by its floating-point value in ``dtype``: the weights the quantized layers compute with."""
     out = dict(state)
-    for key in [k for k in state if ".quant_state.bitsandbytes__" in k]:  # one per 4-bit weight
+    for key in [k for k in state if QUANT_STATE in k]:  # one per 4-bit weight
         from bitsandbytes.functional import QuantState, dequantize_4bit
 
         prefix = key[: key.index(".quant_state.")]  # "...base_layer.weight"

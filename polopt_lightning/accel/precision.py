@@ -23,9 +23,8 @@ import torch
 BF16_CPU_FLAGS = ("amx_bf16", "avx512_bf16")
 
 #: On a CPU, bfloat16 pays only where the products are large enough to outweigh the casts around them: a model whose
-#: largest linear layer (the output head aside) has fewer weights than this trains in float32 under ``auto``. Measured
-#: on an Intel Xeon with AMX (docs/performance.md): 2^17 weights (the default job's 2.6M model) 1.4x slower in bf16,
-#: 2^19.4 (a 25M model, hidden 512) 1.37x faster, the 0.5B shape (2^22) faster.
+#: largest linear layer (the output head aside) has fewer weights than this trains in float32 under ``auto`` (the
+#: measurements that set it: docs/performance.md, "Precision by the hardware").
 BF16_CPU_MIN_WEIGHTS = 2**19
 
 

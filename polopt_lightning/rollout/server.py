@@ -27,7 +27,7 @@ from ..distributed import all_reduce
 from ..export import dequantized_state
 from ..models import float_dtype
 from .base import RolloutBatch, RolloutEngine, SamplingConfig
-from .weights import QUANT_STATE, adapter_layers, base_weights, four_bit, policy_weights, whole
+from .weights import adapter_layers, base_weights, four_bit, policy_weights, whole
 from .wire import (
     LORA_A,
     LORA_B,
@@ -198,7 +198,7 @@ class ServerRolloutEngine(RolloutEngine):
         # a 4-bit base goes over as it is held (packed, with its quantization state) to servers that hold it so;
         # dequantized to the others (vLLM's) and for 8-bit bases
         quantized = four_bit(weights) and self._hold_quantized
-        if not quantized and any(QUANT_STATE in k or k.endswith("SCB") for k in weights):
+        if not quantized:  # (nothing to do for weights that were never quantized)
             weights = dequantized_state(weights, float_dtype(model))
         layout = tensor_layout(weights)
         plan = buckets(layout, self.bucket_bytes)

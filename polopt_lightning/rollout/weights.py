@@ -92,10 +92,9 @@ def base_weights(model: nn.Module, keep_quantized: bool = False) -> dict[str, Te
     return {k.replace(".base_layer", ""): v for k, v in state.items()}
 
 
-#: a 4-bit weight's quantization state, in a (saved or pushed) state dict: ``<weight>.quant_state.bitsandbytes__nf4``
-QUANT_STATE = ".quant_state.bitsandbytes__"
-
 
 def four_bit(state: dict[str, Tensor]) -> bool:
     """Whether ``state`` holds bitsandbytes 4-bit weights (and no 8-bit ones: those travel dequantized)."""
+    from ..export import QUANT_STATE
+
     return any(QUANT_STATE in k for k in state) and not any(k.endswith("SCB") for k in state)
