@@ -10,7 +10,7 @@ token in every ``k`` of the vocabulary (``k`` = ``--mean-fraction`` x the cap), 
 with a chance of about ``1 / k`` (the random model samples near uniformly): lengths spread geometrically, most short,
 some cut at the cap (about e^-1/f of them). Both trainers stop on those tokens and mask after them (TRL reads the
 model's generation config; so does polopt). Each (cap, implementation) runs ``--steps`` steps in a fresh process of
-``real_scale.py`` (the fp32 setting, its phases: rollout, reference pass, training forward + backward, the rest),
+``real_scale.py`` (its ``--setting``, fp32 unless told; its phases: rollout, reference pass, training forward + backward, the rest),
 the first step left out. Printed per cap and implementation: seconds a step and per phase, the tokens generated
 (mean over the steps), generated tokens per second of rollout, seconds a step per 1,000 generated tokens, peak resident
 memory; the speed and memory ratios of polopt's first implementation to TRL's at each cap; and the growth of the cost
@@ -53,7 +53,7 @@ def set_stops(folder: str, every: int | None) -> list[int]:
 
 
 def run_one(folder: str, impl: str, cap: int, args) -> dict:
-    cmd = [sys.executable, str(HERE / "real_scale.py"), "--child", impl, "fp32", folder, "--steps", str(args.steps),
+    cmd = [sys.executable, str(HERE / "real_scale.py"), "--child", impl, args.setting, folder, "--steps", str(args.steps),
            "--threads", str(args.threads), "--new-tokens", str(cap), "--prompts", str(args.prompts),
            "--generations", str(args.generations), "--sampled", "--device", args.device]
     return child_result(cmd, f"{impl} at {cap} tokens")
@@ -65,7 +65,7 @@ def summary(result: dict) -> dict:
     phases = result["phases"][1:]
     tokens = result["tokens"][1:]
     rollout = [p.get("rollout", 0.0) for p in phases]
-    return {"step_s": statistics.median(steps), "steps": steps,
+    return {"setting": result["setting"], "step_s": statistics.median(steps), "steps": steps,
             "phases": {k: statistics.median(p.get(k, 0.0) for p in phases)
                        for k in ("rollout", "reference", "training", "rest")},
             "tokens": statistics.mean(tokens), "tokens_per_step": tokens,
@@ -109,6 +109,9 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=1)
     parser.add_argument("--generations", type=int, default=8)
     parser.add_argument("--steps", type=int, default=2, help="steps a run (the first is left out)")
+    parser.add_argument("--setting", default="fp32", choices=["fp32", "bf16-mixed"],
+                        help="real_scale.py's setting both trainers run under (bf16-mixed: polopt's "
+                             "trainer.precision=bf16-mixed, TRL's bf16=True)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where both trainers run")
     parser.add_argument("--model-dir", required=True, help="the model's folder (built there if missing)")
@@ -144,7 +147,7 @@ def main() -> None:
             rows.append(row)
     finally:
         set_stops(args.model_dir, None)  # the folder's generation config as it was built
-    print(f"\n{machine}; {JOB['prompt_len']}-token prompts, {args.prompts} x {args.generations} completions a step, "
+    print(f"\n{machine}; {args.setting}; {JOB['prompt_len']}-token prompts, {args.prompts} x {args.generations} completions a step, "
           f"lengths sampled (a stop chance of 1 / ({args.mean_fraction} x cap) a token), {args.steps - 1} measured "
           f"step(s) a run; {time.perf_counter() - began:.0f} s in all\n")
     print("| cap | " + " | ".join(f"{impl} s/1k tokens (peak GiB)" for impl in args.impls) + " |")
@@ -167,7 +170,7 @@ def main() -> None:
                   f"{rows[0]['cap']} to {rows[-1]['cap']}")
     run = {"machine": machine, "shape": args.shape, "job": {**JOB, "prompts": args.prompts,
                                                              "generations": args.generations},
-           "mean_fraction": args.mean_fraction, "steps": args.steps, "rows": rows}
+           "mean_fraction": args.mean_fraction, "steps": args.steps, "setting": args.setting, "rows": rows}
     if args.json:
         Path(args.json).write_text(json.dumps(run, indent=1))
     if args.plot:

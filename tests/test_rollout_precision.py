@@ -6,7 +6,7 @@ import lightning as L
 import pytest
 import torch
 
-from polopt_lightning import PolicyOptimizationModule, PromptDataModule
+from polopt_lightning import PolicyOptimizationModule, PromptDataModule, models
 from polopt_lightning.models import build_tiny_model, cast_weights
 from polopt_lightning.rollout import HFRolloutEngine, SamplingConfig
 from polopt_lightning.step.logprobs import completion_logprobs
@@ -69,6 +69,41 @@ def test_a_released_sampling_copy_samples_the_same_and_holds_no_weights_between_
     auto = HFRolloutEngine(dtype="bfloat16")  # None: a copy under 256 MiB is kept
     auto.generate(model, ids, mask, 2, SamplingConfig(max_new_tokens=2), tok.eos_token_id, tok.pad_token_id)
     assert all(p.numel() > 0 for p in auto._sampler[1].parameters())
+
+
+def test_a_copy_in_another_dtype_is_cast_into_one_aligned_block_without_a_full_precision_copy(tiny, monkeypatch):
+    """``frozen_copy(..., dtype)`` (the sampling copy, a reference in its own dtype) casts straight from the policy's
+    weights into one block, every weight on a cache line, tied weights tied; a released sampling copy is cast afresh
+    the same way. One block freed at once is what lets the training pass reuse it (a copy freed weight by weight
+    slowed the next training pass at 0.5B: docs/performance.md)."""
+    model, tok = tiny
+    deep_copied = []
+    real = torch.nn.Parameter.__deepcopy__
+    monkeypatch.setattr(torch.nn.Parameter, "__deepcopy__",
+                        lambda self, memo: deep_copied.append(self.shape) or real(self, memo))
+
+    def one_block(copy_):
+        params = list(copy_.parameters())
+        return (len({p.untyped_storage().data_ptr() for p in params}) == 1
+                and all(p.data_ptr() % models.BLOCK_ALIGN == 0 for p in params))
+
+    ref = models.frozen_copy(model, torch.bfloat16, "reference.dtype")
+    assert not deep_copied and one_block(ref)  # no weight went through deepcopy in float32
+    assert ref.lm_head.weight is ref.get_input_embeddings().weight  # tied as in the policy
+    assert all(torch.equal(r, p.detach().to(torch.bfloat16)) for r, p in zip(ref.parameters(), model.parameters()))
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    assert one_block(models.frozen_copy(model)) is False and deep_copied  # without a dtype: a plain deep copy
+
+    engine = HFRolloutEngine(dtype="bfloat16", release_copy=True)
+    ids, mask = _prompts(tok, ["12+34="])
+    for _ in range(2):
+        engine.generate(model, ids, mask, 2, SamplingConfig(max_new_tokens=2), tok.eos_token_id, tok.pad_token_id)
+        with torch.no_grad():
+            model.lm_head.weight.add_(0.01)
+    sampler = engine.sampling_model(model)  # cast afresh after its release
+    assert one_block(sampler) and sampler.lm_head.weight is sampler.get_input_embeddings().weight
+    assert all(torch.equal(s, p.detach().to(torch.bfloat16)) for s, p in zip(sampler.parameters(),
+                                                                              model.parameters()))
 
 
 def test_bf16_sampling_logprobs_are_close_to_the_fp32_forward(tiny):

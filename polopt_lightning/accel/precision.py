@@ -14,6 +14,7 @@ checkpoint was trained in (:func:`polopt_lightning.cli.train`). From a Trainer o
 
 from __future__ import annotations
 
+import functools
 import sys
 from pathlib import Path
 from typing import Any
@@ -50,6 +51,14 @@ def cpu_flags(cpuinfo: str | None = None) -> set[str] | None:
         if line.startswith(("flags", "Features")):
             return set(line.split(":", 1)[1].split())
     return None
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_bf16() -> tuple[str, ...]:
+    """The flags of :data:`BF16_CPU_FLAGS` this machine's CPU has (read once): empty where it multiplies bfloat16
+    only by emulation, or its features cannot be read."""
+    flags = cpu_flags() or set()
+    return tuple(flag for flag in BF16_CPU_FLAGS if flag in flags)
 
 
 def auto_precision(accelerator: str = "auto", cpuinfo: str | None = None, model: Any = None) -> tuple[str, str]:

@@ -15,7 +15,7 @@ from torch import Tensor, nn
 from .. import accel
 from .._hf import cache_argument, last_positions, output_cache, positions_from_mask, preallocated_cache
 from ..accel.lean_step import decode_step, llama_like, shared_prompt_decode_step, static_decode_step
-from ..models import float_dtype, frozen_copy, is_quantized, resolve_dtype
+from ..models import cast_as_one_block, float_dtype, frozen_copy, is_quantized, resolve_dtype
 from .base import RolloutBatch, RolloutEngine, filter_logits, sample_tokens
 
 DROP_FINISHED_MIN_TOKENS = 128  # from this max_new_tokens on, finished rows leave the decoding batch by default
@@ -35,9 +35,9 @@ class HFRolloutEngine(RolloutEngine):
             policy at each call, with autocast off. ``None`` samples in the precision the training step computes
             in: with the policy itself, or, for an fp32 policy under autocast (a ``bf16-mixed`` / ``16-mixed``
             trainer), with a copy in the autocast dtype: autocast would cast every weight again at every token; the
-            copy costs 2 bytes per parameter. On the CPU where oneDNN computes the products
-            (:meth:`~polopt_lightning.accel.cpu.decode.CPUDecoding.sampling_dtype`) the fp32 policy itself samples
-            with autocast off instead (faster and in less memory there than the copy).
+            copy costs 2 bytes per parameter. On a CPU without native bf16 products where oneDNN computes the
+            float32 ones (:meth:`~polopt_lightning.accel.cpu.decode.CPUDecoding.sampling_dtype`) the fp32 policy
+            itself samples with autocast off instead (faster there than an emulated bf16 copy, without its memory).
             ``"float32"`` samples the fp32 weights with autocast off. Half-precision
             sampling halves the bytes each token reads (weights and KV cache) and uses bf16 matrix units (AMX
             CPUs, GPUs); log-probs sampled in another precision than training's are not reused as old log-probs.
@@ -61,7 +61,8 @@ class HFRolloutEngine(RolloutEngine):
             and cast them afresh at the next, instead of keeping them through the training pass, where they would
             add to the step's peak (1 GB at 0.5B in bf16). ``None`` decides: on when the copy holds at least
             256 MiB and the step is not compiled (a small copy costs nothing to keep, a compiled step would
-            recompile for new storage).
+            recompile for new storage). The copy is cast into one block (:func:`~polopt_lightning.models.
+            cast_as_one_block`), so what it frees the training pass reuses.
         drop_finished: take finished completions out of the decoding batch, so the steps after a completion's EOS
             no longer compute it (its keys/values, its products, its attention over a growing cache): with lengths
             spread below the cap most rows end early while the batch decodes on to the longest. ``None`` decides: on
@@ -140,9 +141,10 @@ class HFRolloutEngine(RolloutEngine):
             if self._sampler is None or self._sampler[0] is not model or float_dtype(self._sampler[1]) != dtype:
                 self._sampler, self._compiled, self._released = (model, frozen_copy(model, dtype, "rollout.dtype")), \
                     None, False
-            elif self._released:  # its weights were freed after the last rollout: cast them afresh
-                for kept, weight in zip(self._sampler[1].parameters(), model.parameters()):
-                    kept.data = weight.detach().to(dtype)
+            elif self._released:  # its weights were freed after the last rollout: cast them afresh, as one block
+                params = list(model.parameters())
+                for kept, weight in zip(self._sampler[1].parameters(), cast_as_one_block(params, dtype)):
+                    kept.data = weight
                 self._released = False
             else:  # refresh every time: an in-place optimizer step leaves no trace to test for (fused AdamW keeps
                 # tensor versions), and the copy costs one read of the weights, small next to sampling
