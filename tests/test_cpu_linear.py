@@ -226,7 +226,7 @@ def test_decoding_under_the_mode_packs_the_body_in_onednns_layout_and_keeps_the_
 
 @pytest.mark.parametrize("native_bf16", [(), ("amx_bf16",)], ids=["no-native-bf16", "native-bf16"])
 def test_under_autocast_the_fp32_policy_samples_itself_through_onednn_unless_the_cpu_has_bf16(native_bf16,
-                                                                                                monkeypatch):
+                                                                                                monkeypatch, caplog):
     """A bf16-mixed step on the CPU: inside the mode, on a CPU without native bf16 products, the policy samples in
     fp32 with autocast off (faster than an emulated bf16 copy, without its memory); on a CPU with AMX or AVX512-BF16
     (stood in for here) it samples a bf16 copy, which reads half the bytes a token (1.5x faster rollouts at 0.5B on
@@ -238,6 +238,7 @@ def test_under_autocast_the_fp32_policy_samples_itself_through_onednn_unless_the
     sampling = SamplingConfig(max_new_tokens=3, min_new_tokens=3, temperature=0.0)
     plain = HFRolloutEngine().generate(model, ids, mask, 2, sampling, tok.eos_token_id, tok.pad_token_id)
     engine = HFRolloutEngine()
+    caplog.set_level("INFO", logger="polopt_lightning.rollout.hf")
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert engine.sampling_dtype(model) == torch.bfloat16  # no mode: the bf16 copy, as before
         with cpu_linear.OneDNNLinear(), trace.routes() as ran:
@@ -249,6 +250,10 @@ def test_under_autocast_the_fp32_policy_samples_itself_through_onednn_unless_the
             else:
                 assert engine.sampling_dtype(model) == torch.float32 and engine.sampling_model(model) is model
                 got = engine.generate(model, ids, mask, 2, sampling, tok.eos_token_id, tok.pad_token_id)
+    said = [r.getMessage() for r in caplog.records if r.name == "polopt_lightning.rollout.hf"]
+    assert len(said) == 1, said  # once, however many rollouts
+    assert ("bfloat16 copy of the policy (the training step's autocast dtype)" in said[0] if native_bf16
+            else "float32 policy itself with autocast off (this CPU has no native bfloat16 products" in said[0])
     if native_bf16:
         assert float_dtype(engine.sampling_copy) == torch.bfloat16
         assert got.completion_ids.shape == plain.completion_ids.shape

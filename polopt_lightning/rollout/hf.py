@@ -3,6 +3,7 @@ in its sampling dtype), the CPU fast path's lean decoding step where the model a
 
 from __future__ import annotations
 
+import logging
 import warnings
 from contextlib import nullcontext
 from dataclasses import fields, replace
@@ -17,6 +18,8 @@ from .._hf import cache_argument, last_positions, output_cache, positions_from_m
 from ..accel.lean_step import decode_step, llama_like, shared_prompt_decode_step, static_decode_step
 from ..models import cast_as_one_block, float_dtype, frozen_copy, is_quantized, resolve_dtype
 from .base import RolloutBatch, RolloutEngine, filter_logits, sample_tokens
+
+log = logging.getLogger(__name__)
 
 DROP_FINISHED_MIN_TOKENS = 128  # from this max_new_tokens on, finished rows leave the decoding batch by default
 
@@ -92,6 +95,7 @@ class HFRolloutEngine(RolloutEngine):
         self._sampler: tuple[nn.Module, nn.Module] | None = None  # (policy, its copy)
         self._compiled = None
         self._said_quantized = False
+        self._said_sampling = False
 
     @property
     def sampling_copy(self) -> nn.Module | None:
@@ -133,8 +137,10 @@ class HFRolloutEngine(RolloutEngine):
     def sampling_model(self, model: nn.Module) -> nn.Module:
         """The module that samples: ``model``, or its copy in the sampling dtype holding ``model``'s weights."""
         if not self.sampling_dtype_differs(model):
+            self._say_sampling(model, None)
             return model
         dtype = self.sampling_dtype(model)
+        self._say_sampling(model, dtype)
         # outside inference mode: a copy made under `trainer.validate` would otherwise hold inference tensors that
         # the refresh during `fit` cannot write
         with torch.inference_mode(False), torch.no_grad():
@@ -150,6 +156,23 @@ class HFRolloutEngine(RolloutEngine):
                 # tensor versions), and the copy costs one read of the weights, small next to sampling
                 torch._foreach_copy_(list(self._sampler[1].parameters()), list(model.parameters()))
         return self._sampler[1]
+
+    def _say_sampling(self, model: nn.Module, copy_dtype: torch.dtype | None) -> None:
+        """Log once what completions are sampled with where the training step computes in another precision
+        (autocast) or ``rollout.dtype`` asks for a copy."""
+        autocast = torch.is_autocast_enabled(_device_type(model))
+        if self._said_sampling or not (autocast or copy_dtype is not None):
+            return
+        self._said_sampling = True
+        if copy_dtype is not None:
+            why = "rollout.dtype" if self.dtype is not None else "the training step's autocast dtype"
+            log.info("rollout: sampling with a %s copy of the policy (%s), cast from its weights before each rollout",
+                     str(copy_dtype).removeprefix("torch."), why)
+        elif self.sampling_dtype(model) is not None:
+            log.info("rollout: sampling the %s policy itself with autocast off (%s)",
+                     str(self.sampling_dtype(model)).removeprefix("torch."),
+                     "rollout.dtype" if self.dtype is not None else
+                     "this CPU has no native bfloat16 products, where oneDNN computes the float32 ones")
 
     def _release(self, sampler: nn.Module) -> None:
         """Free the sampling copy's weights after a rollout (``release_copy``); the modules stay for the next one."""
