@@ -253,7 +253,7 @@ def test_under_autocast_the_fp32_policy_samples_itself_through_onednn_unless_the
     said = [r.getMessage() for r in caplog.records if r.name == "polopt_lightning.rollout.hf"]
     assert len(said) == 1, said  # once, however many rollouts
     assert ("bfloat16 copy of the policy (the training step's autocast dtype)" in said[0] if native_bf16
-            else "float32 policy itself with autocast off (this CPU has no native bfloat16 products" in said[0])
+            else "float32 policy itself with autocast off (no native bfloat16 products on this CPU" in said[0])
     if native_bf16:
         assert float_dtype(engine.sampling_copy) == torch.bfloat16
         assert got.completion_ids.shape == plain.completion_ids.shape

@@ -3,6 +3,7 @@
 import json
 
 import pytest
+import torch
 
 from polopt_lightning.accel import precision
 from polopt_lightning.cli import train
@@ -87,6 +88,22 @@ def test_on_a_cpu_bf16_is_chosen_only_for_models_large_enough_for_it_to_pay():
                                                             "the size rule)")
     assert precision.largest_linear(apply_adapter(wide, Adapter(kind="lora", r=4))) == 512 * 1376
     assert precision.auto_precision("cpu", CPUINFO.format(extra=""), model=wide)[0] == "32-true"  # no bf16: float32
+
+
+def test_the_size_rule_counts_gpt2s_conv1d_layers_and_says_where_it_found_no_linear_layer():
+    """GPT-2's layers are transformers' ``Conv1D`` (a transposed linear): counted, so a small GPT-2 trains in float32
+    as a small Llama does (a newcomer's find: it got bf16, its size never checked); a model with no layer the rule
+    knows says its size was not checked."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cpu = CPUINFO.format(extra="amx_bf16")
+    config = AutoConfig.for_model("gpt2", n_embd=64, n_layer=2, n_head=2, vocab_size=100, n_positions=64)
+    gpt2 = AutoModelForCausalLM.from_config(config)
+    assert precision.largest_linear(gpt2) == 64 * 256  # the MLP's c_fc: [64, 256]
+    assert precision.auto_precision("cpu", cpu, model=gpt2)[0] == "32-true"
+    chosen, why = precision.auto_precision("cpu", cpu, model=torch.nn.Sequential(torch.nn.Embedding(10, 4)))
+    assert chosen == "bf16-mixed" and why.endswith("(the model has no linear layer this rule knows: its size not "
+                                                   "checked)")
 
 
 def test_the_default_precision_is_auto_and_the_default_jobs_model_trains_in_float32_everywhere(tmp_path, monkeypatch,

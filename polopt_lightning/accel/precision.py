@@ -31,11 +31,13 @@ BF16_CPU_MIN_WEIGHTS = 2**19
 
 def largest_linear(model: Any) -> int | None:
     """The most weights of one linear layer of ``model`` (its output head aside, which a tied model shares with the
-    embeddings; a quantized or adapted layer counted by its shape), or ``None`` where it has none."""
+    embeddings; a quantized or adapted layer counted by its shape; GPT-2's ``Conv1D`` layers, linear layers with a
+    transposed weight, counted too), or ``None`` where it has none."""
     from torch import nn
 
-    sizes = [m.in_features * m.out_features for name, m in model.named_modules()
-             if isinstance(m, nn.Linear) and not name.endswith("lm_head")]
+    sizes = [m.in_features * m.out_features if isinstance(m, nn.Linear) else m.weight.numel()
+             for name, m in model.named_modules()
+             if (isinstance(m, nn.Linear) or type(m).__name__ == "Conv1D") and not name.endswith("lm_head")]
     return max(sizes) if sizes else None
 
 
@@ -87,7 +89,8 @@ def auto_precision(accelerator: str = "auto", cpuinfo: str | None = None, model:
             return "32-true", (f"{cpu}, but the model's largest linear layer has {size:,} weights (fewer than "
                                f"{BF16_CPU_MIN_WEIGHTS:,}): bfloat16's casts would cost more than its products save")
         return "bf16-mixed", (f"{cpu} and the model's largest linear layer has {size:,} weights (at least "
-                              f"{BF16_CPU_MIN_WEIGHTS:,})" if size is not None else cpu)
+                              f"{BF16_CPU_MIN_WEIGHTS:,})" if size is not None else
+                              f"{cpu} (the model has no linear layer this rule knows: its size not checked)")
     return "32-true", (f"the CPU has neither {' nor '.join(BF16_CPU_FLAGS)}: float32; bfloat16 products are emulated "
                        "there, or not measured")
 

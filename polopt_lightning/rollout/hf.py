@@ -172,7 +172,7 @@ class HFRolloutEngine(RolloutEngine):
             log.info("rollout: sampling the %s policy itself with autocast off (%s)",
                      str(self.sampling_dtype(model)).removeprefix("torch."),
                      "rollout.dtype" if self.dtype is not None else
-                     "this CPU has no native bfloat16 products, where oneDNN computes the float32 ones")
+                     "no native bfloat16 products on this CPU; its float32 products run through oneDNN")
 
     def _release(self, sampler: nn.Module) -> None:
         """Free the sampling copy's weights after a rollout (``release_copy``); the modules stay for the next one."""
