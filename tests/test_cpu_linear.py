@@ -246,10 +246,9 @@ def test_under_autocast_the_fp32_policy_samples_itself_through_onednn_unless_the
             if native_bf16:
                 assert engine.sampling_dtype(model) == torch.bfloat16
                 assert engine.sampling_model(model) is not model and engine.sampling_copy is not None
-                got = engine.generate(model, ids, mask, 2, sampling, tok.eos_token_id, tok.pad_token_id)
             else:
                 assert engine.sampling_dtype(model) == torch.float32 and engine.sampling_model(model) is model
-                got = engine.generate(model, ids, mask, 2, sampling, tok.eos_token_id, tok.pad_token_id)
+            got = engine.generate(model, ids, mask, 2, sampling, tok.eos_token_id, tok.pad_token_id)
     said = [r.getMessage() for r in caplog.records if r.name == "polopt_lightning.rollout.hf"]
     assert len(said) == 1, said  # once, however many rollouts
     assert ("bfloat16 copy of the policy (the training step's autocast dtype)" in said[0] if native_bf16

@@ -59,7 +59,11 @@ def cpu_flags(cpuinfo: str | None = None) -> set[str] | None:
 def cpu_bf16() -> tuple[str, ...]:
     """The flags of :data:`BF16_CPU_FLAGS` this machine's CPU has (read once): empty where it multiplies bfloat16
     only by emulation, or its features cannot be read."""
-    flags = cpu_flags() or set()
+    return bf16_flags(cpu_flags() or set())
+
+
+def bf16_flags(flags: set[str]) -> tuple[str, ...]:
+    """The flags of :data:`BF16_CPU_FLAGS` among ``flags``."""
     return tuple(flag for flag in BF16_CPU_FLAGS if flag in flags)
 
 
@@ -79,7 +83,7 @@ def auto_precision(accelerator: str = "auto", cpuinfo: str | None = None, model:
     flags = cpu_flags(cpuinfo)
     if flags is None:
         return "32-true", f"the CPU's features cannot be read on {sys.platform}: float32"
-    have = [flag for flag in BF16_CPU_FLAGS if flag in flags]
+    have = bf16_flags(flags)
     if have:
         cpu = f"the CPU has {' and '.join(have)}"
         if model is None:

@@ -136,11 +136,10 @@ class HFRolloutEngine(RolloutEngine):
 
     def sampling_model(self, model: nn.Module) -> nn.Module:
         """The module that samples: ``model``, or its copy in the sampling dtype holding ``model``'s weights."""
-        if not self.sampling_dtype_differs(model):
-            self._say_sampling(model, None)
+        dtype, copied = self.sampling_dtype(model), self.sampling_dtype_differs(model)
+        self._say_sampling(model, dtype, copied)
+        if not copied:
             return model
-        dtype = self.sampling_dtype(model)
-        self._say_sampling(model, dtype)
         # outside inference mode: a copy made under `trainer.validate` would otherwise hold inference tensors that
         # the refresh during `fit` cannot write
         with torch.inference_mode(False), torch.no_grad():
@@ -157,20 +156,20 @@ class HFRolloutEngine(RolloutEngine):
                 torch._foreach_copy_(list(self._sampler[1].parameters()), list(model.parameters()))
         return self._sampler[1]
 
-    def _say_sampling(self, model: nn.Module, copy_dtype: torch.dtype | None) -> None:
-        """Log once what completions are sampled with where the training step computes in another precision
-        (autocast) or ``rollout.dtype`` asks for a copy."""
-        autocast = torch.is_autocast_enabled(_device_type(model))
-        if self._said_sampling or not (autocast or copy_dtype is not None):
+    def _say_sampling(self, model: nn.Module, dtype: torch.dtype | None, copied: bool) -> None:
+        """Log once what completions are sampled with (``dtype``: :meth:`sampling_dtype`; ``copied``: with a copy in
+        it) where ``rollout.dtype`` asks for a copy or the training step computes under autocast."""
+        if (self._said_sampling or dtype is None
+                or not (copied or torch.is_autocast_enabled(_device_type(model)))):
             return
         self._said_sampling = True
-        if copy_dtype is not None:
+        name = str(dtype).removeprefix("torch.")
+        if copied:
             why = "rollout.dtype" if self.dtype is not None else "the training step's autocast dtype"
             log.info("rollout: sampling with a %s copy of the policy (%s), cast from its weights before each rollout",
-                     str(copy_dtype).removeprefix("torch."), why)
-        elif self.sampling_dtype(model) is not None:
-            log.info("rollout: sampling the %s policy itself with autocast off (%s)",
-                     str(self.sampling_dtype(model)).removeprefix("torch."),
+                     name, why)
+        else:
+            log.info("rollout: sampling the %s policy itself with autocast off (%s)", name,
                      "rollout.dtype" if self.dtype is not None else
                      "no native bfloat16 products on this CPU; its float32 products run through oneDNN")
 
