@@ -223,6 +223,9 @@ ELSEWHERE = {
     "python benchmarks/throughput.py --workloads long-prompt off-policy tiny --trials 2 --steps 6 --interleave "
     "--impls polopt trl:gradient_checkpointing=false --json run.json": ("tests/test_benchmark_floors.py",
                                                                          "throughput"),
+    "python benchmarks/lengths.py --shape qwen2.5-0.5b --model-dir /tmp/q05b --setting bf16-mixed --lengths 1024 "
+    "--impls 'polopt:update={\"gradient_checkpointing\":true}' 'trl:gradient_checkpointing=true' --json run.json":
+        ("tests/test_long_completion_benchmarks.py", "--setting"),
     "python benchmarks/memory.py --steps 4 --model-dir /tmp/q05b --json run3.json": ("tests/test_memory_benchmark.py",
                                                                                       "memory"),
     "python benchmarks/memory.py --summarize run3.json run4.json": ("tests/test_memory_benchmark.py", "summarize"),
