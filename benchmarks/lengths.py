@@ -15,7 +15,8 @@ the first step left out. Printed per cap and implementation: seconds a step and 
 (mean over the steps), generated tokens per second of rollout, seconds a step per 1,000 generated tokens, peak resident
 memory; the speed and memory ratios of polopt's first implementation to TRL's at each cap; and the growth of the cost
 per generated token from the smallest cap to the largest. ``--plot`` draws cost per generated token and peak memory
-against the cap.
+against the cap. ``--heap`` adds each phase's highest live and held memory of the C library's allocator
+(``memory.HeapSampler``): a resident peak far above the live one is memory the allocator keeps around its blocks.
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ def set_stops(folder: str, every: int | None) -> list[int]:
 def run_one(folder: str, impl: str, cap: int, args) -> dict:
     cmd = [sys.executable, str(HERE / "real_scale.py"), "--child", impl, args.setting, folder, "--steps", str(args.steps),
            "--threads", str(args.threads), "--new-tokens", str(cap), "--prompts", str(args.prompts),
-           "--generations", str(args.generations), "--sampled", "--device", args.device]
+           "--generations", str(args.generations), "--sampled", "--device", args.device] + (["--heap"] if args.heap else [])
     return child_result(cmd, f"{impl} at {cap} tokens")
 
 
@@ -73,7 +74,10 @@ def summary(result: dict) -> dict:
             "s_per_1k_tokens": 1000 * sum(steps) / max(sum(tokens), 1),
             "peak_gib": result["train_peak_gib"],
             "phase_peaks_gib": {k: max((p.get(k, 0.0) for p in result["phase_peaks"][1:]), default=0.0)
-                                for k in ("rollout", "reference", "training", "rest")}}
+                                for k in ("rollout", "reference", "training", "rest")},
+            **({"phase_live_held_gib": {k: [max((p.get(k, [0.0, 0.0])[i] for p in result["phase_heap"][1:]), default=0.0)
+                                            for i in (0, 1)] for k in ("rollout", "reference", "training", "rest")}}
+               if result.get("phase_heap") else {})}
 
 
 def plot(rows: list[dict], impls: list[str], path: str, title: str) -> None:
@@ -117,6 +121,9 @@ def main() -> None:
     parser.add_argument("--model-dir", required=True, help="the model's folder (built there if missing)")
     parser.add_argument("--json", help="write the measurements to this file")
     parser.add_argument("--plot", help="draw the cost and memory against the cap to this image")
+    parser.add_argument("--heap", action="store_true",
+                        help="also each phase's highest live and held memory of the C library's allocator (glibc's "
+                             "mallinfo2, read every 5 ms: what the tensors need against what the process keeps)")
     args = parser.parse_args()
     if args.steps < 2:
         parser.error("--steps must be at least 2 (the first step is left out)")
@@ -144,6 +151,12 @@ def main() -> None:
                       f"sampling, {result['s_per_1k_tokens']:.2f} s per 1k tokens, peak {result['peak_gib']:.2f} GiB "
                       f"(by phase {', '.join(f'{v:.2f}' for v in result['phase_peaks_gib'].values())})",
                       flush=True)
+                if "phase_live_held_gib" in result:
+                    print("      allocator, live / held GiB by phase: " + ", ".join(
+                        f"{k} {v[0]:.2f} / {v[1]:.2f}" for k, v in result["phase_live_held_gib"].items()), flush=True)
+                elif args.heap:
+                    print("      --heap: this C library has no mallinfo2 (glibc >= 2.33): live and held memory left out",
+                          flush=True)
             rows.append(row)
     finally:
         set_stops(args.model_dir, None)  # the folder's generation config as it was built

@@ -228,15 +228,63 @@ def run_trl(folder: str, setting: str, steps: int, overrides: dict | None = None
     return times, load_peak
 
 
+class HeapSampler:
+    """What the C library's allocator hands out against what it holds (glibc's ``mallinfo2``, read every
+    ``interval`` seconds by a thread): the live blocks (``uordblks + hblkhd``: tensors and everything else malloc'd)
+    and the held memory (``arena + hblkhd``: the heaps' size and the mapped blocks). A resident peak above the live
+    peak is memory the allocator keeps around its blocks (freed blocks it has not given back, or that the next
+    blocks did not fit). ``take`` returns the highest live and held readings since the last ``take``. Off
+    (``available`` False) without glibc >= 2.33."""
+
+    def __init__(self, interval: float = 0.005) -> None:
+        import ctypes
+        import threading
+
+        class Info(ctypes.Structure):
+            _fields_ = [(name, ctypes.c_size_t) for name in
+                        "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()]
+
+        try:
+            libc = ctypes.CDLL("libc.so.6")
+            self._read = libc.mallinfo2
+        except (OSError, AttributeError):
+            self.available = False
+            return
+        self._read.restype = Info
+        self.available, self.interval = True, interval
+        self._live = self._held = 0
+        self._lock, self._stop = threading.Lock(), threading.Event()
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def close(self) -> None:
+        """Stop reading (the thread ends within one interval)."""
+        self._stop.set()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            info = self._read()
+            with self._lock:
+                self._live = max(self._live, info.uordblks + info.hblkhd)
+                self._held = max(self._held, info.arena + info.hblkhd)
+            time.sleep(self.interval)
+
+    def take(self) -> tuple[float, float]:
+        """The highest live and held GiB since the last call (then a new maximum starts from the next reading)."""
+        with self._lock:
+            live, held, self._live, self._held = self._live, self._held, 0, 0
+        return live / 2**30, held / 2**30
+
+
 class Phases:
     """Wall time and peak resident memory of named phases inside each step: ``wrap`` times every call of a method
     under a phase name (or a function of no arguments that names it at call time); ``end`` closes a step, its
     remainder going to ``rest`` (for both trainers: rewards, advantages, the gradient norm and clipping, the
     optimizer step, zeroing, bookkeeping). The peaks come from ``VmHWM``, reset at each phase's start (Linux's
     ``clear_refs``: a cheap reset of the mark, no trimming), so each phase's is its own; ``rest`` has the peak of
-    everything between phases. Without ``/proc`` the peaks are left out."""
+    everything between phases. Without ``/proc`` the peaks are left out. ``heap``: also each phase's highest live
+    and held allocator memory (:class:`HeapSampler`; a thread reads them every 5 ms, so timings move a little)."""
 
-    def __init__(self) -> None:
+    def __init__(self, heap: bool = False) -> None:
         self.steps: list[dict[str, float]] = []
         self.peaks: list[dict[str, float]] = []
         self.current: dict[str, float] = {}
@@ -245,6 +293,12 @@ class Phases:
         self.overall = 0.0  # the highest mark read: the process's peak since it started timing
         self.facts: dict = {}  # what the run noted besides times (the dtype polopt sampled with)
         self.tokens: list[int] = []  # each step's generated tokens (counted by the reward function)
+        self.heap = HeapSampler() if heap else None
+        if self.heap is not None and not self.heap.available:
+            print("--heap: this C library has no mallinfo2 (glibc >= 2.33): live and held memory left out", flush=True)
+            self.heap = None
+        self.heap_steps: list[dict[str, list[float]]] = []  # per step and phase: [live GiB, held GiB]
+        self.current_heap: dict[str, list[float]] = {}
 
     def _mark(self, reset: bool) -> float | None:
         """The high-water mark so far (GiB), then, with ``reset``, a new one from what is resident now."""
@@ -261,6 +315,10 @@ class Phases:
     def _note(self, key: str, peak: float | None) -> None:
         if peak is not None:
             self.current_peaks[key] = max(self.current_peaks.get(key, 0.0), peak)
+        if self.heap is not None:
+            live, held = self.heap.take()
+            old = self.current_heap.get(key, [0.0, 0.0])
+            self.current_heap[key] = [max(old[0], live), max(old[1], held)]
 
     def wrap(self, obj, name: str, phase) -> None:
         inner = getattr(obj, name)
@@ -283,15 +341,19 @@ class Phases:
         setattr(obj, name, timed)
 
     def start(self) -> None:
-        self.current, self.current_peaks = {}, {}
+        self.current, self.current_peaks, self.current_heap = {}, {}, {}
         GENERATED[0] = 0
         self._mark(reset=True)
+        if self.heap is not None:
+            self.heap.take()  # what came before the step is no phase's
 
     def end(self, step_s: float) -> None:
         self._note("rest", self._mark(reset=False))
         self.steps.append({**self.current, "rest": step_s - sum(self.current.values())})
         self.peaks.append(dict(self.current_peaks))
         self.tokens.append(GENERATED[0])
+        if self.heap is not None:
+            self.heap_steps.append(dict(self.current_heap))
 
 
 def child(impl: str, setting: str, folder: str, steps: int, threads: int) -> None:

@@ -163,19 +163,20 @@ def estimated_peak_gib(numbers: dict, setting: str) -> float:
 
 
 def child(impl: str, setting: str, folder: str, steps: int, threads: int, baton: Baton | None,
-          device: str = "cpu") -> None:
+          device: str = "cpu", heap: bool = False) -> None:
     import torch
 
     torch.set_num_threads(threads)
     name, overrides = parse_impl(impl)
     base, polopt_extra, trl_extra = REAL_SETTINGS[setting]
-    phases = Phases()
+    phases = Phases(heap=heap)
     run = run_polopt if name == "polopt" else run_trl
     times, load_peak = run(folder, base, steps, {**(polopt_extra if name == "polopt" else trl_extra), **overrides},
                            baton, phases, device)
     # the phases reset the high-water mark at each of them: the training peak is the highest mark they read
     print("RESULT " + json.dumps({"impl": impl, "setting": setting, "job": JOB, "step_s": times, "phases": phases.steps,
-                                  "phase_peaks": phases.peaks, "load_peak_gib": load_peak,
+                                  "phase_peaks": phases.peaks, "phase_heap": phases.heap_steps,
+                                  "load_peak_gib": load_peak,
                                   "sample_dtype": phases.facts.get("sample_dtype"), "tokens": phases.tokens,
                                   "train_peak_gib": max(phases.overall, peak_rss_gib())}))
 
@@ -376,11 +377,13 @@ def main() -> None:
                         help="measure nothing: pool these --json files (FILE@SETTING,...: only those settings of it)")
     parser.add_argument("--child", nargs=3, metavar=("IMPL", "SETTING", "FOLDER"), help=argparse.SUPPRESS)
     parser.add_argument("--baton", help=argparse.SUPPRESS)
+    parser.add_argument("--heap", action="store_true", help=argparse.SUPPRESS)  # lengths.py's --heap
     args = parser.parse_args()
     JOB.update({k: getattr(args, k) for k in JOB_SIZES if getattr(args, k) is not None})
     JOB["forced"] = not args.sampled
     if args.child:
-        return child(*args.child, args.steps, args.threads, Baton(args.baton) if args.baton else None, args.device)
+        return child(*args.child, args.steps, args.threads, Baton(args.baton) if args.baton else None, args.device,
+                     args.heap)
     if args.summarize:
         runs = []
         for item in args.summarize:  # FILE or FILE@SETTING,SETTING: only those settings of that run

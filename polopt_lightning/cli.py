@@ -117,8 +117,13 @@ def _validate(trainer, module, datamodule) -> dict[str, float]:
     return {k: float(v) for k, v in (results[0] if results else {}).items()}
 
 
-def _warm_start(cfg: DictConfig, model: Any, tokenizer: Any, datamodule: Any, quantized: str) -> dict[str, Any]:
-    """The ``warm_start`` block run on ``model`` (cached), or nothing when it is off: what it did, with ``ran``."""
+def _warm_start(cfg: DictConfig, model: Any, tokenizer: Any, datamodule: Any, quantized: str,
+                adapted: bool) -> dict[str, Any]:
+    """The ``warm_start`` block run on ``model`` (cached), or nothing when it is off: what it did, with ``ran``.
+
+    A resumed run without an adapter skips it: the checkpoint holds every weight the warm start would shape (the
+    policy, the reference copy, a critic's trunk) and replaces them all. With an adapter the warm-started base is
+    also written to the run's ``base_model/`` before the checkpoint loads, so it runs (from its cache if kept)."""
     from .models import is_quantized
     from .warmstart import WarmStartConfig, default_cache_dir, supervised_warm_start
 
@@ -128,6 +133,10 @@ def _warm_start(cfg: DictConfig, model: Any, tokenizer: Any, datamodule: Any, qu
     if is_quantized(model):
         raise ValueError(f"warm_start.enabled=true trains every weight, but the model was loaded quantized "
                          f"(quantization={quantized}); set warm_start.enabled=false")
+    if cfg.get("ckpt_path") is not None and not adapted:
+        log.info("warm start: skipped, the run resumes from %s, whose weights replace the starting ones",
+                 cfg.ckpt_path)
+        return {"ran": False, "cached": False, "wall_s": 0.0}
     settings["cache_dir"] = settings.get("cache_dir") or str(default_cache_dir())
     column = settings.get("prompt_column", "prompt")  # chat prompts rendered as the policy will read them
     rows = [{**r, column: datamodule.prompt_text(r[column])} if column in r else r for r in datamodule.train_rows]
@@ -279,7 +288,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     # the rewards before the warm start: one that cannot work here (a sandbox refused, a reward model's missing folder)
     # fails now, not after minutes of supervised steps
     rewards = _rewards(cfg, task, task_rewards)
-    warm = _warm_start(cfg, model, tokenizer, datamodule, quantization.mode)
+    warm = _warm_start(cfg, model, tokenizer, datamodule, quantization.mode, adapter.enabled)
     # the base of an adapter is kept in the run when no folder or hub id holds it (built, or changed by the warm start)
     base_dir = run_dir / "base_model" if adapter.enabled and (warm["ran"] or not model.name_or_path) else None
     model = prepare_policy(model, quantization, adapter, base_dir)

@@ -88,6 +88,19 @@ def build_optimizer(
     return cls(params, **kwargs)
 
 
+class Schedule(torch.optim.lr_scheduler.LambdaLR):
+    """``LambdaLR`` whose restored state also sets the learning rates of the step it restores: a resume that changes
+    ``trainer.max_steps`` (the total a decay runs over) follows the new schedule from its first step on, where the
+    optimizer's restored groups would hold the old schedule's rate for one step. Unchanged, the rate is the one the
+    checkpoint holds (the same product)."""
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        for group, base, factor in zip(self.optimizer.param_groups, self.base_lrs, self.lr_lambdas):
+            group["lr"] = base * factor(self.last_epoch)
+        self._last_lr = [group["lr"] for group in self.optimizer.param_groups]
+
+
 def optimizer_and_schedule(params: list[Any], factory: Callable[..., torch.optim.Optimizer],
                            config: Any, trainer: Any, clips_in_place: Callable[[], bool],
                            adjust: Callable[[torch.optim.Optimizer], None] | None = None) -> dict[str, Any]:
@@ -113,7 +126,7 @@ def optimizer_and_schedule(params: list[Any], factory: Callable[..., torch.optim
     if adjust is not None:  # e.g. a parameter group's learning rate from the others' (the critic's)
         adjust(optimizer)
     total = trainer.max_steps if trainer is not None and trainer.max_steps > 0 else 0
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
+    scheduler = Schedule(
         optimizer, partial(lr_factor, schedule=config.lr_schedule, warmup=config.warmup_steps, total=total,
                            floor=config.min_lr_ratio))
     return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}

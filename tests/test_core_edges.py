@@ -327,6 +327,38 @@ def test_each_learning_rate_schedule_by_hand(schedule):
     assert lr_factor(0, schedule, 0, 10, floor) == 1.0  # no warm-up
 
 
+def test_a_resume_with_another_max_steps_follows_the_schedule_over_the_new_total():
+    """docs/recipes.md ("Resuming"): the schedule runs over ``trainer.max_steps``; a resume that changes it goes on
+    along the decay over the new total from the step it stopped at (Hugging Face's Trainer does the same)."""
+    from functools import partial
+    from types import SimpleNamespace
+
+    from polopt_lightning.optim import build_optimizer, optimizer_and_schedule
+    from polopt_lightning.step.update import UpdateConfig, lr_factor
+
+    config = UpdateConfig(lr_schedule="cosine", warmup_steps=2, min_lr_ratio=0.1)
+
+    def schedule(max_steps, params):
+        trainer = SimpleNamespace(max_steps=max_steps, precision_plugin=None)
+        built = optimizer_and_schedule(params, partial(build_optimizer, lr=1.0), config, trainer, lambda: True)
+        return built["optimizer"], built["lr_scheduler"]["scheduler"]
+
+    params = [torch.nn.Parameter(torch.zeros(2))]
+    optimizer, scheduler = schedule(10, params)
+    for _ in range(6):
+        optimizer.step()
+        scheduler.step()
+    assert scheduler.get_last_lr()[0] == pytest.approx(lr_factor(6, "cosine", 2, 10, 0.1))
+    resumed_optimizer, resumed = schedule(20, params)  # the resume: a new schedule, the checkpoint's state loaded
+    resumed_optimizer.load_state_dict(optimizer.state_dict())
+    resumed.load_state_dict(scheduler.state_dict())
+    assert resumed_optimizer.param_groups[0]["lr"] == pytest.approx(lr_factor(6, "cosine", 2, 20, 0.1))
+    assert lr_factor(6, "cosine", 2, 20, 0.1) > lr_factor(6, "cosine", 2, 10, 0.1) + 0.2  # the rate jumps up
+    resumed_optimizer.step()
+    resumed.step()
+    assert resumed.get_last_lr()[0] == pytest.approx(lr_factor(7, "cosine", 2, 20, 0.1))
+
+
 # --------------------------------------------------------------------------------------------- the multi-turn masks
 def test_assembled_episodes_keep_each_tokens_owner_in_the_masks_types_and_extras():
     from types import SimpleNamespace

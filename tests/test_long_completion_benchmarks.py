@@ -91,15 +91,22 @@ def test_a_small_length_sweep_samples_lengths_below_the_cap_on_both_sides(tmp_pa
 @pytest.mark.slow  # one process (~20 s): python -m pytest -m slow
 def test_a_length_sweep_runs_both_trainers_under_the_setting_asked(tmp_path):
     """``--setting bf16-mixed``: each run is real_scale.py's bf16-mixed setting (polopt's Trainer in bf16-mixed, TRL's
-    ``bf16=True``), recorded per result and in the run."""
+    ``bf16=True``), recorded per result and in the run; ``--heap`` adds the allocator's live and held memory."""
     out, folder = tmp_path / "run.json", tmp_path / "model"
     proc = subprocess.run([sys.executable, str(SCRIPT.parent / "lengths.py"), "--shape", "small", "--model-dir",
                            str(folder), "--lengths", "32", "--steps", "2", "--setting", "bf16-mixed", "--impls",
-                           "polopt", "--json", str(out)], capture_output=True, text=True, timeout=900)
+                           "polopt", "--heap", "--json", str(out)], capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     run = json.loads(out.read_text())
-    assert run["setting"] == "bf16-mixed" and run["rows"][0]["results"]["polopt"]["setting"] == "bf16-mixed"
+    result = run["rows"][0]["results"]["polopt"]
+    assert run["setting"] == "bf16-mixed" and result["setting"] == "bf16-mixed"
     assert "; bf16-mixed;" in proc.stdout
+    # --heap: each phase's live and held allocator memory, live at most held (glibc here; elsewhere it says why not)
+    if "phase_live_held_gib" in result:
+        assert "allocator, live / held GiB by phase: rollout" in proc.stdout
+        assert all(0 < live <= held for live, held in result["phase_live_held_gib"].values())
+    else:
+        assert "--heap: this C library has no mallinfo2" in proc.stdout
 
 
 @pytest.mark.slow  # one process (~15 s): python -m pytest -m slow

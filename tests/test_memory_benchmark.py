@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from .helpers import run_if
+
 SCRIPT = Path(__file__).parents[1] / "benchmarks" / "memory.py"
 
 
@@ -30,3 +32,40 @@ def test_memory_benchmark_runs_each_setting_and_summarizes(tmp_path):
                           text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "2 runs pooled" in proc.stdout and "| int8+lora |" in proc.stdout
+
+
+@run_if("glibc")
+def test_the_heap_sampler_reads_each_phases_live_and_held_memory():
+    """``--heap`` (lengths.py, real_scale.py): a phase that holds 256 MiB at once reads at least that much live, the
+    phase after it (the block freed) reads less; each reading is attributed to the phase it came in."""
+    sys.path.insert(0, str(SCRIPT.parent))
+    import time
+
+    import torch
+    from memory import Phases
+
+    class Work:
+        def hold(self):
+            block = torch.ones(2**26)  # 256 MiB, filled: its pages are resident
+            time.sleep(0.1)  # the sampler reads every 5 ms
+            return float(block[-1])
+
+        def light(self):
+            time.sleep(0.1)
+
+    work, phases = Work(), Phases(heap=True)
+    if phases.heap is None:
+        pytest.skip("this C library has no mallinfo2 (glibc >= 2.33)")
+    phases.wrap(work, "hold", "training")
+    phases.wrap(work, "light", "reference")
+    try:
+        phases.start()
+        work.hold()
+        work.light()
+        phases.end(0.3)
+    finally:
+        phases.heap.close()
+    (step,) = phases.heap_steps
+    live_training, held_training = step["training"]
+    assert live_training >= 0.25 and held_training >= live_training
+    assert step["reference"][0] < live_training - 0.2

@@ -310,3 +310,30 @@ def test_a_run_folder_means_its_newest_checkpoint_by_step(tmp_path):
     for given in (tmp_path / "run", folder):  # not inside a run (no .hydra): the command line's own configuration
         argv = resume_overrides([f"ckpt_path={given}", "trainer.max_steps=9"])
         assert argv == [f"ckpt_path={folder / 'step=8.ckpt'}", "trainer.max_steps=9"], argv
+
+
+def test_a_resume_skips_the_warm_start_and_ends_as_the_uninterrupted_run(tmp_path):
+    """A resumed full fine-tuning run does not run the warm start again (its cache gone, it would train it anew):
+    the checkpoint holds every weight it shapes. The resumed run ends with the uninterrupted run's weights."""
+    common = FAST + ["trainer.val_check_interval=100", "validate_before=false"]
+    whole, split = tmp_path / "whole", tmp_path / "split"
+    proc = run_cli(common + ["trainer.max_steps=4", f"warm_start.cache_dir={tmp_path / 'cache_a'}",
+                             f"hydra.run.dir={whole}"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    cache = tmp_path / "cache_b"
+    proc = run_cli(common + ["trainer.max_steps=2", f"warm_start.cache_dir={cache}", f"hydra.run.dir={split}"],
+                   tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "a supervised warm start on" in proc.stdout + proc.stderr
+    for entry in cache.iterdir():  # the cache is gone
+        entry.unlink()
+    proc = run_cli([f"ckpt_path={split}", "trainer.max_steps=4"], tmp_path)
+    console = proc.stdout + proc.stderr
+    assert proc.returncode == 0, console[-3000:]
+    assert f"warm start: skipped, the run resumes from {split / 'checkpoints'}" in console, console[-3000:]
+    assert "a supervised warm start on" not in console and not any(cache.iterdir())
+    ours = torch.load(split / "checkpoints" / "last.ckpt", weights_only=False)["state_dict"]
+    theirs = torch.load(whole / "checkpoints" / "last.ckpt", weights_only=False)["state_dict"]
+    assert ours.keys() == theirs.keys()
+    for name in ours:
+        assert torch.equal(ours[name], theirs[name]), name
