@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -245,35 +247,36 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         log.info(_RESUME["note"])
     # every concern's settings before anything loads or trains: a bad value fails in a second, naming its key
     # (the rollout backend and the CPU fast path also check what they need installed)
-    check_config(cfg)
-    objective, experience, update, reference, engine, accel, critic = (
-        _built_early(cfg, g) for g in ("objective", "experience", "update", "reference", "rollout", "accel", "critic"))
-    anchor = _built_early(cfg, "anchor") if (cfg.get("anchor") or {}).get("_target_") else None
-    if objective is not None and update is not None:  # the update's terms check themselves against the objective
-        Updater(None, objective, None, engine, update, TorchLoop())  # (a token-level sampler correction for GSPO)
-    critic_used = objective is not None and experience is not None and needs_critic(objective, experience)
-    optimizer = optimizer_factory(instantiate(cfg.optimizer) if cfg.get("optimizer") else None)
-    run_dir = _run_dir(cfg)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    if cfg.get("num_threads"):
-        torch.set_num_threads(int(cfg.num_threads))
-    L.seed_everything(cfg.seed, workers=True, verbose=False)
+    with _settings_refused():
+        check_config(cfg)
+        objective, experience, update, reference, engine, accel, critic = (
+            _built_early(cfg, g) for g in ("objective", "experience", "update", "reference", "rollout", "accel", "critic"))
+        anchor = _built_early(cfg, "anchor") if (cfg.get("anchor") or {}).get("_target_") else None
+        if objective is not None and update is not None:  # the update's terms check themselves against the objective
+            Updater(None, objective, None, engine, update, TorchLoop())  # (a token-level sampler correction for GSPO)
+        critic_used = objective is not None and experience is not None and needs_critic(objective, experience)
+        optimizer = optimizer_factory(instantiate(cfg.optimizer) if cfg.get("optimizer") else None)
+        run_dir = _run_dir(cfg)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        if cfg.get("num_threads"):
+            torch.set_num_threads(int(cfg.num_threads))
+        L.seed_everything(cfg.seed, workers=True, verbose=False)
 
-    quantization = as_quantization(_container(cfg, "quantization"))
-    adapter = as_adapter(_container(cfg, "adapter"))
-    check_combination(quantization, adapter)  # before anything loads
-    strategy_cfg = _container(cfg, "strategy")
-    kind = strategy_kind(strategy_cfg)
-    if critic_used and critic is not None and critic.share_trunk and kind == "fsdp":
-        raise ValueError(SHARED_UNDER_FSDP)
-    check_strategy(kind, accelerator=str(cfg.trainer.get("accelerator", "auto")), quantized=quantization.mode,
-                   micro_batch_tokens=update.micro_batch_tokens if update else None,
-                   optimizer=(cfg.get("optimizer") or {}).get("name"),
-                   backend=strategy_cfg.get("process_group_backend"))
-    accelerator = str(cfg.trainer.get("accelerator", "auto"))
-    if accelerator in ("gpu", "cuda") and not torch.cuda.is_available():  # before the model loads and the warm start
-        raise ValueError(f"trainer.accelerator={accelerator}: torch {torch.__version__} sees no CUDA device (a CPU "
-                         "build of torch, or no driver): install a CUDA build of torch, or leave trainer=gpu out")
+        quantization = as_quantization(_container(cfg, "quantization"))
+        adapter = as_adapter(_container(cfg, "adapter"))
+        check_combination(quantization, adapter)  # before anything loads
+        strategy_cfg = _container(cfg, "strategy")
+        kind = strategy_kind(strategy_cfg)
+        if critic_used and critic is not None and critic.share_trunk and kind == "fsdp":
+            raise ValueError(SHARED_UNDER_FSDP)
+        check_strategy(kind, accelerator=str(cfg.trainer.get("accelerator", "auto")), quantized=quantization.mode,
+                       micro_batch_tokens=update.micro_batch_tokens if update else None,
+                       optimizer=(cfg.get("optimizer") or {}).get("name"),
+                       backend=strategy_cfg.get("process_group_backend"))
+        accelerator = str(cfg.trainer.get("accelerator", "auto"))
+        if accelerator in ("gpu", "cuda") and not torch.cuda.is_available():  # before the model loads and the warm start
+            raise ValueError(f"trainer.accelerator={accelerator}: torch {torch.__version__} sees no CUDA device (a CPU "
+                             "build of torch, or no driver): install a CUDA build of torch, or leave trainer=gpu out")
     model, tokenizer = instantiate(cfg.model)
     if (cfg.model.get("dtype") == "auto" and not quantization.enabled and not adapter.enabled
             and (half := train_in_float32(model)) is not None):
@@ -421,11 +424,34 @@ def summary_table(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+class ConfigError(ValueError):
+    """A setting refused before anything loads (it names its key): ``polopt-train`` prints it alone, without a
+    traceback (``HYDRA_FULL_ERROR=1`` keeps one), and exits with 1."""
+
+
+@contextmanager
+def _settings_refused() -> Iterator[None]:
+    """A ValueError inside is a setting refused: raised again as :class:`ConfigError`."""
+    try:
+        yield
+    except ConfigError:
+        raise
+    except ValueError as err:
+        raise ConfigError(str(err)) from err
+
+
 @hydra.main(config_path=config_dir(), config_name="train", version_base="1.3")
 def _hydra_main(cfg: DictConfig) -> float | None:
+    import os
+
     from .distributed import close_process_group
 
-    results = train(cfg)
+    try:
+        results = train(cfg)
+    except ConfigError as err:
+        if os.environ.get("HYDRA_FULL_ERROR") == "1":
+            raise
+        raise SystemExit(f"polopt-train: {err}") from None
     close_process_group()
     return results.get("val_accuracy_after")
 
@@ -584,6 +610,13 @@ def _say_how_to_resume(run_dir: Path, err: BaseException) -> None:
               point[0], "?" if point[1] is None else point[1], run_dir)
 
 
+def _wrote_outputs(run_dir: Path) -> bool:
+    """Whether a run directory holds anything besides Hydra's ``.hydra/`` and its log files (``*.log``): a run that
+    trained writes checkpoints, logs of its metrics or ``results.json``; one refused by a setting wrote none."""
+    return any(entry.name != ".hydra" and not (entry.is_file() and entry.suffix == ".log")
+               for entry in run_dir.iterdir())
+
+
 def resume_overrides(argv: list[str]) -> list[str]:
     """The command line of a run, checked before Hydra writes anything into a run directory.
 
@@ -593,7 +626,8 @@ def resume_overrides(argv: list[str]) -> list[str]:
       the overrides it was started with (its ``.hydra/overrides.yaml``) are given again, those given now on top, and
       the result must equal the run's ``.hydra/config.yaml`` but for the keys given now (else it is refused, by key:
       a default that changed since the run). Without ``hydra.run.dir`` the run goes on in its own directory.
-    - A new run (no ``ckpt_path``) is refused in a directory that holds a run already.
+    - A new run (no ``ckpt_path``) is refused in a directory that holds a run already; one that holds only Hydra's
+      files of a run that wrote nothing else (a setting refused) is taken, with a note.
 
     Every process that torchrun or SLURM started resumes alike (the same saved files give the same command line); the
     processes Lightning's launcher starts get the first one's command line already, and multiruns are left as they are.
@@ -609,8 +643,12 @@ def resume_overrides(argv: list[str]) -> list[str]:
     ckpt, run_dir = given.get("ckpt_path"), given.get("hydra.run.dir")
     if ckpt in (None, "null"):
         if first and run_dir and (Path(run_dir) / ".hydra" / "config.yaml").is_file():
-            raise SystemExit(f"polopt-train: hydra.run.dir={run_dir} holds a run already: resume it with "
-                             f"ckpt_path={run_dir}, or give another folder")
+            if _wrote_outputs(Path(run_dir)):
+                raise SystemExit(f"polopt-train: hydra.run.dir={run_dir} holds a run already: resume it with "
+                                 f"ckpt_path={run_dir}, or give another folder")
+            _RESUME.update(note=f"hydra.run.dir={run_dir} holds only the configuration and log of a run that wrote "
+                                "nothing else (refused before it began, or stopped while loading): this run replaces "
+                                "its .hydra/ files")
         return argv
     if ckpt in _CKPT_KEYWORDS:
         return argv

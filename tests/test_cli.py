@@ -634,3 +634,29 @@ def test_help_lists_the_groups_to_choose_from_not_the_schemas(tmp_path):
     assert "\nobjective: bnpo, cispo, dapo, dr_grpo, grpo, gspo, gspo_token, ppo, sapo\n" in out
     groups = out.split("== Configuration groups ==")[1].split("== Config ==")[0]
     assert "_schema" not in groups and "UpdateConfig" not in groups and "is powered by Hydra" not in out
+
+
+def test_a_refused_setting_is_one_line_naming_its_key_without_a_traceback(tmp_path):
+    """A typo'd setting stops polopt-train in a second with the refusal alone (Hydra printed it inside a traceback);
+    HYDRA_FULL_ERROR=1 keeps the traceback; the Python API still raises the ValueError. The refused run's folder
+    (Hydra's .hydra/ and log only) does not block the corrected command in it."""
+    run = tmp_path / "run"
+    args = FAST + ["trainer.precision=bf16-mixd", f"hydra.run.dir={run}"]
+    proc = run_cli(args, tmp_path)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines()[-1].startswith(
+        "polopt-train: trainer.precision='bf16-mixd': not one of auto, "), proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr and "Error executing job" not in proc.stderr, proc.stderr[-3000:]
+    proc = run_cli(args, tmp_path, {"HYDRA_FULL_ERROR": "1"})
+    console = proc.stdout + proc.stderr
+    assert proc.returncode == 1 and "Traceback" in proc.stderr and "ConfigError: trainer.precision=" in proc.stderr
+    assert f"hydra.run.dir={run} holds only the configuration and log of a run that wrote nothing else" in console
+    proc = run_cli(FAST + ["trainer.precision=bf16-mixed", f"hydra.run.dir={run}"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads((run / "results.json").read_text())["steps"] == 2
+    proc = run_cli(FAST + [f"hydra.run.dir={run}"], tmp_path)  # a run that trained: its folder is refused
+    assert proc.returncode != 0 and f"hydra.run.dir={run} holds a run already" in proc.stderr
+    cfg = compose_with(FAST + ["trainer.precision=bf16-mixd"], tmp_path / "api")
+    set_hydra(cfg)
+    with pytest.raises(ValueError, match="trainer.precision='bf16-mixd'"):
+        train(cfg)
