@@ -653,9 +653,8 @@ def test_a_refused_setting_is_one_line_naming_its_key_without_a_traceback(tmp_pa
     assert f"hydra.run.dir={run} holds only the configuration and log of a run that wrote nothing else" in console
     proc = run_cli(FAST + ["trainer.precision=bf16-mixed", f"hydra.run.dir={run}"], tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert json.loads((run / "results.json").read_text())["steps"] == 2
-    proc = run_cli(FAST + [f"hydra.run.dir={run}"], tmp_path)  # a run that trained: its folder is refused
-    assert proc.returncode != 0 and f"hydra.run.dir={run} holds a run already" in proc.stderr
+    assert json.loads((run / "results.json").read_text())["steps"] == 2  # (a trained run's folder is refused:
+    # test_resume_takes_the_runs_own_configuration_and_refuses_before_writing)
     cfg = compose_with(FAST + ["trainer.precision=bf16-mixd"], tmp_path / "api")
     set_hydra(cfg)
     with pytest.raises(ValueError, match="trainer.precision='bf16-mixd'"):
