@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from memory import JOB, SHAPES, cpu_description, ensure_model  # noqa: E402
+from memory import JOB, NO_HEAP, SHAPES, cpu_description, ensure_model  # noqa: E402
 from real_scale import _mem_total_gib  # noqa: E402
 from throughput import child_result  # noqa: E402
 
@@ -155,8 +155,7 @@ def main() -> None:
                     print("      allocator, live / held GiB by phase: " + ", ".join(
                         f"{k} {v[0]:.2f} / {v[1]:.2f}" for k, v in result["phase_live_held_gib"].items()), flush=True)
                 elif args.heap:
-                    print("      --heap: this C library has no mallinfo2 (glibc >= 2.33): live and held memory left out",
-                          flush=True)
+                    print(f"      {NO_HEAP}", flush=True)
             rows.append(row)
     finally:
         set_stops(args.model_dir, None)  # the folder's generation config as it was built

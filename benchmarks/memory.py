@@ -228,12 +228,16 @@ def run_trl(folder: str, setting: str, steps: int, overrides: dict | None = None
     return times, load_peak
 
 
+NO_HEAP = "--heap: this C library has no mallinfo2 (glibc >= 2.33): live and held memory left out"
+
+
 class HeapSampler:
     """What the C library's allocator hands out against what it holds (glibc's ``mallinfo2``, read every
     ``interval`` seconds by a thread): the live blocks (``uordblks + hblkhd``: tensors and everything else malloc'd)
     and the held memory (``arena + hblkhd``: the heaps' size and the mapped blocks). A resident peak above the live
     peak is memory the allocator keeps around its blocks (freed blocks it has not given back, or that the next
-    blocks did not fit). ``take`` returns the highest live and held readings since the last ``take``. Off
+    blocks did not fit). Readings every ``interval``: a peak shorter than that can be missed (the live figure is a
+    lower bound of the true peak). ``take`` returns the highest live and held readings since the last ``take``. Off
     (``available`` False) without glibc >= 2.33."""
 
     def __init__(self, interval: float = 0.005) -> None:
@@ -262,8 +266,8 @@ class HeapSampler:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            info = self._read()
-            with self._lock:
+            with self._lock:  # read and kept together: a reading never lands in the phase after a take
+                info = self._read()
                 self._live = max(self._live, info.uordblks + info.hblkhd)
                 self._held = max(self._held, info.arena + info.hblkhd)
             time.sleep(self.interval)
@@ -295,7 +299,7 @@ class Phases:
         self.tokens: list[int] = []  # each step's generated tokens (counted by the reward function)
         self.heap = HeapSampler() if heap else None
         if self.heap is not None and not self.heap.available:
-            print("--heap: this C library has no mallinfo2 (glibc >= 2.33): live and held memory left out", flush=True)
+            print(NO_HEAP, flush=True)
             self.heap = None
         self.heap_steps: list[dict[str, list[float]]] = []  # per step and phase: [live GiB, held GiB]
         self.current_heap: dict[str, list[float]] = {}

@@ -119,13 +119,30 @@ def _validate(trainer, module, datamodule) -> dict[str, float]:
     return {k: float(v) for k, v in (results[0] if results else {}).items()}
 
 
+def _resumes_from_file(cfg: DictConfig) -> bool:
+    """Whether the run resumes from a checkpoint file (``ckpt_path`` a path that exists; a run folder was resolved
+    to its newest file by :func:`resume_overrides`; Lightning's keywords are not)."""
+    ckpt = cfg.get("ckpt_path")
+    return ckpt is not None and str(ckpt) not in _CKPT_KEYWORDS and Path(str(ckpt)).is_file()
+
+
+def _skips_warm_start(cfg: DictConfig, adapted: bool) -> bool:
+    """Whether the warm start is skipped: a resume from a checkpoint file, without an adapter or a quantized
+    reference (see :func:`_warm_start`)."""
+    reference_quantized = str((cfg.get("reference") or {}).get("quantization") or "none") != "none"
+    return _resumes_from_file(cfg) and not adapted and not reference_quantized
+
+
 def _warm_start(cfg: DictConfig, model: Any, tokenizer: Any, datamodule: Any, quantized: str,
                 adapted: bool) -> dict[str, Any]:
     """The ``warm_start`` block run on ``model`` (cached), or nothing when it is off: what it did, with ``ran``.
 
-    A resumed run without an adapter skips it: the checkpoint holds every weight the warm start would shape (the
-    policy, the reference copy, a critic's trunk) and replaces them all. With an adapter the warm-started base is
-    also written to the run's ``base_model/`` before the checkpoint loads, so it runs (from its cache if kept)."""
+    A run resumed from a checkpoint file skips it: the checkpoint holds every weight the warm start would shape
+    (the policy, the reference copy, a critic's trunk) and replaces them all. It runs (from its cache if kept) with
+    an adapter (the warm-started base is written to the run's ``base_model/`` before the checkpoint loads), with a
+    quantized reference (a resume checks the checkpoint's quantized copy against the one built from the
+    warm-started weights instead of loading it) and for Lightning's ``last``/``best`` keywords (a ``last`` that
+    finds no checkpoint starts afresh)."""
     from .models import is_quantized
     from .warmstart import WarmStartConfig, default_cache_dir, supervised_warm_start
 
@@ -135,10 +152,10 @@ def _warm_start(cfg: DictConfig, model: Any, tokenizer: Any, datamodule: Any, qu
     if is_quantized(model):
         raise ValueError(f"warm_start.enabled=true trains every weight, but the model was loaded quantized "
                          f"(quantization={quantized}); set warm_start.enabled=false")
-    if cfg.get("ckpt_path") is not None and not adapted:
+    if _skips_warm_start(cfg, adapted):
         log.info("warm start: skipped, the run resumes from %s, whose weights replace the starting ones",
                  cfg.ckpt_path)
-        return {"ran": False, "cached": False, "wall_s": 0.0}
+        return {"ran": False, "cached": False, "wall_s": 0.0, "skipped": True}
     settings["cache_dir"] = settings.get("cache_dir") or str(default_cache_dir())
     column = settings.get("prompt_column", "prompt")  # chat prompts rendered as the policy will read them
     rows = [{**r, column: datamodule.prompt_text(r[column])} if column in r else r for r in datamodule.train_rows]
@@ -216,7 +233,7 @@ def _built_early(cfg: DictConfig, group: str) -> Any:
         cause = err.__cause__ or err
         if str(cause).startswith(f"{group}."):  # the settings' own check names the key already
             raise ValueError(str(cause)) from None
-        raise ValueError(f"{group}: {type(cause).__name__}: {cause}") from None
+        raise ValueError(f"{group}: {type(cause).__name__}: {cause}") from cause
 
 
 def train(cfg: DictConfig) -> dict[str, Any]:
@@ -377,6 +394,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         "rl_wall_s": round(rl_wall, 2),
         "warm_start_wall_s": round(float(warm.get("wall_s", 0.0)), 2),
         "warm_start_cached": bool(warm.get("cached", False)),
+        "warm_start_skipped": bool(warm.get("skipped", False)),  # a resume: the checkpoint holds what it shaped
         "warm_start_steps": warm.get("steps"),
         "warm_start_probe_accuracy": warm.get("probe_accuracy"),
         "val_accuracy_before": before.get("val/accuracy"),
@@ -431,12 +449,16 @@ class ConfigError(ValueError):
 
 @contextmanager
 def _settings_refused() -> Iterator[None]:
-    """A ValueError inside is a setting refused: raised again as :class:`ConfigError`."""
+    """A ValueError inside is a setting refused: raised again as :class:`ConfigError`, unless it carries another
+    kind of error than a ValueError or TypeError (an import that failed, a user's class that raised: its traceback
+    is kept)."""
     try:
         yield
     except ConfigError:
         raise
     except ValueError as err:
+        if err.__cause__ is not None and not isinstance(err.__cause__, (ValueError, TypeError)):
+            raise
         raise ConfigError(str(err)) from err
 
 
@@ -444,12 +466,18 @@ def _settings_refused() -> Iterator[None]:
 def _hydra_main(cfg: DictConfig) -> float | None:
     import os
 
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
     from .distributed import close_process_group
 
     try:
         results = train(cfg)
     except ConfigError as err:
-        if os.environ.get("HYDRA_FULL_ERROR") == "1":
+        for path, data in _RESUME_HYDRA_FILES.items():  # a refused resume leaves the run's saved configuration
+            Path(path).write_bytes(data)
+        # a sweep goes on with its other jobs (Hydra reports each failure); a single run says the refusal alone
+        if os.environ.get("HYDRA_FULL_ERROR") == "1" or HydraConfig.get().mode != RunMode.RUN:
             raise
         raise SystemExit(f"polopt-train: {err}") from None
     close_process_group()
@@ -525,6 +553,8 @@ def renamed(overrides: list[str], said: list[str] | None = None) -> list[str]:
 _CKPT_KEYWORDS = ("last", "best", "hpc", "registry")
 # what resume_overrides found, for train() to say in the run's log
 _RESUME: dict[str, str] = {}
+# a resumed run's .hydra/*.yaml as they were before Hydra wrote this command's over them (put back if it is refused)
+_RESUME_HYDRA_FILES: dict[str, bytes] = {}
 
 
 def checkpoint_step(path: Path) -> int | None:
@@ -635,6 +665,7 @@ def resume_overrides(argv: list[str]) -> list[str]:
     from omegaconf import OmegaConf
 
     _RESUME.clear()
+    _RESUME_HYDRA_FILES.clear()
     if any(a in ("-m", "--multirun") for a in argv) or any(a.startswith("hydra.job.name=") for a in argv):
         return argv
     external = _external_rank()
@@ -684,6 +715,8 @@ def resume_overrides(argv: list[str]) -> list[str]:
     _RESUME.update(note=f"{picked}resuming the run in {source} with its saved configuration ({len(replayed)} overrides "
                         f"it was started with, replayed); given now: {', '.join(now) or 'nothing'}")
     extra = [] if run_dir else [f"hydra.run.dir={source}"]
+    if first and (run_dir is None or Path(run_dir).resolve() == source):  # Hydra writes over them in a moment
+        _RESUME_HYDRA_FILES.update({str(f): f.read_bytes() for f in saved.glob("*.yaml")})
     flags, given_now = _flags_apart(argv)  # Hydra takes its flags (--cfg job) before the overrides, not among them
     return [*flags, *replayed, *given_now, *extra]
 

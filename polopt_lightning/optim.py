@@ -89,16 +89,29 @@ def build_optimizer(
 
 
 class Schedule(torch.optim.lr_scheduler.LambdaLR):
-    """``LambdaLR`` whose restored state also sets the learning rates of the step it restores: a resume that changes
-    ``trainer.max_steps`` (the total a decay runs over) follows the new schedule from its first step on, where the
-    optimizer's restored groups would hold the old schedule's rate for one step. Unchanged, the rate is the one the
-    checkpoint holds (the same product)."""
+    """``LambdaLR`` over ``total`` steps (``trainer.max_steps``, kept in its state) whose restored state, when the
+    total changed (a resume with another ``trainer.max_steps``), also sets the rates of the step it restores: the
+    run follows the new schedule from its first step on, where the optimizer's restored groups would hold the old
+    schedule's rate for one step. With the total unchanged the restored rates stand as the checkpoint holds them
+    (a collapse rollback's scaled rate included)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, lr_lambda: Callable[[int], float], total: int) -> None:
+        self.total = total
+        super().__init__(optimizer, lr_lambda)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        total = self.total
         super().load_state_dict(state_dict)
+        saved, self.total = state_dict.get("total"), total
+        if saved is None or saved == total:  # the same schedule (or a checkpoint from before the total was kept)
+            return
         for group, base, factor in zip(self.optimizer.param_groups, self.base_lrs, self.lr_lambdas):
-            group["lr"] = base * factor(self.last_epoch)
-        self._last_lr = [group["lr"] for group in self.optimizer.param_groups]
+            rate = base * factor(self.last_epoch)
+            if isinstance(group["lr"], torch.Tensor):
+                group["lr"].fill_(rate)
+            else:
+                group["lr"] = rate
+        self._last_lr = [float(group["lr"]) for group in self.optimizer.param_groups]
 
 
 def optimizer_and_schedule(params: list[Any], factory: Callable[..., torch.optim.Optimizer],
@@ -128,5 +141,5 @@ def optimizer_and_schedule(params: list[Any], factory: Callable[..., torch.optim
     total = trainer.max_steps if trainer is not None and trainer.max_steps > 0 else 0
     scheduler = Schedule(
         optimizer, partial(lr_factor, schedule=config.lr_schedule, warmup=config.warmup_steps, total=total,
-                           floor=config.min_lr_ratio))
+                           floor=config.min_lr_ratio), total)
     return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}

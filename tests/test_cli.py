@@ -659,3 +659,11 @@ def test_a_refused_setting_is_one_line_naming_its_key_without_a_traceback(tmp_pa
     set_hydra(cfg)
     with pytest.raises(ValueError, match="trainer.precision='bf16-mixd'"):
         train(cfg)
+
+
+def test_a_sweep_goes_on_past_a_job_refused_by_a_setting(tmp_path):
+    """Under -m, Hydra reports a refused job and runs the others (a one-line exit would end the sweep there)."""
+    sweep = tmp_path / "sweep"
+    proc = run_cli(["-m", *FAST, "trainer.precision=bf16-mixd,32-true", f"hydra.sweep.dir={sweep}"], tmp_path)
+    assert proc.returncode != 0 and "trainer.precision='bf16-mixd'" in proc.stderr, proc.stderr[-3000:]
+    assert json.loads((sweep / "1" / "results.json").read_text())["steps"] == 2

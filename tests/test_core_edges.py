@@ -357,6 +357,12 @@ def test_a_resume_with_another_max_steps_follows_the_schedule_over_the_new_total
     resumed_optimizer.step()
     resumed.step()
     assert resumed.get_last_lr()[0] == pytest.approx(lr_factor(7, "cosine", 2, 20, 0.1))
+    # the same total: the restored rate stands as saved (a collapse rollback's scaled rate, here 0.123)
+    optimizer.param_groups[0]["lr"] = 0.123
+    same_optimizer, same = schedule(10, params)
+    same_optimizer.load_state_dict(optimizer.state_dict())
+    same.load_state_dict(scheduler.state_dict())
+    assert same_optimizer.param_groups[0]["lr"] == 0.123
 
 
 # --------------------------------------------------------------------------------------------- the multi-turn masks

@@ -329,4 +329,42 @@ def test_a_resume_skips_the_warm_start(tmp_path):
     assert proc.returncode == 0, console[-3000:]
     assert f"warm start: skipped, the run resumes from {split / 'checkpoints'}" in console, console[-3000:]
     assert "a supervised warm start on" not in console and not any(cache.iterdir())
-    assert json.loads((split / "results.json").read_text())["steps"] == 4
+    results = json.loads((split / "results.json").read_text())
+    assert results["steps"] == 4 and results["warm_start_skipped"] is True
+
+
+def test_a_resume_refused_by_a_setting_leaves_the_runs_saved_configuration(tmp_path):
+    """Hydra writes the composed configuration into the run's .hydra/ before the setting is refused: the refused
+    resume puts the run's files back, so the corrected command resumes (it replayed the typo before)."""
+    run = tmp_path / "run"
+    proc = run_cli(FAST + ["validate_before=false", f"hydra.run.dir={run}"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    saved = {f.name: f.read_bytes() for f in (run / ".hydra").glob("*.yaml")}
+    proc = run_cli([f"ckpt_path={run}", "trainer.max_steps=4", "trainer.precision=bf16-mixd"], tmp_path)
+    assert proc.returncode == 1 and "polopt-train: trainer.precision='bf16-mixd'" in proc.stderr, proc.stderr[-3000:]
+    assert {f.name: f.read_bytes() for f in (run / ".hydra").glob("*.yaml")} == saved
+    proc = run_cli([f"ckpt_path={run}", "trainer.max_steps=4"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads((run / "results.json").read_text())["steps"] == 4
+
+
+def test_which_resumes_skip_the_warm_start(tmp_path):
+    """Only a resume from a checkpoint file skips it: not Lightning's keywords (``last`` with no checkpoint starts
+    afresh), not under an adapter (its warm-started base is written first), not with a quantized reference (checked
+    against the copy built from the warm-started weights)."""
+    from omegaconf import OmegaConf
+
+    from polopt_lightning.cli import _skips_warm_start
+
+    ckpt = tmp_path / "last.ckpt"
+    ckpt.write_bytes(b"")
+
+    def skips(adapted=False, **cfg):
+        return _skips_warm_start(OmegaConf.create(cfg), adapted)
+
+    assert skips(ckpt_path=str(ckpt), reference={"quantization": "none"})
+    assert not skips(ckpt_path=None)
+    assert not skips(ckpt_path="last") and not skips(ckpt_path="best")
+    assert not skips(ckpt_path=str(tmp_path / "missing.ckpt"))
+    assert not skips(adapted=True, ckpt_path=str(ckpt))
+    assert not skips(ckpt_path=str(ckpt), reference={"quantization": "nf4"})
