@@ -313,15 +313,21 @@ def test_a_run_folder_means_its_newest_checkpoint_by_step(tmp_path):
         assert argv == [f"ckpt_path={folder / 'step=8.ckpt'}", "trainer.max_steps=9"], argv
 
 
-def test_a_resume_skips_the_warm_start(tmp_path):
+def test_a_resume_skips_the_warm_start_and_a_refused_one_leaves_the_runs_configuration(tmp_path):
     """A resumed full fine-tuning run does not run the warm start again (its cache gone, it would train it anew):
     the checkpoint holds every weight it shapes. That the resumed run still ends as the uninterrupted one is
-    test_killed_and_resumed_run_logs_the_uninterrupted_runs_metrics (its resume skips the warm start too)."""
+    test_killed_and_resumed_run_logs_the_uninterrupted_runs_metrics (its resume skips the warm start too).
+    Before it, a resume refused by a setting: Hydra had written the composed configuration into the run's .hydra/,
+    and the refusal puts the run's files back, so the corrected command resumes (it replayed the typo before)."""
     split, cache = tmp_path / "split", tmp_path / "cache"
     proc = run_cli(FAST + ["trainer.val_check_interval=100", "validate_before=false", "trainer.max_steps=2",
                            f"warm_start.cache_dir={cache}", f"hydra.run.dir={split}"], tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "a supervised warm start on" in proc.stdout + proc.stderr
+    saved = {f.name: f.read_bytes() for f in (split / ".hydra").glob("*.yaml")}
+    proc = run_cli([f"ckpt_path={split}", "trainer.max_steps=4", "trainer.precision=bf16-mixd"], tmp_path)
+    assert proc.returncode == 1 and "polopt-train: trainer.precision='bf16-mixd'" in proc.stderr, proc.stderr[-3000:]
+    assert {f.name: f.read_bytes() for f in (split / ".hydra").glob("*.yaml")} == saved
     for entry in cache.iterdir():  # the cache is gone
         entry.unlink()
     proc = run_cli([f"ckpt_path={split}", "trainer.max_steps=4"], tmp_path)
@@ -331,21 +337,6 @@ def test_a_resume_skips_the_warm_start(tmp_path):
     assert "a supervised warm start on" not in console and not any(cache.iterdir())
     results = json.loads((split / "results.json").read_text())
     assert results["steps"] == 4 and results["warm_start_skipped"] is True
-
-
-def test_a_resume_refused_by_a_setting_leaves_the_runs_saved_configuration(tmp_path):
-    """Hydra writes the composed configuration into the run's .hydra/ before the setting is refused: the refused
-    resume puts the run's files back, so the corrected command resumes (it replayed the typo before)."""
-    run = tmp_path / "run"
-    proc = run_cli(FAST + ["validate_before=false", f"hydra.run.dir={run}"], tmp_path)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    saved = {f.name: f.read_bytes() for f in (run / ".hydra").glob("*.yaml")}
-    proc = run_cli([f"ckpt_path={run}", "trainer.max_steps=4", "trainer.precision=bf16-mixd"], tmp_path)
-    assert proc.returncode == 1 and "polopt-train: trainer.precision='bf16-mixd'" in proc.stderr, proc.stderr[-3000:]
-    assert {f.name: f.read_bytes() for f in (run / ".hydra").glob("*.yaml")} == saved
-    proc = run_cli([f"ckpt_path={run}", "trainer.max_steps=4"], tmp_path)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert json.loads((run / "results.json").read_text())["steps"] == 4
 
 
 def test_which_resumes_skip_the_warm_start(tmp_path):
