@@ -129,7 +129,10 @@ def _resumes_from_file(cfg: DictConfig) -> bool:
 def _skips_warm_start(cfg: DictConfig, adapted: bool) -> bool:
     """Whether the warm start is skipped: a resume from a checkpoint file, without an adapter or a quantized
     reference (see :func:`_warm_start`)."""
-    reference_quantized = str((cfg.get("reference") or {}).get("quantization") or "none") != "none"
+    from .models import as_quantization
+
+    quantization = _container(cfg, "reference").get("quantization")
+    reference_quantized = as_quantization(quantization, "reference.quantization").enabled
     return _resumes_from_file(cfg) and not adapted and not reference_quantized
 
 

@@ -24,6 +24,11 @@ log = logging.getLogger(__name__)
 DROP_FINISHED_MIN_TOKENS = 128  # from this max_new_tokens on, finished rows leave the decoding batch by default
 
 
+def _copied_in(model: nn.Module, dtype: torch.dtype | None) -> bool:
+    """Whether sampling in ``dtype`` (``None``: the model as it is) takes a copy of ``model``'s weights."""
+    return dtype is not None and any(p.dtype != dtype for p in model.parameters())
+
+
 class HFRolloutEngine(RolloutEngine):
     """Sampling loop on a ``transformers`` causal LM with its KV cache.
 
@@ -125,8 +130,7 @@ class HFRolloutEngine(RolloutEngine):
 
     def sampling_dtype_differs(self, model: nn.Module) -> bool:
         """Whether completions are sampled with a copy of ``model`` in another dtype than its weights'."""
-        dtype = self.sampling_dtype(model)
-        return dtype is not None and any(p.dtype != dtype for p in model.parameters())
+        return _copied_in(model, self.sampling_dtype(model))
 
     def logprobs_match(self, model: nn.Module) -> bool:
         # under autocast the training forward computes in another precision than any sampler; bitsandbytes' int8
@@ -136,7 +140,8 @@ class HFRolloutEngine(RolloutEngine):
 
     def sampling_model(self, model: nn.Module) -> nn.Module:
         """The module that samples: ``model``, or its copy in the sampling dtype holding ``model``'s weights."""
-        dtype, copied = self.sampling_dtype(model), self.sampling_dtype_differs(model)
+        dtype = self.sampling_dtype(model)
+        copied = _copied_in(model, dtype)
         self._say_sampling(model, dtype, copied)
         if not copied:
             return model
