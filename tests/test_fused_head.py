@@ -16,6 +16,7 @@ from polopt_lightning.step.logprobs import (
     completion_logprobs,
     fusable_head,
     head_log_softmax,
+    padding_free_logprobs,
     shared_prompt_completion_logprobs,
 )
 
@@ -95,11 +96,13 @@ PASSES = {"plain": completion_logprobs,
           "packed": partial(shared_prompt_completion_logprobs, packed=True)}
 
 
+@pytest.mark.parametrize("tied", [False, True])
 @pytest.mark.parametrize("adapter", [None, "lora"])
 @pytest.mark.parametrize("name", list(PASSES))
-def test_every_pass_gives_the_heads_own_log_probs_entropies_and_gradients(name, adapter):
+def test_every_pass_gives_the_heads_own_log_probs_entropies_and_gradients(name, adapter, tied):
+    """Tied: the head's weight is the embedding's too, whose gradient the trunk's lookup adds into the head's."""
     model, tok = build_tiny_model(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64, seed=2,
-                                  tie_word_embeddings=False)
+                                  tie_word_embeddings=tied)
     args, group, m = rollout_rows(model, tok)
     if adapter:
         from peft import LoraConfig, get_peft_model
@@ -115,7 +118,8 @@ def test_every_pass_gives_the_heads_own_log_probs_entropies_and_gradients(name, 
         logprobs._HeadLogProbs.apply = real
     assert calls, "the fused head never ran"
     assert_same_scores(fused, plain)
-    assert any("lm_head" in n for n in plain[2]) is (adapter is None)  # LoRA: the head frozen, no gradient made
+    head_trains = any(n.endswith(("lm_head.weight", "embed_tokens.weight")) for n in plain[2])
+    assert head_trains is (adapter is None)  # LoRA: the head frozen, no gradient made
 
 
 def test_the_fused_head_runs_where_the_logits_exceed_a_chunk_unless_told(monkeypatch):
@@ -167,3 +171,43 @@ def test_heads_that_do_not_run_plainly_are_not_fused():
     with pytest.raises(ValueError, match=r"update.fused_head=true: model type 'gemma2'"):
         Scorer(model, gemma, False, UpdateConfig(fused_head=True), 1.0)
     Scorer(model, None, False, UpdateConfig(fused_head=True), 1.0)
+
+
+@pytest.mark.parametrize("padding_free", [False, True])
+def test_a_tied_embedding_and_head_make_one_vocabulary_sized_gradient(padding_free, monkeypatch):
+    """Where the head's weight is the embedding's (Qwen2.5-0.5B, the small Llamas) the backward pass makes one
+    ``[V, H]`` tensor for its gradient, the head's, into which the lookup's rows go: not a second one for the lookup's
+    contribution, held with every other gradient at the end of the pass (545 MiB at Qwen2.5-0.5B's shape). The
+    gradients are those of the head's own product (the test above)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    model, tok = build_tiny_model(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64, seed=2)
+    args, group, m = rollout_rows(model, tok)
+    weight = model.get_input_embeddings().weight
+    assert model.lm_head.weight is weight
+
+    class NewVocabularySized(TorchDispatchMode):
+        made = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            inputs = {a.untyped_storage().data_ptr() for a in args if isinstance(a, torch.Tensor)}
+            if (isinstance(out, torch.Tensor) and out.shape == weight.shape  # new memory, not a view or in place
+                    and out.untyped_storage().data_ptr() not in inputs):
+                self.made.append(func.__name__)
+            return out
+
+    fn = partial(padding_free_logprobs, group_index=group) if padding_free else completion_logprobs
+    monkeypatch.setattr(logprobs, "CHUNK_ELEMENTS", 256)  # blocks of the vocabulary, as at a real one's size
+    made = {}
+    for fuse in (True, False):
+        model.zero_grad(set_to_none=True)
+        logp, _ = fn(model, *args, fuse=fuse)
+        with NewVocabularySized() as mode:
+            (logp[m] * torch.linspace(-1, 1, int(m.sum()))).sum().backward()
+        made[fuse] = list(mode.made)
+        assert weight.grad.shape == weight.shape
+        mode.made.clear()
+    assert made[True] == ["empty_like.default"], made
+    # the head's own product: its gradient, the lookup's (and their sum where autograd cannot add in place)
+    assert "embedding_dense_backward.default" in made[False], made

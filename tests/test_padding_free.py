@@ -18,9 +18,10 @@ from .helpers.scores import assert_same_scores, rollout_rows, scores_and_gradien
 
 @pytest.mark.parametrize("fuse", [False, True])
 @pytest.mark.parametrize("adapter", [None, "lora"])
-def test_padding_free_gives_the_padded_log_probs_entropies_and_gradients(adapter, fuse, monkeypatch):
+@pytest.mark.parametrize("tied", [False, True])
+def test_padding_free_gives_the_padded_log_probs_entropies_and_gradients(adapter, fuse, tied, monkeypatch):
     model, tok = build_tiny_model(hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=64,
-                                  seed=2, tie_word_embeddings=False)
+                                  seed=2, tie_word_embeddings=tied)
     args, group, m = rollout_rows(model, tok)  # left padding, early ends, an uneven group, a tool's result
     if adapter:
         from peft import LoraConfig, get_peft_model
