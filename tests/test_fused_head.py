@@ -211,3 +211,20 @@ def test_a_tied_embedding_and_head_make_one_vocabulary_sized_gradient(padding_fr
     assert made[True] == ["empty_like.default"], made
     # the head's own product: its gradient, the lookup's (and their sum where autograd cannot add in place)
     assert "embedding_dense_backward.default" in made[False], made
+
+
+def test_the_tied_lookup_gives_the_plain_gradients_under_activation_checkpointing(monkeypatch):
+    """``update.gradient_checkpointing`` (how long completions run): the layers recomputed in the backward pass,
+    after the head's and before the lookup's gradient."""
+    from polopt_lightning.models import enable_gradient_checkpointing
+
+    model, tok = build_tiny_model(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64, seed=2)
+    args, group, m = rollout_rows(model, tok)
+    plain = scores_and_gradients(model, partial(completion_logprobs, fuse=False), args, m)
+    enable_gradient_checkpointing(model)
+    model.train()
+    lookups, real = [], logprobs._TiedLookup.apply
+    monkeypatch.setattr(logprobs._TiedLookup, "apply", lambda *a: lookups.append(1) or real(*a))
+    for fn in (completion_logprobs, partial(padding_free_logprobs, group_index=group)):
+        assert_same_scores(scores_and_gradients(model, partial(fn, fuse=True), args, m), plain)
+    assert len(lookups) == 2
