@@ -356,18 +356,15 @@ def _trunk(base: nn.Module, linear: nn.Linear | None, **inputs: Any) -> tuple[An
 
     Where the head's weight is the input embedding's too and trains (tied embeddings, full fine-tuning), the tokens
     are looked up through :class:`_TiedLookup`, which takes the head's gradient for the weight and adds its own rows
-    into it: one ``[V, H]`` gradient instead of two at the end of the backward pass. A plain ``nn.Embedding`` only (a
-    scaled or adapted one computes more than the lookup)."""
-    if linear is None:
-        return base.base_model(**inputs), None
-    emb = base.get_input_embeddings()
-    if (torch.is_grad_enabled() and type(emb) is nn.Embedding and emb.weight is linear.weight
+    into it: one ``[V, H]`` gradient at the end of the backward pass where autograd made the lookup's too and their
+    sum. A plain ``nn.Embedding`` only (a scaled or adapted one computes more than the lookup)."""
+    emb, slot = base.get_input_embeddings(), None
+    if (linear is not None and torch.is_grad_enabled() and type(emb) is nn.Embedding and emb.weight is linear.weight
             and emb.weight.requires_grad and emb.max_norm is None and not emb.scale_grad_by_freq
             and "input_ids" in inputs):
         slot = _TiedGradient()
         inputs["inputs_embeds"] = _TiedLookup.apply(inputs.pop("input_ids"), emb.weight, emb.padding_idx, slot)
-        return base.base_model(**inputs), _Fused(linear, slot)
-    return base.base_model(**inputs), _Fused(linear)
+    return base.base_model(**inputs), (None if linear is None else _Fused(linear, slot))
 
 
 def _chosen(states: Tensor, head: _Fused | None, index: Tensor, temperature: float, chunk_rows: int | None,
