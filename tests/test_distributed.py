@@ -34,6 +34,7 @@ def _update(tmp_path, world, *args):
     return torch.load(out, weights_only=True)
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("args", [# PPO: the critic's values, GAE whitened over every process's tokens, the value loss a
                                   # token mean over them (micro-batches), the KL penalty per token, the critic clipped
                                   # by its own norm
@@ -130,6 +131,7 @@ def _initial_weights(width=None):
     return build_tiny_model(**model_shape(width), seed=0)[0].state_dict()
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("objective", ["grpo", "gspo"])
 def test_ddp_cpu_from_the_command_line(objective, tmp_path):
     run = tmp_path / "run"
@@ -145,6 +147,7 @@ def test_ddp_cpu_from_the_command_line(objective, tmp_path):
     assert any(r.get("val/accuracy") for r in csv.DictReader(open(run / "csv" / "version_0" / "metrics.csv")))
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("strategy", ["ddp_cpu", "fsdp"])
 def test_two_process_resume_continues_every_process(strategy, tmp_path):
     """Every process's random states come back: a 2-process run resumed from its checkpoint logs what the
@@ -220,6 +223,7 @@ def _wait_all(procs, files, timeout):
     return outputs
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("launcher", ["torchrun", "slurm"])
 def test_two_nodes_launched_by_torchrun_or_slurm(launcher, tmp_path):
     """The multi-node launch of docs/distributed.md, with two "nodes" of one process each on this machine: every

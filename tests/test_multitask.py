@@ -466,6 +466,7 @@ def test_cli_mixture_names_bad_task_rewards(tmp_path):
         train(cfg)
 
 
+@pytest.mark.distributed
 def test_two_process_mixture_run_splits_every_task_and_reduces_its_metrics(tmp_path):
     import csv
     import json
