@@ -229,3 +229,30 @@ def test_the_tied_lookup_gives_the_plain_gradients_under_activation_checkpointin
     for fn in (completion_logprobs, partial(padding_free_logprobs, group_index=group)):
         assert_same_scores(scores_and_gradients(model, partial(fn, fuse=True), args, m), plain)
     assert len(lookups) == 2
+
+
+def test_the_tied_lookup_skips_the_padding_row_inside_completions_and_steps_aside_for_hooks(monkeypatch):
+    """The embedding's ``padding_idx`` set to a token the scored completions contain: its row gets no gradient from
+    the lookup (as ``F.embedding``'s), only the head's. A hook on the embedding (NEFTune's noise, a user's) runs
+    where the trunk calls it: the tied lookup steps aside for the module's own call."""
+    model, tok = build_tiny_model(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64, seed=2)
+    args, group, m = rollout_rows(model, tok)
+    emb = model.get_input_embeddings()
+    scored = args[2][m]
+    emb.padding_idx = int(scored.mode().values)  # the commonest scored completion token
+    assert emb.padding_idx != tok.pad_token_id and (scored == emb.padding_idx).sum() >= 2
+    lookups, real = [], logprobs._TiedLookup.apply
+    monkeypatch.setattr(logprobs._TiedLookup, "apply", lambda *a: lookups.append(1) or real(*a))
+    for fn in (completion_logprobs, partial(padding_free_logprobs, group_index=group)):
+        assert_same_scores(scores_and_gradients(model, partial(fn, fuse=True), args, m),
+                           scores_and_gradients(model, partial(fn, fuse=False), args, m))
+    assert len(lookups) == 2
+    lookups.clear()
+    emb.padding_idx = None
+    handle = emb.register_forward_hook(lambda module, inputs, output: output * 1.5)
+    try:
+        assert_same_scores(scores_and_gradients(model, partial(completion_logprobs, fuse=True), args, m),
+                           scores_and_gradients(model, partial(completion_logprobs, fuse=False), args, m))
+    finally:
+        handle.remove()
+    assert not lookups

@@ -201,7 +201,13 @@ class _TiedLookup(torch.autograd.Function):
     Autograd would take two ``[V, H]`` gradients for a weight used twice, the head's and the lookup's (zeros but for
     the looked-up rows), and sum them: at the end of the backward pass, where all other gradients are held, one
     ``[V, H]`` more (545 MiB at a 152k vocabulary and 896 features). The head's backward always runs first (the
-    lookup's gradient is what the trunk passes back from it); where it wrote nothing, the rows go into zeros."""
+    lookup's gradient is what the trunk passes back from it); where it wrote nothing, the rows go into zeros.
+
+    It assumes one backward pass through the whole graph, as the update runs: a partial one that reaches the head and
+    not the lookup (``torch.autograd.grad`` for some inner weights with ``retain_graph``) leaves the head's gradient
+    in the slot, and a later pass through the lookup alone would add it again. On CUDA ``index_add_`` adds rows with
+    atomics, so the weight's gradient may differ in its last bits between runs unless
+    ``torch.use_deterministic_algorithms(True)``."""
 
     @staticmethod
     def forward(ctx, ids: Tensor, weight: Tensor, padding_idx: int | None, slot: _TiedGradient):
@@ -357,14 +363,28 @@ def _trunk(base: nn.Module, linear: nn.Linear | None, **inputs: Any) -> tuple[An
     Where the head's weight is the input embedding's too and trains (tied embeddings, full fine-tuning), the tokens
     are looked up through :class:`_TiedLookup`, which takes the head's gradient for the weight and adds its own rows
     into it: one ``[V, H]`` gradient at the end of the backward pass where autograd made the lookup's too and their
-    sum. A plain ``nn.Embedding`` only (a scaled or adapted one computes more than the lookup)."""
+    sum. A plain ``nn.Embedding`` called as it is only (:func:`_plain_lookup`)."""
     emb, slot = base.get_input_embeddings(), None
-    if (linear is not None and torch.is_grad_enabled() and type(emb) is nn.Embedding and emb.weight is linear.weight
-            and emb.weight.requires_grad and emb.max_norm is None and not emb.scale_grad_by_freq
-            and "input_ids" in inputs):
+    if (linear is not None and torch.is_grad_enabled() and _plain_lookup(emb) and emb.weight is linear.weight
+            and emb.weight.requires_grad and "input_ids" in inputs):
         slot = _TiedGradient()
         inputs["inputs_embeds"] = _TiedLookup.apply(inputs.pop("input_ids"), emb.weight, emb.padding_idx, slot)
     return base.base_model(**inputs), (None if linear is None else _Fused(linear, slot))
+
+
+def _plain_lookup(emb: nn.Module) -> bool:
+    """Whether calling ``emb`` computes ``F.embedding`` on its weight and nothing else, so a lookup of its own
+    (:class:`_TiedLookup`) may stand in for the call: a plain ``nn.Embedding`` (a scaled or adapted one computes more)
+    without ``max_norm`` or gradients scaled by frequency, and no hook or replaced ``forward`` that the call would run
+    (NEFTune's noise, accelerate's device hooks, a user's own). transformers' own hook under activation checkpointing
+    (``enable_input_require_grads``: the output made to require grad) is no exception to stand aside for: the lookup's
+    output requires grad already, the weight being trained."""
+    from torch.nn.modules import module
+
+    hooks = [h for h in emb._forward_hooks.values() if getattr(h, "__name__", "") != "make_inputs_require_grads"]
+    return (type(emb) is nn.Embedding and emb.max_norm is None and not emb.scale_grad_by_freq
+            and not (hooks or emb._forward_pre_hooks or "forward" in vars(emb) or hasattr(emb, "_hf_hook")
+                     or module._global_forward_hooks or module._global_forward_pre_hooks))
 
 
 def _chosen(states: Tensor, head: _Fused | None, index: Tensor, temperature: float, chunk_rows: int | None,
