@@ -150,7 +150,13 @@ def _warm_start(cfg: DictConfig, model: Any, tokenizer: Any, datamodule: Any, qu
     from .warmstart import WarmStartConfig, default_cache_dir, supervised_warm_start
 
     settings = _container(cfg, "warm_start") or {"enabled": False}
-    if not settings.pop("enabled", False):
+    enabled = settings.pop("enabled", False)
+    if enabled is None:  # a model built from a config knows nothing yet; a pretrained one is the user's to shape
+        enabled = not getattr(model, "name_or_path", "")
+        if not enabled:
+            log.info("warm start: off for a pretrained model (warm_start.enabled=null: on only for a model built from "
+                     "a config); warm_start.enabled=true runs it on the task's reference answers")
+    if not enabled:
         return {"ran": False, "cached": False, "wall_s": 0.0}
     if is_quantized(model):
         raise ValueError(f"warm_start.enabled=true trains every weight, but the model was loaded quantized "

@@ -389,16 +389,58 @@ def test_a_model_loaded_quantized_refuses_the_warm_start(tmp_path):
     tok.save_pretrained(tmp_path / "m")
     fast = [a for a in FAST if not a.startswith("model.")]  # the tiny model's shape keys
     cfg = compose_with(fast + ["model=pretrained", f"model.name_or_path={tmp_path}/m", "quantization=nf4",
-                               "adapter=lora"], tmp_path)
+                               "adapter=lora", "warm_start.enabled=true"], tmp_path)
     set_hydra(cfg)
     with pytest.raises(ValueError, match="warm_start.enabled=true trains every weight, but the model was loaded "
                                          "quantized .*set warm_start.enabled=false"):
         train(cfg)
+    # the default (null) leaves a pretrained model's warm start off: nothing to refuse
     cfg = compose_with(fast + ["model=pretrained", f"model.name_or_path={tmp_path}/m", "quantization=nf4",
-                               "adapter=lora", "warm_start.enabled=false"], tmp_path)
+                               "adapter=lora"], tmp_path)
     set_hydra(cfg)
     results = train(cfg)
     assert results["steps"] == 2 and results["base_model"] == f"{tmp_path}/m"  # the adapter's base is the folder
+    assert results["warm_start_wall_s"] == 0 and results["warm_start_steps"] is None
+
+
+def test_the_warm_start_runs_by_default_on_a_model_built_from_a_config_and_not_on_a_pretrained_one(tmp_path, caplog,
+                                                                                                   monkeypatch):
+    """``warm_start.enabled: null`` (the default): the tiny default model, which knows nothing, is warm-started; a
+    model from a hub id or folder (``model=pretrained``, the README's own-model line) goes to RL as it is, and the log
+    says how to ask for it; ``true`` runs it there too."""
+    import logging
+
+    import polopt_lightning.cli as cli
+    from polopt_lightning.models import build_tiny_model, load_pretrained
+
+    built, tok = build_tiny_model(hidden_size=16, num_layers=1, num_heads=2, intermediate_size=32, seed=0)
+    built.save_pretrained(tmp_path / "m")
+    tok.save_pretrained(tmp_path / "m")
+    pretrained, _ = load_pretrained(str(tmp_path / "m"))
+    ran = []
+    monkeypatch.setattr("polopt_lightning.warmstart.supervised_warm_start",
+                        lambda model, *a, **k: ran.append(model.name_or_path) or {"wall_s": 0.1, "cached": False})
+    fast = [o for o in FAST if not o.startswith(("model.", "warm_start."))]
+    for overrides, model, expected in [
+            ([], built, [""]), (["model=pretrained", f"model.name_or_path={tmp_path}/m"], pretrained, []),
+            (["model=pretrained", f"model.name_or_path={tmp_path}/m", "warm_start.enabled=true"], pretrained,
+             [f"{tmp_path}/m"])]:
+        cfg = compose_with(fast + overrides, tmp_path / str(len(overrides)))
+        assert cfg.warm_start.enabled is (True if "warm_start.enabled=true" in overrides else None)
+        ran.clear()
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="polopt_lightning"):
+            warm = cli._warm_start(cfg, model, tok, _Rows(), "none", False)
+        assert ran == expected and warm["ran"] is bool(expected), overrides
+        assert ("warm start: off for a pretrained model" in caplog.text) is (overrides != [] and not expected)
+
+
+class _Rows:
+    train_rows = [{"prompt": "1+1=", "answer": "2"}]
+
+    @staticmethod
+    def prompt_text(prompt):
+        return prompt
 
 
 def _listing(folder: Path) -> dict[str, int]:

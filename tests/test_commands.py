@@ -138,8 +138,8 @@ RUNS = {
                                                r"|trainer\.accelerator=gpu: torch \S+ sees no CUDA device"),
     "polopt-train quantization=nf4 adapter=lora optimizer.lr=4e-4": Run(ARITHMETIC),
     "polopt-train model=pretrained model.name_or_path=./my_model task=jsonl task.train=train.jsonl "
-    "reward=numeric_match": Run(["trainer.max_steps=2", "warm_start.steps=3", "warm_start.probe_size=8",
-                                 "data.batch_size=2", "experience.num_generations=2"], a_pretrained_model_and_data),
+    "reward=numeric_match": Run(["trainer.max_steps=2", "data.batch_size=2", "experience.num_generations=2"],
+                                a_pretrained_model_and_data),  # a pretrained model: no warm start by default
     "polopt-train strategy=ddp_cpu num_threads=1": Run(ARITHMETIC),
     "polopt-train callbacks=protect": Run(ARITHMETIC),
     "polopt-train trainer.precision=32-true": Run(ARITHMETIC),
