@@ -136,6 +136,12 @@ def test_export_errors_name_the_file(tmp_path):
     torch.save({"state_dict": {}}, tmp_path / "foreign.ckpt")
     with pytest.raises(ValueError, match="foreign.ckpt holds no model config"):
         export_checkpoint(tmp_path / "foreign.ckpt", tmp_path / "out")
+    # the README's best.ckpt where the run wrote none (no validation split): what the folder holds instead
+    with pytest.raises(FileNotFoundError, match=r"no checkpoint file at .*best\.ckpt; .* holds foreign\.ckpt \(step "
+                                                r"\?\) \(best\.ckpt is written by a run that validates"):
+        export_checkpoint(tmp_path / "best.ckpt", tmp_path / "out")
+    with pytest.raises(FileNotFoundError, match=r"no checkpoint file at .*; .*nowhere does not exist"):
+        export_checkpoint(tmp_path / "nowhere" / "last.ckpt", tmp_path / "out")
 
 
 def test_model_path_errors_name_the_path_and_what_was_looked_for(tiny, tmp_path):
