@@ -317,6 +317,9 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     # the rewards before the warm start: one that cannot work here (a sandbox refused, a reward model's missing folder)
     # fails now, not after minutes of supervised steps
     rewards = _rewards(cfg, task, task_rewards)
+    from .rewards.composer import check_reward_rows
+
+    check_reward_rows(rewards["reward_fns"], datamodule)  # a row without its answer: now, not when first drawn
     warm = _warm_start(cfg, model, tokenizer, datamodule, quantization.mode, adapter.enabled)
     # the base of an adapter is kept in the run when no folder or hub id holds it (built, or changed by the warm start)
     base_dir = run_dir / "base_model" if adapter.enabled and (warm["ran"] or not model.name_or_path) else None

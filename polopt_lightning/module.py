@@ -28,6 +28,7 @@ from .objectives import Objective, SupervisedAnchor, as_objective
 from .optim import optimizer_and_schedule, optimizer_factory
 from .resume import load_weights, restore_state, save_state, settings_record
 from .rewards import MixtureRewards, RewardComposer, RewardOutput, TrainerState, build_rewards
+from .rewards.composer import check_reward_rows
 from .rng import restore_rng
 from .rollout import RolloutBatch, RolloutEngine, SamplingConfig, build_engine
 from .settings import MOVED_ARGUMENTS, settings_of, with_moved
@@ -459,6 +460,7 @@ class PolicyOptimizationModule(L.LightningModule):
 
     def on_fit_start(self) -> None:
         self.rewards.place(self.device)  # a reward model follows the policy to its device
+        check_reward_rows(self.rewards, self.trainer.datamodule)  # a row without its answer: now, not when drawn
 
     def on_validation_start(self) -> None:
         self.rewards.place(self.device)

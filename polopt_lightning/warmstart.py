@@ -109,9 +109,10 @@ def supervised_warm_start(model: nn.Module, tokenizer: Any, rows: Sequence[dict[
     if cfg.steps == 0:
         return {"cached": False, "wall_s": 0.0, "final_loss": None, "path": None, "steps": 0}
     for i, row in enumerate(rows):
-        for col in (cfg.prompt_column, cfg.answer_column):
+        for key, col in (("prompt_column", cfg.prompt_column), ("answer_column", cfg.answer_column)):
             if col not in row:
-                raise KeyError(f"warm_start: row {i} has no column {col!r}; its columns: {sorted(row)}")
+                raise KeyError(f"warm_start: training row {i} (counted from 0) has no column {col!r} "
+                               f"(warm_start.{key}); its columns: {sorted(row)}")
     path = None
     if cfg.cache_dir is not None:
         path = Path(cfg.cache_dir) / f"{_cache_key(model, tokenizer, rows, cfg)}.pt"

@@ -705,3 +705,21 @@ def test_a_refused_setting_is_one_line_naming_its_key_without_a_traceback(tmp_pa
     with pytest.raises(ValueError, match="trainer.precision='bf16-mixd'"):
         train(cfg)
 
+
+
+def test_a_data_row_without_its_answer_is_refused_before_the_warm_start(tmp_path, monkeypatch):
+    """``task=jsonl`` with a row the reward cannot score: named (function, split, row) before the warm start's
+    supervised steps, not when a batch first draws that row."""
+    import polopt_lightning.cli as cli
+
+    monkeypatch.setattr(cli, "_warm_start", lambda *a, **k: (_ for _ in ()).throw(AssertionError("warm start ran")))
+    rows = [{"prompt": f"{i}+1=", "answer": str(i + 1)} for i in range(6)]
+    rows[4] = {"prompt": "9+1=", "solution": "10"}
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    fast = [o for o in FAST if not o.startswith("task.")]
+    cfg = compose_with(fast + ["task=jsonl", f"task.train={tmp_path}/train.jsonl", "reward=numeric_match"],
+                       tmp_path / "run")
+    set_hydra(cfg)
+    with pytest.raises(ValueError, match=r"reward function numeric_match: training row 4 \(counted from 0\) has no "
+                                         r"'answer' column \(answer_column\); its columns: \['prompt', 'solution'\]"):
+        train(cfg)

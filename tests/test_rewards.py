@@ -1,5 +1,6 @@
 import asyncio
 import math
+import re
 
 import pytest
 import torch
@@ -192,3 +193,36 @@ def test_soft_overlong_penalty():
     assert fn(["p"] * 4, ["x"] * 4, completion_ids=ids) == [0.0, -0.5, -1.0, -1.0]
     with pytest.raises(ValueError, match="overlong_buffer"):
         SoftOverlongPenalty(10, 0)
+
+
+def test_a_row_without_its_reference_answer_is_named_before_training(tmp_path, arithmetic_rows):
+    """A row the built-in rewards cannot score (no answer column, ``None``, or no number where one is compared) is
+    refused when fit starts, naming the function, the split and the row, not when a batch first draws it (hours in,
+    as the reward's own error, whose sample index counts within a batch)."""
+
+    from polopt_lightning.models import build_tiny_model
+    from polopt_lightning.rewards.builtin import DigitMatchReward, NumericDistanceReward, PositionMatchReward
+    from tests.helpers import make, trainer
+
+    composer = RewardComposer({"exact": ExactMatchReward(), "n": NumericMatchReward(answer_column="solution")})
+    composer.check_rows([{"prompt": "p", "answer": "x", "solution": "it is 3"}], "training")  # all good
+    for row, message in [({"prompt": "p", "solution": "3"}, "exact (exact_match): training row 1 (counted from 0) "
+                                                               "has no 'answer' column"),
+                         ({"prompt": "p", "answer": None, "solution": "3"}, "has 'answer' = None"),
+                         ({"prompt": "p", "answer": "a", "solution": "none"},
+                          "n (numeric_match): training row 1 (counted from 0) has 'solution' = 'none', which holds no "
+                          "number")]:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            composer.check_rows([{"prompt": "p", "answer": "x", "solution": 1}, row], "training")
+    for fn in (DigitMatchReward(), PositionMatchReward(), NumericDistanceReward()):  # every built-in with an answer
+        assert fn.check_row({"prompt": "p"}) == "has no 'answer' column (answer_column)"
+    assert NumericDistanceReward().check_row({"answer": "four"}) and not DigitMatchReward().check_row({"answer": "x"})
+    # the drop-in module: refused as fit starts, before any rollout
+    train, val = arithmetic_rows
+    val = [*val[:3], {k: v for k, v in val[3].items() if k != "answer"}]
+    module, dm = make(build_tiny_model(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64, seed=0),
+                      (train, val))
+    with pytest.raises(ValueError, match=r"reward function exact_match: validation row 3 \(counted from 0\) has no "
+                                         r"'answer' column"):
+        trainer(tmp_path, 2).fit(module, dm)
+    assert module.global_step == 0

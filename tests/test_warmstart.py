@@ -54,7 +54,7 @@ def test_target_accuracy_stops_early():
 
 def test_bad_rows_are_named():
     model, tok = tiny()
-    with pytest.raises(KeyError, match="row 0 has no column 'answer'"):
+    with pytest.raises(KeyError, match=r"training row 0 \(counted from 0\) has no column 'answer' \(warm_start.answer_column\)"):
         supervised_warm_start(model, tok, [{"prompt": "1+1="}], WarmStartConfig(steps=1))
 
 

@@ -16,6 +16,26 @@ def _column(columns: dict[str, Any], key: str, fn_name: str) -> Sequence[Any]:
     return columns[key]
 
 
+class _AnswerColumn:
+    """A reward that reads each sample's reference answer from ``answer_column`` (a number where ``NUMERIC``)."""
+
+    NUMERIC = False
+    answer_column: str
+
+    def check_row(self, row: dict[str, Any]) -> str | None:
+        """What is wrong with ``row`` for this reward (its answer missing, ``None``, or holding no number where one
+        is needed), else ``None``: checked on every row before training (:meth:`RewardComposer.check_rows`)."""
+        col = self.answer_column
+        if col not in row:
+            return f"has no {col!r} column (answer_column)"
+        value = row[col]
+        if value is None:
+            return f"has {col!r} = None"
+        if self.NUMERIC and not isinstance(value, (int, float)) and last_number(str(value)) is None:
+            return f"has {col!r} = {value!r}, which holds no number"
+        return None
+
+
 def _text(completion: Any) -> str:
     """Completion text; conversational completions (a list of messages) use the last message's content."""
     if isinstance(completion, list) and completion and isinstance(completion[-1], dict):
@@ -34,7 +54,7 @@ def last_number(text: str) -> float | None:
         return None
 
 
-class ExactMatchReward:
+class ExactMatchReward(_AnswerColumn):
     """1.0 when the completion equals the reference answer, else 0.0.
 
     Args:
@@ -56,7 +76,7 @@ class ExactMatchReward:
         return [float(self._norm(_text(c)) == self._norm(str(a))) for c, a in zip(completions, answers)]
 
 
-class NumericMatchReward:
+class NumericMatchReward(_AnswerColumn):
     """1.0 when the last number in the completion equals the reference answer within ``tolerance``.
 
     Args:
@@ -64,6 +84,8 @@ class NumericMatchReward:
         tolerance: absolute tolerance.
         missing: reward when the completion holds no number (0.0; ``None`` to leave the sample out).
     """
+
+    NUMERIC = True
 
     def __init__(self, answer_column: str = "answer", tolerance: float = 1e-6, missing: float | None = 0.0) -> None:
         self.answer_column, self.tolerance, self.missing = answer_column, tolerance, missing
@@ -81,7 +103,7 @@ class NumericMatchReward:
         return out
 
 
-class PositionMatchReward:
+class PositionMatchReward(_AnswerColumn):
     """Partial credit: the share of positions where the completion and the reference answer agree, over the longer
     of the two. Positions are characters, or items when ``separator`` is set (``"1,3,5"`` has three), aligned from
     the left or from the right (units under units). A near miss scores above a wild guess, so groups where no sample
@@ -130,13 +152,15 @@ class DigitMatchReward(PositionMatchReward):
         super().__init__(answer_column, align="right", name="digit_match")
 
 
-class NumericDistanceReward:
+class NumericDistanceReward(_AnswerColumn):
     """Partial credit for a count or a small number: ``max(0, 1 - |got - want| / max(|want|, 1))``, with ``got`` the
     last number in the completion (0 when it holds none). An answer one off a count of 4 scores 0.75.
 
     Args:
         answer_column: dataset column with the reference answer.
     """
+
+    NUMERIC = True
 
     def __init__(self, answer_column: str = "answer") -> None:
         self.answer_column = answer_column

@@ -189,6 +189,21 @@ class RewardComposer:
         self.keys = keys or list(self.names)
         self.weights = self._check_weights(weights)
 
+    def check_rows(self, rows: Sequence[Mapping[str, Any]], split: str) -> None:
+        """Before training: every function that checks rows (the built-ins reading a reference answer: ``check_row``)
+        on each of ``rows`` (``split`` names them, e.g. ``data.train``); the first bad row is a ValueError naming the
+        function, the row (counted from 0) and what is wrong, instead of a failure when a batch first draws it."""
+        for key, name, fn in zip(self.keys, self.names, self.reward_fns):
+            check = getattr(fn, "check_row", None)
+            if check is None:
+                continue
+            for i, row in enumerate(rows):
+                problem = check(row)
+                if problem:
+                    called = name if key == name else f"{key} ({name})"
+                    raise ValueError(f"reward function {called}: {split} row {i} (counted from 0) {problem}; its "
+                                     f"columns: {sorted(row)}")
+
     def resolve(self, name: str, what: str = "reward weights") -> str:
         """The logged name (:attr:`names`) of the function ``name`` names: its key (:attr:`keys`) or its name. A
         ValueError that begins with ``what`` (the setting that names it) lists the keys (and the names) otherwise."""
@@ -407,3 +422,14 @@ class RewardComposer:
             self._fail(f"reward function {name!r} raised on the batch of {n}: {type(exc).__name__}: {exc}", exc)
             return torch.full((n,), float("nan")), n
         return values, n_err
+
+
+def check_reward_rows(rewards: Any, datamodule: Any) -> None:
+    """:meth:`RewardComposer.check_rows` on a data module's training and validation rows (``train_rows``,
+    ``val_rows``), where ``rewards`` is one composer for every row (not a task mixture's)."""
+    if not isinstance(rewards, RewardComposer):
+        return
+    for split, rows in (("training", getattr(datamodule, "train_rows", None)),
+                        ("validation", getattr(datamodule, "val_rows", None))):
+        if rows:
+            rewards.check_rows(rows, split)
