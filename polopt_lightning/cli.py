@@ -814,11 +814,46 @@ def _help_without_schemas() -> None:
     Hydra.format_config_groups = format_config_groups
 
 
+def _name_close_keys() -> None:
+    """An override of a key that does not exist (``trainer.max_step=4``) is refused by Hydra with only its way to add
+    a new key (``use +trainer.max_step=4``), which leads a typo astray: the refusal names the closest existing key
+    and the keys there instead, as for a mistyped ``+`` key (:func:`~polopt_lightning.settings.check_names`)."""
+    import difflib
+
+    import hydra._internal.utils as hydra_utils
+    from hydra.errors import ConfigCompositionException
+
+    report = hydra_utils.run_and_report
+
+    def run_and_report(func: Any) -> Any:
+        def composed() -> Any:
+            try:
+                return func()
+            except ConfigCompositionException as err:
+                cause = err.__cause__
+                parent, key, full = (getattr(cause, name, None) for name in ("parent_node", "key", "full_key"))
+                if not (str(err).startswith("Could not override") and hasattr(parent, "keys") and key and full):
+                    raise
+                keys = sorted(str(k) for k in parent.keys())
+                close = difflib.get_close_matches(str(key), keys, n=1)
+                where = str(full)[:-len(str(key))]
+                hint = f"did you mean {where}{close[0]}? " if close else ""
+                new = str(err).split("use ", 1)[1] if "use +" in str(err) else f"+{full}=..."
+                raise ConfigCompositionException(
+                    f"polopt-train: {full}: no such setting; {hint}the settings there: {', '.join(keys)} (a key of "
+                    f"your own: {new})") from None
+
+        return report(composed)
+
+    hydra_utils.run_and_report = run_and_report
+
+
 def main() -> None:
     import sys
 
     said: list[str] = []
     argv = renamed(sys.argv[1:], said)
+    _name_close_keys()
     if "--help" in argv or "-h" in argv:
         _help_without_schemas()
         argv = [*argv, *HELP]

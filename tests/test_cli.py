@@ -706,6 +706,16 @@ def test_a_refused_setting_is_one_line_naming_its_key_without_a_traceback(tmp_pa
         train(cfg)
 
 
+def test_a_mistyped_key_on_the_command_line_is_named_with_the_closest_one(tmp_path):
+    """``trainer.max_step=4``: Hydra's refusal offered only ``+trainer.max_step=4`` (which adds the typo as a new key);
+    the refusal names the closest key and those there, as for a mistyped ``+`` key."""
+    proc = run_cli(FAST + ["trainer.max_step=4", f"hydra.run.dir={tmp_path}/run"], tmp_path)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    first = proc.stderr.strip().splitlines()[0]
+    assert first.startswith("polopt-train: trainer.max_step: no such setting; did you mean trainer.max_steps? the "
+                            "settings there: _target_, accelerator, "), proc.stderr[-3000:]
+    assert first.endswith("(a key of your own: +trainer.max_step=4)") and "Traceback" not in proc.stderr
+
 
 def test_a_data_row_without_its_answer_is_refused_before_the_warm_start(tmp_path, monkeypatch):
     """``task=jsonl`` with a row the reward cannot score: named (function, split, row) before the warm start's
