@@ -363,6 +363,10 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         import warnings
 
         warnings.filterwarnings("ignore", message=r"Checkpoint directory .* exists and is not empty")
+        done = checkpoint_step(Path(cfg.ckpt_path)) if Path(str(cfg.ckpt_path)).exists() else None
+        if done is not None and trainer.max_steps >= 0 and done >= trainer.max_steps:
+            log.warning("ckpt_path: the checkpoint is at step %d and trainer.max_steps=%d: nothing is left to train; "
+                        "trainer.max_steps=N (N > %d) trains on from it", done, trainer.max_steps, done)
     # a resumed run's policy is the checkpoint's, not the starting one: its "before" is the one the run recorded
     before = _validate(trainer, module, datamodule) if cfg.get("validate_before", True) and not resuming else {}
     rl_start = time.perf_counter()

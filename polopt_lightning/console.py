@@ -11,6 +11,8 @@ _ADVERTISEMENTS = ("💡 Tip:",)  # Lightning's suggestions to install its cloud
 _DEPENDENCY_WARNINGS = (
     # peft asks transformers with its deprecated name when it wraps a model (peft 0.21, transformers 5)
     r"`is_gradient_checkpointing` is deprecated",
+    # Lightning on the empty validation loader of a task without a validation split: validation is skipped, as meant
+    r"Total length of `list` across ranks is zero",
 )
 # log records that say nothing a user can act on, by logger, dropped by prefix unless `verbose=true`
 _DROPPED_RECORDS = {

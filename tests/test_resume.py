@@ -337,6 +337,12 @@ def test_a_resume_skips_the_warm_start_and_a_refused_one_leaves_the_runs_configu
     assert "a supervised warm start on" not in console and not any(cache.iterdir())
     results = json.loads((split / "results.json").read_text())
     assert results["steps"] == 4 and results["warm_start_skipped"] is True
+    # the finished run resumed again: nothing left to train, and the log says how to train on
+    proc = run_cli([f"ckpt_path={split}"], tmp_path)
+    console = proc.stdout + proc.stderr
+    assert proc.returncode == 0, console[-3000:]
+    assert ("the checkpoint is at step 4 and trainer.max_steps=4: nothing is left to train; trainer.max_steps=N "
+            "(N > 4) trains on from it") in console, console[-3000:]
 
 
 def test_which_resumes_skip_the_warm_start(tmp_path):
