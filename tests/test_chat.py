@@ -79,7 +79,8 @@ def test_chat_prompts_without_a_template_fail_naming_the_fix(tiny):
     _, tok = tiny  # the character tokenizer has no chat template
     dm = PromptDataModule(train=_chat_rows(2), tokenizer=tok, batch_size=2)
     with pytest.raises(ValueError, match=r"data.prompt_column='prompt' holds chat messages but the tokenizer has no "
-                                         r"chat template.*data.chat_template"):
+                                         r"chat template.*data.chat_template \(PromptDataModule\(chat_template=...\) in "
+                                         r"Python\): a name \(chatml\)"):
         dm.collate(dm.train_rows)
     with_template = PromptDataModule(train=_chat_rows(2), tokenizer=char_tokenizer(), batch_size=2,
                                      chat_template="chatml")

@@ -159,7 +159,8 @@ class PromptDataModule(L.LightningDataModule):
         if not getattr(self.tokenizer, "chat_template", None):
             raise ValueError(f"data.prompt_column={self.prompt_column!r} holds chat messages but the tokenizer has no "
                              "chat template: use a chat model's tokenizer, or give one with data.chat_template "
-                             "(a Jinja template or a file holding it)")
+                             "(PromptDataModule(chat_template=...) in Python): a name (chatml), a Jinja template or a "
+                             "file holding it")
         tools = None
         if self.tools:
             from ..rollout.multi_turn import tool_schema
