@@ -255,7 +255,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     from hydra.utils import instantiate
 
     from .accel.precision import auto_precision
-    from .callbacks import AtomicCheckpointIO, ValidationHistory, progress_bar
+    from .callbacks import AtomicCheckpointIO, ProgressLog, ValidationHistory, progress_bar
     from .data import PromptDataModule
     from .export import export_checkpoint
     from .loggers import close_loggers
@@ -337,6 +337,8 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     callbacks = [*_instantiate_all(cfg.get("callbacks")), *_weight_schedulers(cfg, task), history]
     if cfg.trainer.get("enable_progress_bar", True):
         callbacks.append(progress_bar())
+    else:  # log lines instead: the step, the reward, the time a step (log files, batch jobs)
+        callbacks.append(ProgressLog())
     strategy = instantiate(cfg.strategy)(model=model) if strategy_cfg.get("_target_") else "auto"
     clip = module.update_config.max_grad_norm
     if kind == "deepspeed" and clip:  # DeepSpeed clips inside its engine, from its own config

@@ -294,6 +294,9 @@ def test_console_prints_each_record_once_and_no_noise(tmp_path):
     assert not repeated, f"printed more than once: {repeated}\n" + "\n".join(lines)
     assert not [line for line in lines for n in NOISE if n in line], "\n".join(lines)
     assert "Trainer.fit` stopped: `max_steps=4` reached" in proc.stdout  # Lightning's own lines still come, once
+    # without the bar (FAST turns it off) lines of progress: the first rollout's at once, then at most every 30 s, the last
+    progress = [m for m in messages if re.fullmatch(r"step \d+/4, reward -?[\d.e+-]+, [\d.]+ s a step", m)]
+    assert [m.split(",")[0] for m in progress] == ["step 2/4", "step 4/4"], "\n".join(lines)  # 2 a rollout
     # verbose=true brings everything back
     proc = run_cli(args[:-1] + [f"hydra.run.dir={tmp_path}/verbose", "verbose=true"], tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]

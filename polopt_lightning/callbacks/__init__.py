@@ -5,7 +5,7 @@ from .checkpoint import AtomicCheckpointIO, ExceptionCheckpoint, RolloutCheckpoi
 from .collapse import CollapseEvent, CollapseMonitor, CollapseRules
 from .completions import CompletionsLog
 from .history import ValidationHistory
-from .progress import progress_bar
+from .progress import ProgressLog, progress_bar
 from .weights import (
     TASK_WEIGHT_MODES,
     AnchorScheduler,
@@ -16,5 +16,6 @@ from .weights import (
 )
 
 __all__ = ["TASK_WEIGHT_MODES", "AnchorScheduler", "AtomicCheckpointIO", "CollapseEvent", "CollapseMonitor",
-           "CollapseRules", "CompletionsLog", "ExceptionCheckpoint", "RewardWeightScheduler", "RewardWeights", "RolloutCheckpoint",
-           "TaskWeightScheduler", "TaskWeights", "ValidationHistory", "progress_bar"]
+           "CollapseRules", "CompletionsLog", "ExceptionCheckpoint", "ProgressLog", "RewardWeightScheduler",
+           "RewardWeights", "RolloutCheckpoint", "TaskWeightScheduler", "TaskWeights", "ValidationHistory",
+           "progress_bar"]

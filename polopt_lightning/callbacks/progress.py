@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import logging
+import time
 from typing import Any
 
 import lightning as L
@@ -27,3 +29,38 @@ def progress_bar(**kwargs: Any) -> ProgressBar:
             return f"{description:{len(self.validation_description)}}"  # as rich pads it, against flicker
 
     return UnboundedEpochsBar(**kwargs)
+
+
+log = logging.getLogger("polopt_lightning")
+
+
+class ProgressLog(L.Callback):
+    """Without a progress bar (``trainer.enable_progress_bar=false``: log files, batch jobs), a log line now and then
+    while training: the optimizer step out of ``trainer.max_steps``, the last rollout's mean reward and the seconds a
+    step since the last line. The first step's line comes at once, then one at most every ``every_s`` seconds, and
+    the last step's.
+
+    Args:
+        every_s: seconds at least between two lines.
+    """
+
+    def __init__(self, every_s: float = 30.0) -> None:
+        self.every_s = every_s
+        self._last: tuple[float, int] | None = None  # when the last line was written (or training started), its step
+        self._said = False
+
+    def on_train_start(self, trainer: L.Trainer, *args: Any) -> None:
+        self._last, self._said = (time.perf_counter(), trainer.global_step), False
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any, **kwargs: Any) -> None:
+        if not trainer.is_global_zero or self._last is None:
+            return
+        (since, at), now, step = self._last, time.perf_counter(), trainer.global_step
+        final = 0 <= trainer.max_steps <= step
+        if step == at or (self._said and now - since < self.every_s and not final):
+            return
+        reward = trainer.callback_metrics.get("reward")
+        total = f"/{trainer.max_steps}" if trainer.max_steps >= 0 else ""
+        said = f", reward {float(reward):.4g}" if reward is not None else ""
+        log.info("step %d%s%s, %.2f s a step", step, total, said, (now - since) / (step - at))
+        self._last, self._said = (now, step), True
