@@ -102,6 +102,10 @@ def returns_scalar(prompts, completions, **kw):
     return 1.0
 
 
+def reads_messages(prompts, completions, **kw):  # written for TRL's conversational format
+    return [-len(c[0]["content"]) for c in completions]
+
+
 @pytest.mark.parametrize(
     "fn,match",
     [
@@ -110,6 +114,9 @@ def returns_scalar(prompts, completions, **kw):
         (returns_string, r"'returns_string' returned str 'good' for sample 1"),
         (returns_nan, r"'returns_nan' returned non-finite inf for sample 2"),
         (returns_scalar, r"'returns_scalar' returned float, expected a list"),
+        (reads_messages, r"'reads_messages' raised on sample 0: TypeError: string indices must be integers.* \(the "
+                         r"completions are plain strings here, since the prompts are: a reward reading "
+                         r"completion\[0\]\['content'\] needs chat prompts"),
     ],
 )
 def test_bad_reward_raises_with_name_and_index(fn, match):

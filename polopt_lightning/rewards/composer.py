@@ -404,10 +404,8 @@ class RewardComposer:
                     if isinstance(out, BaseException):
                         raise out
             except Exception as sample_exc:
-                self._fail(
-                    f"reward function {name!r} raised on sample {i}: {type(sample_exc).__name__}: {sample_exc}",
-                    sample_exc,
-                )
+                self._fail(f"reward function {name!r} raised on sample {i}: {type(sample_exc).__name__}: {sample_exc}"
+                           f"{_format_hint(sample_exc, completions[i])}", sample_exc)
                 n_err += 1
                 continue
             sample_turns: dict[int, list[float]] = {}
@@ -422,6 +420,15 @@ class RewardComposer:
             self._fail(f"reward function {name!r} raised on the batch of {n}: {type(exc).__name__}: {exc}", exc)
             return torch.full((n,), float("nan")), n
         return values, n_err
+
+
+def _format_hint(exc: Exception, completion: Any) -> str:
+    """For a reward that indexes a completion as TRL's conversational format (``completion[0]["content"]``) where it
+    is a plain string: what the completions are and why (the prompts are strings, not chat messages)."""
+    if isinstance(exc, TypeError) and isinstance(completion, str) and "string indices must be integers" in str(exc):
+        return (" (the completions are plain strings here, since the prompts are: a reward reading "
+                "completion[0]['content'] needs chat prompts, lists of messages, as in TRL)")
+    return ""
 
 
 def check_reward_rows(rewards: Any, datamodule: Any) -> None:
