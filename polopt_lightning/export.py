@@ -308,12 +308,10 @@ def export_checkpoint(ckpt_path: str | Path, out_dir: str | Path, merge: bool = 
     if path.is_dir():  # a DeepSpeed checkpoint: one shard per process
         path = consolidated_checkpoint(path)
     if not path.is_file():
-        from .cli import checkpoints_in
-
-        found = checkpoints_in(path.parent)
-        held = (f"; {path.parent} holds " + ", ".join(f"{p.name} (step {'?' if s is None else s})" for p, s in found)
-                if found else f"; {path.parent} holds no checkpoint" if path.parent.is_dir() else
-                f"; {path.parent} does not exist")
+        found = sorted(p.name for p in path.parent.iterdir() if p.name.endswith(".ckpt")) if path.parent.is_dir() \
+            else []
+        held = (f"; {path.parent} holds {', '.join(found)}" if found else
+                f"; {path.parent} holds no checkpoint" if path.parent.is_dir() else f"; {path.parent} does not exist")
         why = " (best.ckpt is written by a run that validates: a task with a validation split)" if (
             path.name == "best.ckpt" and found) else ""
         raise FileNotFoundError(f"polopt-export: no checkpoint file at {path}{held}{why}")
