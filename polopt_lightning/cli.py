@@ -287,6 +287,13 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         if cfg.get("num_threads"):
             torch.set_num_threads(int(cfg.num_threads))
         L.seed_everything(cfg.seed, workers=True, verbose=False)
+        try:  # the callbacks' settings too (the collapse monitor's actions, the checkpoints' periods)
+            own_callbacks = _instantiate_all(cfg.get("callbacks"))
+        except Exception as err:
+            cause = err.__cause__ or err
+            if isinstance(cause, ValueError) and str(cause).startswith("callbacks."):  # it names its key already
+                raise ValueError(str(cause)) from None
+            raise
 
         quantization = as_quantization(_container(cfg, "quantization"))
         adapter = as_adapter(_container(cfg, "adapter"))
@@ -334,7 +341,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     )
     loggers = _instantiate_all(cfg.get("logger"))
     history = ValidationHistory(monitor="val/accuracy", mode="max")
-    callbacks = [*_instantiate_all(cfg.get("callbacks")), *_weight_schedulers(cfg, task), history]
+    callbacks = [*own_callbacks, *_weight_schedulers(cfg, task), history]
     if cfg.trainer.get("enable_progress_bar", True):
         callbacks.append(progress_bar())
     else:  # log lines instead: the step, the reward, the time a step (log files, batch jobs)
@@ -434,6 +441,9 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         "val_task_accuracy_after": {t: after.get(f"val/{t}/accuracy") for t in module.tasks} or None,
         "task_weights_final": datamodule.task_weights if module.tasks else None,
         "val_history": [{k: v for k, v in r.items() if k != "fitting"} for r in history.records if r["fitting"]],
+        # the collapse monitor (callbacks.collapse): its events, rollbacks, and whether it stopped the run (the final
+        # model is then the weights it stopped on: best.ckpt holds the best validated ones)
+        **_collapse_summary(callbacks),
         "seed": int(cfg.seed),
         # processes that trained (trainer.devices x trainer.num_nodes) and their strategy
         "world_size": int(trainer.world_size),
@@ -458,6 +468,18 @@ def summary_table(results: dict[str, Any]) -> str:
     width = max(len(k) for k, _ in rows)
     lines = ["polopt-train summary", "-" * (width + 30)] + [f"{k:<{width}}  {v}" for k, v in rows]
     return "\n".join(lines)
+
+
+def _collapse_summary(callbacks: list[Any]) -> dict[str, Any]:
+    """``collapse_events``, ``collapse_rollbacks`` and ``collapse_stopped`` of the run's collapse monitor (``None``
+    each without one)."""
+    from .callbacks import CollapseMonitor
+
+    monitor = next((c for c in callbacks if isinstance(c, CollapseMonitor)), None)
+    if monitor is None:
+        return {"collapse_events": None, "collapse_rollbacks": None, "collapse_stopped": None}
+    return {"collapse_events": len(monitor.events), "collapse_rollbacks": int(monitor.rollbacks),
+            "collapse_stopped": any(e.action == "stop" for e in monitor.events)}
 
 
 class ConfigError(ValueError):

@@ -720,6 +720,20 @@ def test_a_mistyped_key_on_the_command_line_is_named_with_the_closest_one(tmp_pa
     assert first.endswith("(a key of your own: +trainer.max_step=4)") and "Traceback" not in proc.stderr
 
 
+def test_a_callbacks_setting_is_refused_before_the_warm_start_naming_its_key(tmp_path, monkeypatch):
+    """A typo'd collapse action (docs/stability.md's `callbacks.collapse.actions`): refused with the other settings,
+    before the model loads and the warm start runs, as the one line of a refused setting (it came after the warm
+    start, inside Hydra's instantiation error)."""
+    import polopt_lightning.cli as cli
+
+    monkeypatch.setattr(cli, "_warm_start", lambda *a, **k: (_ for _ in ()).throw(AssertionError("warm start ran")))
+    cfg = compose_with(FAST + ["callbacks.collapse.actions.val_drop=rolback"], tmp_path / "run")
+    set_hydra(cfg)
+    with pytest.raises(cli.ConfigError, match=r"^callbacks\.collapse\.actions\.val_drop='rolback': must be one of "
+                                              r"\('warn', 'stop', 'rollback'\)$"):
+        train(cfg)
+
+
 def test_a_data_row_without_its_answer_is_refused_before_the_warm_start(tmp_path, monkeypatch):
     """``task=jsonl`` with a row the reward cannot score: named (function, split, row) before the warm start's
     supervised steps, not when a batch first draws that row."""

@@ -235,6 +235,7 @@ def test_protect_rolls_back_then_stops_from_the_command_line(tmp_path):
     assert [(e["rule"], e["action"]) for e in events] == [("val_drop", "rollback"), ("val_drop", "stop")]
     results = json.loads((run / "results.json").read_text())
     assert results["steps"] < 20  # stopped early, results and model written
+    assert (results["collapse_events"], results["collapse_rollbacks"], results["collapse_stopped"]) == (2, 1, True)
     import csv
 
     rows = list(csv.DictReader(open(run / "csv" / "version_0" / "metrics.csv")))
