@@ -560,6 +560,29 @@ def test_the_progress_bar_shows_no_last_epoch_when_epochs_are_unbounded(tmp_path
     assert shown in drawn and "/-2" not in drawn, drawn[-500:]
 
 
+def test_the_progress_bar_counts_and_totals_rollouts(tmp_path, tiny, arithmetic_rows):
+    """6 optimizer steps at 2 a rollout (update.mini_batches=2, polopt-train's default) end at `3/3`: Lightning
+    totals the steps left, so the bar ended at `3/6`, as if the run had stopped halfway."""
+    from polopt_lightning.callbacks import progress_bar
+
+    from .helpers import make
+
+    module, dm = make(tiny, arithmetic_rows, update={"mini_batches": 2})
+    bar, totals = progress_bar(), []
+
+    class Probe(L.Callback):
+        def on_train_start(self, trainer, *args):
+            totals.append(bar.total_train_batches)
+
+        def on_train_batch_end(self, trainer, *args, **kwargs):
+            totals.append(bar.total_train_batches)
+
+    L.Trainer(max_steps=6, max_epochs=-1, accelerator="cpu", logger=False, enable_checkpointing=False,
+              enable_model_summary=False, limit_val_batches=0, default_root_dir=tmp_path, callbacks=[bar, Probe()],
+              ).fit(module, datamodule=dm)
+    assert module.global_step == 6 and totals == [3, 2, 1, 0]  # the rollouts, then those left after each
+
+
 def test_every_process_torchrun_started_resumes_with_the_runs_overrides(tmp_path, monkeypatch):
     """Under torchrun or SLURM each process gets the user's command line: the later ones replay the run's overrides
     as the first does (else they would compose another configuration), and none refuses the run's own folder."""

@@ -12,15 +12,36 @@ from lightning.pytorch.callbacks import ProgressBar, TQDMProgressBar
 from lightning.pytorch.utilities.imports import _RICH_AVAILABLE
 
 
+class _RolloutsTotal:
+    """A bar whose count is rollouts (training batches) totals rollouts too: Lightning totals the optimizer steps left
+    to ``trainer.max_steps``, and a rollout makes ``update.num_iterations x update.mini_batches`` of them, so a run of
+    10 steps at 2 a rollout ended at ``5/10``."""
+
+    trainer: L.Trainer
+
+    @property
+    def total_train_batches(self) -> int | float:
+        total = super().total_train_batches  # type: ignore[misc]
+        trainer = self.trainer
+        config = getattr(trainer.lightning_module, "update_config", None)
+        per = config.num_iterations * config.mini_batches if config is not None else 1
+        if per <= 1 or trainer.max_epochs != -1 or not trainer.max_steps or trainer.max_steps < 0:
+            return total
+        return min(trainer.num_training_batches, -(-(trainer.max_steps - trainer.global_step) // per))
+
+
 def progress_bar(**kwargs: Any) -> ProgressBar:
     """Lightning's own bar (rich where it is installed, else tqdm; ``kwargs`` are its arguments, e.g. rich's
-    ``console_kwargs``), without the last epoch of a run that has none: rich's reads ``Epoch 1/-2`` under
-    ``max_epochs=-1``."""
+    ``console_kwargs``), totalling rollouts (:class:`_RolloutsTotal`), without the last epoch of a run that has none:
+    rich's reads ``Epoch 1/-2`` under ``max_epochs=-1``."""
     if not _RICH_AVAILABLE:
-        return TQDMProgressBar(**kwargs)  # it shows the epoch alone
+        class RolloutsBar(_RolloutsTotal, TQDMProgressBar):  # it shows the epoch alone
+            pass
+
+        return RolloutsBar(**kwargs)
     from lightning.pytorch.callbacks import RichProgressBar
 
-    class UnboundedEpochsBar(RichProgressBar):
+    class UnboundedEpochsBar(_RolloutsTotal, RichProgressBar):
         def _get_train_description(self, current_epoch: int) -> str:
             trainer: L.Trainer = self.trainer
             if trainer.max_epochs is not None and trainer.max_epochs >= 0:
