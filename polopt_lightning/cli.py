@@ -239,10 +239,17 @@ def _built_early(cfg: DictConfig, group: str) -> Any:
     try:
         return instantiate(cfg[group])
     except Exception as err:
+        _raise_named(err, group)
         cause = err.__cause__ or err
-        if str(cause).startswith(f"{group}."):  # the settings' own check names the key already
-            raise ValueError(str(cause)) from None
         raise ValueError(f"{group}: {type(cause).__name__}: {cause}") from cause
+
+
+def _raise_named(err: Exception, group: str) -> None:
+    """Where Hydra's error ``err`` wraps a refusal that names its key in ``group`` (the settings' own check), that
+    refusal alone as a ValueError; else nothing."""
+    cause = err.__cause__ or err
+    if str(cause).startswith(f"{group}."):
+        raise ValueError(str(cause)) from None
 
 
 def train(cfg: DictConfig) -> dict[str, Any]:
@@ -290,9 +297,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         try:  # the callbacks' settings too (the collapse monitor's actions, the checkpoints' periods)
             own_callbacks = _instantiate_all(cfg.get("callbacks"))
         except Exception as err:
-            cause = err.__cause__ or err
-            if isinstance(cause, ValueError) and str(cause).startswith("callbacks."):  # it names its key already
-                raise ValueError(str(cause)) from None
+            _raise_named(err, "callbacks")
             raise
 
         quantization = as_quantization(_container(cfg, "quantization"))
@@ -372,7 +377,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         import warnings
 
         warnings.filterwarnings("ignore", message=r"Checkpoint directory .* exists and is not empty")
-        done = checkpoint_step(Path(cfg.ckpt_path)) if Path(str(cfg.ckpt_path)).exists() else None
+        done = checkpoint_step(Path(str(cfg.ckpt_path)))  # None for a folder, a keyword or no file
         if done is not None and trainer.max_steps >= 0 and done >= trainer.max_steps:
             log.warning("ckpt_path: the checkpoint is at step %d and trainer.max_steps=%d: nothing is left to train; "
                         "trainer.max_steps=N (N > %d) trains on from it", done, trainer.max_steps, done)
@@ -846,10 +851,10 @@ def _name_close_keys() -> None:
     """An override of a key that does not exist (``trainer.max_step=4``) is refused by Hydra with only its way to add
     a new key (``use +trainer.max_step=4``), which leads a typo astray: the refusal names the closest existing key
     and the keys there instead, as for a mistyped ``+`` key (:func:`~polopt_lightning.settings.check_names`)."""
-    import difflib
-
     import hydra._internal.utils as hydra_utils
     from hydra.errors import ConfigCompositionException
+
+    from .settings import check_names
 
     report = hydra_utils.run_and_report
 
@@ -862,14 +867,12 @@ def _name_close_keys() -> None:
                 parent, key, full = (getattr(cause, name, None) for name in ("parent_node", "key", "full_key"))
                 if not (str(err).startswith("Could not override") and hasattr(parent, "keys") and key and full):
                     raise
-                keys = sorted(str(k) for k in parent.keys())
-                close = difflib.get_close_matches(str(key), keys, n=1)
-                where = str(full)[:-len(str(key))]
-                hint = f"did you mean {where}{close[0]}? " if close else ""
                 new = str(err).split("use ", 1)[1] if "use +" in str(err) else f"+{full}=..."
-                raise ConfigCompositionException(
-                    f"polopt-train: {full}: no such setting; {hint}the settings there: {', '.join(keys)} (a key of "
-                    f"your own: {new})") from None
+                try:
+                    check_names([str(key)], {str(k) for k in parent.keys()}, str(full)[:-len(str(key))].rstrip("."))
+                except ValueError as refused:
+                    raise ConfigCompositionException(f"polopt-train: {refused} (a key of your own: {new})") from None
+                raise
 
         return report(composed)
 

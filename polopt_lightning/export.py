@@ -308,13 +308,11 @@ def export_checkpoint(ckpt_path: str | Path, out_dir: str | Path, merge: bool = 
     if path.is_dir():  # a DeepSpeed checkpoint: one shard per process
         path = consolidated_checkpoint(path)
     if not path.is_file():
-        found = sorted(p.name for p in path.parent.iterdir() if p.name.endswith(".ckpt")) if path.parent.is_dir() \
-            else []
-        held = (f"; {path.parent} holds {', '.join(found)}" if found else
-                f"; {path.parent} holds no checkpoint" if path.parent.is_dir() else f"; {path.parent} does not exist")
+        found = sorted(p.name for p in path.parent.glob("*.ckpt")) if path.parent.is_dir() else None
+        held = "does not exist" if found is None else f"holds {', '.join(found) or 'no checkpoint'}"
         why = " (best.ckpt is written by a run that validates: a task with a validation split)" if (
             path.name == "best.ckpt" and found) else ""
-        raise FileNotFoundError(f"polopt-export: no checkpoint file at {path}{held}{why}")
+        raise FileNotFoundError(f"polopt-export: no checkpoint file at {path}; {path.parent} {held}{why}")
     checkpoint = torch.load(path, map_location="cpu", weights_only=True)
     meta = (checkpoint.get(CHECKPOINT_KEY) or {}).get("hf")
     if not meta:

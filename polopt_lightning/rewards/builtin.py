@@ -16,6 +16,12 @@ def _column(columns: dict[str, Any], key: str, fn_name: str) -> Sequence[Any]:
     return columns[key]
 
 
+def reference_number(answer: Any) -> float | None:
+    """A reference answer as the number the numeric rewards compare: itself where it is one, else the last number its
+    text holds (``None`` where it holds none)."""
+    return answer if isinstance(answer, (int, float)) else last_number(str(answer))
+
+
 class _AnswerColumn:
     """A reward that reads each sample's reference answer from ``answer_column`` (a number where ``NUMERIC``)."""
 
@@ -31,7 +37,7 @@ class _AnswerColumn:
         value = row[col]
         if value is None:
             return f"has {col!r} = None"
-        if self.NUMERIC and not isinstance(value, (int, float)) and last_number(str(value)) is None:
+        if self.NUMERIC and reference_number(value) is None:
             return f"has {col!r} = {value!r}, which holds no number"
         return None
 
@@ -95,7 +101,7 @@ class NumericMatchReward(_AnswerColumn):
         answers = _column(columns, self.answer_column, self.__name__)
         out: list[float | None] = []
         for i, (completion, answer) in enumerate(zip(completions, answers)):
-            target = answer if isinstance(answer, (int, float)) else last_number(str(answer))
+            target = reference_number(answer)
             if target is None:
                 raise ValueError(f"{self.__name__}: reference answer {answer!r} of sample {i} holds no number")
             got = last_number(_text(completion))
@@ -170,7 +176,7 @@ class NumericDistanceReward(_AnswerColumn):
         answers = _column(columns, self.answer_column, self.__name__)
         out = []
         for i, (completion, answer) in enumerate(zip(completions, answers)):
-            want = answer if isinstance(answer, (int, float)) else last_number(str(answer))
+            want = reference_number(answer)
             if want is None:
                 raise ValueError(f"{self.__name__}: reference answer {answer!r} of sample {i} holds no number")
             got = last_number(_text(completion))
