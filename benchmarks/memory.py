@@ -479,7 +479,17 @@ def cpu_description() -> str:
     except (OSError, StopIteration):
         flags = []
     features = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags]
-    return f"{_cpu_name()}, {os.cpu_count()} cores, {'+'.join(features) or 'no AVX2'}"
+    return f"{_cpu_name()}, {os.cpu_count()} cores, {'+'.join(features) or 'no AVX2'}{capped_instructions()}"
+
+
+ISA_CAPS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
+
+
+def capped_instructions() -> str:
+    """Where the libraries are told to use fewer of the CPU's instructions than it has (another CPU kind emulated:
+    PyTorch's kernels, oneDNN's, MKL's), the settings that say so, for the figures' label; else nothing."""
+    caps = [f"{name}={os.environ[name]}" for name in ISA_CAPS if os.environ.get(name)]
+    return f", instructions capped ({' '.join(caps)}: another CPU kind emulated)" if caps else ""
 
 
 if __name__ == "__main__":

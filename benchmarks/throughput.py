@@ -514,7 +514,10 @@ def main() -> None:
 
     gflops = {dt: matmul_gflops(args.threads, device=args.device, dtype=dt) for dt in ("float32", "bfloat16")}
     gbps = memory_gbps(args.threads, device=args.device)
-    print(f"machine: {os.cpu_count()} CPUs, {args.threads} torch threads, device {args.device}; matmul "
+    from memory import cpu_description  # (memory.py imports this file's harness)
+
+    machine = cpu_description()
+    print(f"machine: {machine}, {args.threads} torch threads, device {args.device}; matmul "
           f"{gflops['float32']:.0f} GFLOP/s fp32, {gflops['bfloat16']:.0f} bf16; memory read {gbps:.1f} GB/s; "
           f"peak = {'resident memory' if args.device == 'cpu' else 'GPU memory allocated'}")
     rows = []
@@ -552,8 +555,8 @@ def main() -> None:
     print_table(rows, args.interleave)
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump({"gflops": gflops, "memory_gbps": gbps, "interleave": args.interleave, "rows": rows}, fh,
-                      indent=2)
+            json.dump({"machine": machine, "gflops": gflops, "memory_gbps": gbps, "interleave": args.interleave,
+                       "rows": rows}, fh, indent=2)
 
 
 def _pairs(run: dict, peer: dict, steps: bool) -> str:

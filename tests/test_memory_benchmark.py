@@ -69,3 +69,19 @@ def test_the_heap_sampler_reads_each_phases_live_and_held_memory():
     live_training, held_training = step["training"]
     assert live_training >= 0.25 and held_training >= live_training
     assert step["reference"][0] < live_training - 0.2
+
+
+def test_the_machine_label_says_when_another_cpu_kind_is_emulated(monkeypatch):
+    """A figure measured with the libraries' instructions capped (AVX2 emulated on an AVX-512 CPU) says so next to the
+    CPU's own features; without the settings, the label is the CPU's alone."""
+    monkeypatch.syspath_prepend(str(SCRIPT.parent))
+    import memory
+
+    for name in memory.ISA_CAPS:
+        monkeypatch.delenv(name, raising=False)
+    plain = memory.cpu_description()
+    assert "capped" not in plain
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    capped = memory.cpu_description()
+    assert capped.startswith(plain) and "ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2" in capped
