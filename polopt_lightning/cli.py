@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -18,6 +19,7 @@ from typing import Any
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
+from .checkpoints import checkpoint_folder, checkpoint_step, checkpoints_in, resume_point  # noqa: F401 (the CLI's names)
 from .confschema import code_default, config_dir, target_of
 from .console import configure_console
 from .settings import MOVED_ARGUMENTS
@@ -105,7 +107,9 @@ def _weight_schedulers(cfg: DictConfig, task: Any) -> list[Any]:
     weights = cfg.get("weights") or {}
     out = []
     if isinstance(task, TaskMixture) and weights.get("tasks") is not None:
-        out.append(instantiate(weights.tasks))
+        scheduler = instantiate(weights.tasks)
+        scheduler.check(task.names, task.weights)  # its floor against the number of tasks, before anything trains
+        out.append(scheduler)
     rewards = weights.get("rewards")
     if rewards is not None and rewards.get("fade"):
         out.append(instantiate(rewards))
@@ -269,7 +273,8 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     from .models import as_adapter, as_quantization, check_combination, prepare_policy, train_in_float32
     from .module import PolicyOptimizationModule
     from .optim import optimizer_factory
-    from .step.critic import SHARED_UNDER_FSDP, needs_critic
+    from .rewards.composer import check_reward_rows
+    from .step.critic import SHARED_UNDER_FSDP, check_critic_source, needs_critic
     from .step.loop import TorchLoop
     from .step.update import Updater
     from .strategies import SHARDED, check_strategy, strategy_kind
@@ -288,6 +293,12 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         if objective is not None and update is not None:  # the update's terms check themselves against the objective
             Updater(None, objective, None, engine, update, TorchLoop())  # (a token-level sampler correction for GSPO)
         critic_used = objective is not None and experience is not None and needs_critic(objective, experience)
+        if critic_used and critic is not None:
+            check_critic_source(critic)  # a missing critic.name_or_path now, not after the warm start
+            max_steps = int(cfg.trainer.get("max_steps") or -1)
+            if 0 < max_steps <= critic.warmup_steps:
+                log.warning("critic.warmup_steps=%d >= trainer.max_steps=%d: every step trains the critic alone, the "
+                            "policy not at all", critic.warmup_steps, max_steps)
         optimizer = optimizer_factory(instantiate(cfg.optimizer) if cfg.get("optimizer") else None)
         run_dir = _run_dir(cfg)
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -323,15 +334,17 @@ def train(cfg: DictConfig) -> dict[str, Any]:
                  str(half).replace("torch.", ""), str(half).replace("torch.", ""), str(half).replace("torch.", ""))
     task_cfg = _container(cfg, "task")
     task_rewards = task_cfg.pop("rewards", None) or {}  # a mixture's per-task reward overrides
-    task = instantiate(task_cfg, _convert_="all") if task_cfg else None  # a mixture gets its tasks built
-    datamodule = PromptDataModule(task=task, tokenizer=tokenizer, **OmegaConf.to_container(cfg.data, resolve=True))
-
-    # the rewards before the warm start: one that cannot work here (a sandbox refused, a reward model's missing folder)
-    # fails now, not after minutes of supervised steps
-    rewards = _rewards(cfg, task, task_rewards)
-    from .rewards.composer import check_reward_rows
-
-    check_reward_rows(rewards["reward_fns"], datamodule)  # a row without its answer: now, not when first drawn
+    # the task, its rows, their rewards and the schedules over them before the warm start: one that cannot work here
+    # (a sandbox refused, a reward model's missing folder, a row without its answer) fails now, naming its key, not
+    # after minutes of supervised steps
+    with _settings_refused():
+        task = instantiate(task_cfg, _convert_="all") if task_cfg else None  # a mixture gets its tasks built
+        datamodule = PromptDataModule(task=task, tokenizer=tokenizer, **OmegaConf.to_container(cfg.data, resolve=True))
+        rewards = _rewards(cfg, task, task_rewards)
+        check_reward_rows(rewards["reward_fns"], datamodule)  # a row without its answer: now, not when first drawn
+        if anchor is not None:
+            anchor.check_rows(datamodule.train_rows)
+        weight_schedulers = _weight_schedulers(cfg, task)
     warm = _warm_start(cfg, model, tokenizer, datamodule, quantization.mode, adapter.enabled)
     # the base of an adapter is kept in the run when no folder or hub id holds it (built, or changed by the warm start)
     base_dir = run_dir / "base_model" if adapter.enabled and (warm["ran"] or not model.name_or_path) else None
@@ -346,7 +359,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     )
     loggers = _instantiate_all(cfg.get("logger"))
     history = ValidationHistory(monitor="val/accuracy", mode="max")
-    callbacks = [*own_callbacks, *_weight_schedulers(cfg, task), history]
+    callbacks = [*own_callbacks, *weight_schedulers, history]
     if cfg.trainer.get("enable_progress_bar", True):
         callbacks.append(progress_bar())
     else:  # log lines instead: the step, the reward, the time a step (log files, batch jobs)
@@ -458,9 +471,21 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         "precision_auto": why,
         "run_dir": str(run_dir),
     }
-    (run_dir / "results.json").write_text(json.dumps(results, indent=2))
+    (run_dir / "results.json").write_text(json.dumps(_finite_or_null(results), indent=2, allow_nan=False))
     print(summary_table(results))
     return results
+
+
+def _finite_or_null(value: Any) -> Any:
+    """``value`` with every NaN or infinite float as ``None``: JSON has no NaN (a task without validation rows has no
+    accuracy), and other readers than Python's refuse the file that writes one."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite_or_null(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite_or_null(v) for v in value]
+    return value
 
 
 def summary_table(results: dict[str, Any]) -> str:
@@ -602,20 +627,6 @@ _RESUME: dict[str, str] = {}
 _RESUME_HYDRA_FILES: dict[str, bytes] = {}
 
 
-def checkpoint_step(path: Path) -> int | None:
-    """The optimizer step a checkpoint stores (its ``global_step``); ``None`` where that cannot be read (a DeepSpeed
-    checkpoint folder, a file that is no checkpoint). Only the file's small pickle is read (tensors are mapped)."""
-    import torch
-
-    if not path.is_file():
-        return None
-    try:
-        step = torch.load(path, map_location="cpu", weights_only=True, mmap=True).get("global_step")
-    except Exception:
-        return None
-    return int(step) if isinstance(step, int) else None
-
-
 def checkpoint_precision(path: Path) -> str | None:
     """The ``trainer.precision`` a checkpoint was trained in (recorded since ``trainer.precision=auto``), or ``None``
     where it holds none or cannot be read. Only the file's small pickle is read (tensors are mapped)."""
@@ -630,33 +641,6 @@ def checkpoint_precision(path: Path) -> str | None:
     except Exception:
         return None
     return state.get("precision")
-
-
-def checkpoints_in(folder: Path) -> list[tuple[Path, int | None]]:
-    """Every checkpoint in ``folder`` (``*.ckpt``: files, or DeepSpeed's folders; no temporary files) with the step
-    stored in it, newest first: the highest step; on a tie, any file before ``best.ckpt`` (a copy of a state another
-    file holds too), then the one modified last. A checkpoint whose step cannot be read counts by modification time."""
-    if not folder.is_dir():
-        return []
-    found = [(p, checkpoint_step(p)) for p in folder.iterdir()
-             if p.name.endswith(".ckpt") and not p.name.startswith(".")]
-    return sorted(found, key=lambda e: (-1 if e[1] is None else e[1], e[0].name != "best.ckpt", e[0].stat().st_mtime),
-                  reverse=True)
-
-
-def resume_point(folder: Path) -> tuple[Path, int | None] | None:
-    """The checkpoint a run resumes from when ``ckpt_path`` names its folder: the newest in ``folder``
-    (:func:`checkpoints_in`: last.ckpt, on_exception.ckpt, periodic ones, best.ckpt), one at step 0 (the starting
-    policy, nothing trained) never; ``None`` when there is none."""
-    return next(((p, s) for p, s in checkpoints_in(folder) if s != 0), None)
-
-
-def _checkpoint_folder(path: Path) -> Path | None:
-    """What a ``ckpt_path`` that is a folder means: ``<run>/checkpoints`` for a run directory, else the folder itself;
-    ``None`` for a DeepSpeed checkpoint (a folder that is one checkpoint, ``last.ckpt/``) or a file."""
-    if not path.is_dir() or path.name.endswith(".ckpt"):
-        return None
-    return path / "checkpoints" if (path / "checkpoints").is_dir() or (path / ".hydra").is_dir() else path
 
 
 def _held(folder: Path) -> str:
@@ -729,7 +713,7 @@ def resume_overrides(argv: list[str]) -> list[str]:
     if ckpt in _CKPT_KEYWORDS:
         return argv
     picked = ""  # which checkpoint a folder meant
-    folder = _checkpoint_folder(Path(ckpt))
+    folder = checkpoint_folder(Path(ckpt))
     if folder is not None:
         point = resume_point(folder)
         if point is None:

@@ -5,7 +5,8 @@ Three ways in:
 - ``module.save_pretrained("out/")`` on a :class:`~polopt_lightning.PolicyOptimizationModule` (drop-in users);
 - ``polopt-train`` writes ``<run_dir>/model/`` at the end of every run;
 - ``polopt-export CKPT OUT`` (or ``python -m polopt_lightning.export CKPT OUT``) turns any of this project's
-  Lightning checkpoints (``last.ckpt``, ``best.ckpt``, ``on_exception.ckpt``) into such a folder. Checkpoints carry
+  Lightning checkpoints (``last.ckpt``, ``best.ckpt``, ``on_exception.ckpt``; a run directory means its newest, as
+  ``polopt-train ckpt_path=<run>`` does) into such a folder. Checkpoints carry
   the model's ``transformers`` config, its adapter's peft config and its tokenizer's files for this, so no other
   file is needed.
 
@@ -40,6 +41,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .checkpoints import checkpoint_folder, checkpoints_in, resume_point
 from .models import has_adapter
 
 log = logging.getLogger(__name__)
@@ -303,8 +305,19 @@ def export_checkpoint(ckpt_path: str | Path, out_dir: str | Path, merge: bool = 
     ``overwrite``, and then only a previous export is replaced, whole; a folder that holds ``ckpt_path`` never
     (:func:`check_target`, :func:`write_folder`).
     """
-    check_target(out_dir, overwrite, source=ckpt_path)  # before the checkpoint is read
     path = Path(ckpt_path)
+    folder = checkpoint_folder(path)
+    if folder is not None:  # a run directory or its checkpoints/: its newest checkpoint, as ckpt_path=<run> resumes
+        point = resume_point(folder)
+        if point is None:
+            found = ", ".join(p.name for p, _ in checkpoints_in(folder))
+            raise FileNotFoundError(f"polopt-export: {path} is a folder, and {folder} holds "
+                                    f"{'no checkpoint' if not found else found + ', none past step 0'}; give a "
+                                    "checkpoint file (or a run directory, for its newest checkpoint)")
+        path = ckpt_path = point[0]
+        log.warning("polopt-export: %s (step %s), the newest checkpoint in %s; name another file to export it "
+                    "instead", path.name, "?" if point[1] is None else point[1], folder)
+    check_target(out_dir, overwrite, source=ckpt_path)  # before the checkpoint is read
     if path.is_dir():  # a DeepSpeed checkpoint: one shard per process
         path = consolidated_checkpoint(path)
     if not path.is_file():
@@ -341,7 +354,8 @@ def main(argv: list[str] | None = None) -> None:
         prog="polopt-export",
         description="Turn a polopt-lightning checkpoint into a Hugging Face folder "
                     "(AutoModelForCausalLM/AutoTokenizer.from_pretrained load it).")
-    parser.add_argument("checkpoint", help="a Lightning checkpoint written by polopt-train or PolicyOptimizationModule")
+    parser.add_argument("checkpoint", help="a Lightning checkpoint written by polopt-train or PolicyOptimizationModule, "
+                                           "or a run directory (its checkpoints/ folder) for its newest checkpoint")
     parser.add_argument("out", help="output folder: new or empty (created), or a previous export with --overwrite; "
                                     "never the checkpoint's own folder or one above it")
     parser.add_argument("--overwrite", action="store_true",

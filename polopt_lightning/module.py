@@ -461,6 +461,8 @@ class PolicyOptimizationModule(L.LightningModule):
     def on_fit_start(self) -> None:
         self.rewards.place(self.device)  # a reward model follows the policy to its device
         check_reward_rows(self.rewards, self.trainer.datamodule)  # a row without its answer: now, not when drawn
+        if self.anchor is not None:
+            self.anchor.check_rows(getattr(self.trainer.datamodule, "train_rows", None))
 
     def on_validation_start(self) -> None:
         self.rewards.place(self.device)

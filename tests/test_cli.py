@@ -757,6 +757,26 @@ def test_a_callbacks_setting_is_refused_before_the_warm_start_naming_its_key(tmp
         train(cfg)
 
 
+@pytest.mark.parametrize("task,partial", [("sort", "item_match"), ("reverse", "char_match"), ("count", "numeric_distance"),
+                                          ("expression", "digit_match"), ("multiplication", "digit_match")])
+def test_a_built_in_task_alone_is_scored_by_its_own_rewards_unless_a_reward_group_is_named(tmp_path, task, partial):
+    """``task=sort`` had been scored by the arithmetic rewards (digit match on sorted lists) unless ``reward=task``
+    was added: each built-in task's config now selects its own; a reward group on the command line still wins,
+    whichever comes first; the default job keeps its arithmetic group."""
+    from polopt_lightning.cli import _rewards
+
+    def names(overrides):
+        cfg = compose_with(overrides, tmp_path)
+        built = instantiate(cfg.task)
+        return cfg.reward.get("from_task"), _rewards(cfg, built, {})["reward_fns"].names
+
+    assert names([f"task={task}"]) == (True, ["exact_match", partial])
+    assert names([f"task={task}", "reward=task"]) == (True, ["exact_match", partial])
+    for overrides in ([f"task={task}", "reward=exact_match"], ["reward=exact_match", f"task={task}"]):
+        assert names(overrides) == (None, ["exact_match"])
+    assert names([]) == (None, ["exact_match", "digit_match"])  # the default job: task=arithmetic reward=arithmetic
+
+
 def test_a_data_row_without_its_answer_is_refused_before_the_warm_start(tmp_path, monkeypatch):
     """``task=jsonl`` with a row the reward cannot score: named (function, split, row) before the warm start's
     supervised steps, not when a batch first draws that row."""

@@ -166,8 +166,8 @@ RUNS = {
     "polopt-train task=mixture generation.max_new_tokens=8 weights=static task.weights='{sort: 2, reverse: 1, "
     "count: 1}'": Run(MIXTURE),
     "polopt-train experiment=multitask +task.tasks.mul='{_target_: polopt_lightning.data.MultiplicationTask, "
-    "digits: 1}'": Run(MIXTURE + ["++task.tasks.mul.train_size=40", "++task.tasks.mul.val_size=6"]),
-    "polopt-train task=sort reward=task": Run(ARITHMETIC),
+    "digits: 1, val_size: 20}'": Run(MIXTURE),
+    "polopt-train task=sort": Run(ARITHMETIC),
     "polopt-train model=pretrained model.name_or_path=Qwen/Qwen2.5-0.5B-Instruct warm_start.enabled=false "
     "quantization=nf4 quantization.compute_dtype=bfloat16 adapter=lora adapter.r=32 optimizer=paged_adamw_8bit "
     "trainer=gpu": Run(ARITHMETIC, marker=GPU),

@@ -2,6 +2,7 @@
 by transformers in a process that never imports this package, with the same log-probs."""
 
 import json
+import shutil
 import subprocess
 import sys
 
@@ -92,6 +93,18 @@ def test_any_checkpoint_exports_to_a_loadable_folder(tiny, tmp_path):
     # and our own loader reads the folder too
     model, tok = load_pretrained(str(tmp_path / "exported"), dtype="float32")
     torch.testing.assert_close(logprobs_in_process(model, tok)[0], expected, rtol=0, atol=1e-5)
+    # a run directory (as polopt-train ckpt_path=<run> takes one): its newest checkpoint, named; an older one and the
+    # step-0 one beside it are not taken
+    (tmp_path / "run" / "checkpoints").mkdir(parents=True)
+    shutil.copy(tmp_path / "last.ckpt", tmp_path / "run" / "checkpoints" / "last.ckpt")
+    torch.save({**torch.load(tmp_path / "last.ckpt", weights_only=True), "global_step": 0},
+               tmp_path / "run" / "checkpoints" / "start.ckpt")
+    proc = subprocess.run([sys.executable, "-m", "polopt_lightning.export", str(tmp_path / "run"),
+                           str(tmp_path / "from_run")], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"last.ckpt (step {trainer.global_step}), the newest checkpoint in {tmp_path / 'run' / 'checkpoints'}" in (
+        proc.stderr + proc.stdout)
+    torch.testing.assert_close(logprobs_elsewhere(tmp_path / "from_run")[0], expected, rtol=0, atol=1e-5)
 
 
 def test_export_refuses_a_folder_with_files_and_replaces_it_whole_when_told(tiny, tmp_path):
@@ -142,6 +155,9 @@ def test_export_errors_name_the_file(tmp_path):
         export_checkpoint(tmp_path / "best.ckpt", tmp_path / "out")
     with pytest.raises(FileNotFoundError, match=r"no checkpoint file at .*; .*nowhere does not exist"):
         export_checkpoint(tmp_path / "nowhere" / "last.ckpt", tmp_path / "out")
+    (tmp_path / "run" / ".hydra").mkdir(parents=True)  # a run that wrote no checkpoint
+    with pytest.raises(FileNotFoundError, match=r"run is a folder, and .*run/checkpoints holds no checkpoint; give a checkpoint file"):
+        export_checkpoint(tmp_path / "run", tmp_path / "out")
 
 
 def test_model_path_errors_name_the_path_and_what_was_looked_for(tiny, tmp_path):

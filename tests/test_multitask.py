@@ -84,6 +84,12 @@ def test_expressions_have_parentheses_and_several_steps():
     (lambda: TaskMixture({"a": SortTask()}, weights={"b": 1.0}), r"task.weights names unknown tasks \['b'\]"),
     (lambda: TaskMixture({"a": SortTask()}, weights={"a": -1.0}), "task.weights must be finite"),
     (lambda: TaskMixture({"a": object()}), "task.tasks.a is object"),
+    (lambda: MultiplicationTask(digits=1), r"^task.val_size=200 takes every one of the 100 distinct problems \(1-digit "
+                                           r"operands, operations \['\*'\]\), leaving none to train on"),
+    (lambda: TaskMixture({"a": SortTask(), "mul": MultiplicationTask(digits=1)}),
+     r"^task.tasks.mul.val_size=200 takes .* lower task.tasks.mul.val_size or widen the task \(task.tasks.mul.digits\)"),
+    (lambda: TaskMixture({"s": SortTask(length=1, min_length=1, max_value=1, train_size=10, val_size=0)}),
+     "^task.tasks.s: SortTask: found only 2"),
 ])
 def test_bad_task_settings_name_the_culprit(make, match):
     with pytest.raises((ValueError, TypeError), match=match):
@@ -221,9 +227,12 @@ def test_progress_weights_follow_the_change_of_validation_accuracy():
 
 
 def test_static_weights_and_bad_settings():
-    rule = TaskWeights(NAMES, "static", prior={"a": 2, "b": 1, "c": 1}, floor=0.0)
+    # static: the mixture's own weights as they are, a weight of 0 included (the floor is the adaptive modes')
+    rule = TaskWeights(NAMES, "static", prior={"a": 2, "b": 1, "c": 1})
     rule.observe_step({"train/a/frac_zero_std": 1.0})
     assert rule.weights == pytest.approx({"a": 0.5, "b": 0.25, "c": 0.25})
+    assert TaskWeights(NAMES, "static", prior={"a": 1, "b": 1, "c": 0}, floor=0.5).weights == pytest.approx(
+        {"a": 0.5, "b": 0.5, "c": 0.0})
     with pytest.raises(ValueError, match=r"floor must be in \[0, 1/3\]"):
         TaskWeights(NAMES, "signal", floor=0.5)
     with pytest.raises(ValueError, match="mode must be one of"):
@@ -241,8 +250,17 @@ def test_scheduler_state_round_trips_through_a_checkpoint_file(tmp_path):
     torch.save({"callbacks": {"tw": first.state_dict()}}, tmp_path / "c.ckpt")
     second = TaskWeightScheduler("signal", smoothing=0.5, floor=0.1)
     second.load_state_dict(torch.load(tmp_path / "c.ckpt", weights_only=True)["callbacks"]["tw"])
-    second.on_train_start(trainer, None)
+    module = SimpleNamespace(rewards=SimpleNamespace(tasks=NAMES))  # a mixture's rewards (MixtureRewards.tasks)
+    second.on_train_start(trainer, module)
     assert dm.applied[-1] == first.rule.weights and dm.applied[-1]["b"] > dm.applied[-1]["a"]
+    # adaptive weights over rewards that log no task's metrics would never move: refused as training starts
+    with pytest.raises(ValueError, match=r"TaskWeightScheduler\(mode='signal'\) reads each task's metrics, which only a "
+                                         r"task mixture's rewards log"):
+        TaskWeightScheduler("signal").on_train_start(trainer, SimpleNamespace(rewards=RewardComposer([ExactMatchReward()])))
+    TaskWeightScheduler("static").on_train_start(trainer, SimpleNamespace(rewards=RewardComposer([ExactMatchReward()])))
+    # the floor against the number of tasks, checked before anything trains (the CLI calls it with the task built)
+    with pytest.raises(ValueError, match=r"weights.tasks.floor must be in \[0, 1/3\]"):
+        TaskWeightScheduler("signal", floor=0.5).check(NAMES, None)
 
 
 def test_reward_weights_fade_as_the_function_is_learned():
@@ -410,7 +428,43 @@ def test_file_tasks_mix_in_with_their_own_rewards(tmp_path, tiny):
         mixture.rewards()
     rewards = mixture.rewards({"say": RewardComposer([ExactMatchReward()])})
     assert rewards.names == ["say/exact_match", "add/exact_match", "add/digit_match"]
+    with pytest.raises(ValueError, match=r"rewards given for unknown tasks \['sya'\]; the tasks: \['say', 'add'\]"):
+        mixture.rewards({"say": RewardComposer([ExactMatchReward()]), "sya": RewardComposer([ExactMatchReward()])})
 
+
+def test_a_mixture_task_whose_rows_lack_its_rewards_column_is_named(tmp_path):
+    """In a batch that mixes tasks, a column one task lacks is filled with ``None`` from another's rows, and its
+    reward scored against ``"None"``: each task's rows are checked against its own composer before training."""
+    from polopt_lightning.rewards.composer import check_reward_rows
+
+    (tmp_path / "t.jsonl").write_text("".join(f'{{"prompt": "say {c}=", "target": "{c}"}}\n' for c in "abcdef"))
+    mixture = TaskMixture({"add": ArithmeticTask(train_size=8, val_size=2), "say": FileTask(str(tmp_path / "t.jsonl"))})
+    train, val = mixture.splits()
+    data = SimpleNamespace(train_rows=train, val_rows=val)
+    with pytest.raises(ValueError, match=r"reward function exact_match: task.tasks.say's training row 0 \(counted from "
+                                         r"0\) has no 'answer' column \(answer_column\); its columns: \['prompt', "
+                                         r"'target', 'task'\]"):
+        check_reward_rows(mixture.rewards({"say": RewardComposer([ExactMatchReward()])}), data)
+    check_reward_rows(mixture.rewards({"say": RewardComposer([ExactMatchReward(answer_column="target")])}), data)
+
+
+
+def test_a_mixture_task_without_validation_rows_is_said_and_results_json_stays_json(tmp_path, caplog):
+    """A task with no validation rows has no accuracy: said when the rows are made (it is left out of val/accuracy
+    and best.ckpt, and weights=progress cannot weigh it), and results.json holds null for it, not NaN (no JSON)."""
+    import json
+    import logging
+
+    from polopt_lightning.cli import _finite_or_null
+
+    (tmp_path / "t.jsonl").write_text("".join(f'{{"prompt": "say {c}=", "answer": "{c}"}}\n' for c in "abcdef"))
+    mixture = TaskMixture({"add": ArithmeticTask(train_size=8, val_size=2), "say": FileTask(str(tmp_path / "t.jsonl"))})
+    with caplog.at_level(logging.WARNING, logger="polopt_lightning"):
+        mixture.splits()
+    assert "task.tasks.say has no validation rows" in caplog.text and "task.tasks.add" not in caplog.text
+    text = json.dumps(_finite_or_null({"after": {"say": float("nan"), "add": 0.5}, "history": [float("inf"), 1]}),
+                      allow_nan=False)
+    assert json.loads(text) == {"after": {"say": None, "add": 0.5}, "history": [None, 1]}
 
 # --- the CLI --------------------------------------------------------------------------------------------------------
 MIXTURE_FAST = ["model.hidden_size=16", "model.num_layers=1", "model.num_heads=2", "model.intermediate_size=32",
@@ -455,7 +509,7 @@ def test_cli_mixture_run_logs_per_task_metrics_weights_and_the_anchor(tmp_path):
     assert json.loads((tmp_path / "results.json").read_text())["task_weights_final"] == pytest.approx(final)
 
 
-def test_cli_mixture_names_bad_task_rewards(tmp_path):
+def test_cli_mixture_names_bad_task_rewards(tmp_path, monkeypatch):
     from polopt_lightning.cli import train
 
     from .helpers import compose_with, set_hydra
@@ -463,6 +517,29 @@ def test_cli_mixture_names_bad_task_rewards(tmp_path):
     cfg = compose_with(MIXTURE_FAST + ["+task.rewards.mul.functions={}"], tmp_path)
     set_hydra(cfg)
     with pytest.raises(ValueError, match=r"task.rewards names unknown tasks \['mul'\]"):
+        train(cfg)
+    # settings that depend on the tasks and their rows: refused as the one line naming the key, before the warm start
+    # (they had failed after it: the floor at the first batch, the anchor's column at the first step)
+    import polopt_lightning.cli as cli
+
+    monkeypatch.setattr(cli, "_warm_start", lambda *a, **k: (_ for _ in ()).throw(AssertionError("warm start ran")))
+    for overrides, message in ((["weights=signal", "weights.tasks.floor=0.5"],
+                                r"^weights.tasks.floor must be in \[0, 1/3\] for 3 tasks, got 0.5$"),
+                               (["anchor=constant", "anchor.column=solution"],
+                                r"^anchor.column='solution': no training row has a value in that column")):
+        cfg = compose_with(MIXTURE_FAST + overrides, tmp_path / overrides[0])
+        set_hydra(cfg)
+        with pytest.raises(cli.ConfigError, match=message):
+            train(cfg)
+    # a file task whose rows lack the column its reward reads: named before the warm start (the other tasks' rows
+    # would have lent it None in mixed batches)
+    (tmp_path / "t.jsonl").write_text("".join(f'{{"prompt": "say {c}=", "target": "{c}"}}\n' for c in "abcdef"))
+    cfg = compose_with(MIXTURE_FAST + [f"+task.tasks.say={{_target_: polopt_lightning.data.FileTask, train: "
+                                       f"{tmp_path}/t.jsonl}}", "+task.rewards.say={functions: {exact_match: "
+                                       "{_target_: polopt_lightning.rewards.ExactMatchReward}}}"], tmp_path / "b")
+    set_hydra(cfg)
+    with pytest.raises(ValueError, match=r"exact_match: task.tasks.say's training row 0 \(counted from 0\) has no "
+                                         r"'answer' column"):
         train(cfg)
 
 

@@ -400,6 +400,10 @@ def test_a_critic_from_a_saved_model_takes_its_trunk(tiny, arithmetic_rows, tmp_
     (["objective=gspo", "experience.advantage_estimator=gae"], "advantage_estimator=gae gives an advantage per token"),
     (["objective=gspo", "experience.turn_credit=turn"], "experience.turn_credit=turn gives each turn's tokens"),
     (["objective=ppo", "critic.share_trunk=true", "strategy=fsdp"], "critic.share_trunk=true under strategy=fsdp"),
+    (["objective=ppo", "critic.share_trunk=true", "critic.name_or_path=/some/model"],
+     "critic.share_trunk=true puts the value head on the policy's trunk"),
+    (["objective=ppo", "critic.name_or_path=/nonexistent/critic"],
+     r"critic.name_or_path='/nonexistent/critic': no such folder .* not a hub id"),
 ])
 def test_the_command_line_refuses_a_critic_that_cannot_work_before_anything_loads(overrides, message, tmp_path,
                                                                                    monkeypatch):
@@ -414,8 +418,30 @@ def test_the_command_line_refuses_a_critic_that_cannot_work_before_anything_load
     monkeypatch.setattr("polopt_lightning.models.build_tiny_model", loaded)  # conf/model/tiny.yaml's target
     cfg = compose_with(FAST + overrides, tmp_path)
     set_hydra(cfg)
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises((ValueError, FileNotFoundError), match=message):
         cli.train(cfg)
+
+
+def test_a_critic_warm_up_as_long_as_the_run_is_said(tmp_path, monkeypatch, caplog):
+    """``critic.warmup_steps`` at or beyond ``trainer.max_steps`` trains the critic alone all run: said as it starts."""
+    import logging
+
+    from polopt_lightning import cli
+
+    from .helpers import FAST, compose_with, set_hydra
+
+    def loaded(*args, **kwargs):
+        raise AssertionError("stop here: the settings are checked")
+
+    monkeypatch.setattr(cli, "_warm_start", loaded)
+    for steps, said in ((4, True), (6, False)):
+        cfg = compose_with(FAST + ["objective=ppo", "critic.warmup_steps=4", f"trainer.max_steps={steps}"],
+                           tmp_path / str(steps))
+        set_hydra(cfg)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="polopt_lightning"), pytest.raises(AssertionError, match="stop"):
+            cli.train(cfg)
+        assert ("critic.warmup_steps=4 >= trainer.max_steps=4: every step trains the critic alone" in caplog.text) == said
 
 
 def test_a_reward_functions_per_turn_rewards_go_to_their_turns(tiny):

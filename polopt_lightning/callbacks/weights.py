@@ -34,7 +34,7 @@ def _finite(value: Any) -> float | None:
 class TaskWeights:
     """Task weights from a stream of statistics, smoothed and floored.
 
-    - ``static``: the prior weights throughout.
+    - ``static``: the prior weights throughout, as they are (``floor`` is for the adaptive modes).
     - ``signal``: each task by its share of groups whose rewards differ (``1 - train/<task>/frac_zero_std``): where
       the objective still gets a gradient. A task the policy has mastered (or cannot do at all) gives equal rewards in
       every group and so no gradient; its prompts move to tasks that still teach something.
@@ -44,13 +44,13 @@ class TaskWeights:
     Each task's score is an exponential moving average (``smoothing``: the weight of a new observation; the first
     one is taken as it is); weights are ``prior x score`` normalised, then mixed with the uniform share so none falls
     below ``floor``: ``w = floor + (1 - K x floor) x normalised``. Before any observation, and when every score is 0,
-    the weights are the prior.
+    the weights are the prior, floored.
 
     Args:
         names: the tasks.
         mode: ``static`` | ``signal`` | ``progress``.
         smoothing: EMA weight of a new observation, in (0, 1].
-        floor: the least weight of a task, in [0, 1 / K].
+        floor: the least weight of a task in the adaptive modes, in [0, 1 / K] (not used by ``static``).
         prior: task -> starting weight (default equal); normalised.
     """
 
@@ -63,7 +63,7 @@ class TaskWeights:
             raise ValueError(f"weights.tasks.mode must be one of {TASK_WEIGHT_MODES}, got {mode!r}")
         if not 0 < smoothing <= 1:
             raise ValueError(f"weights.tasks.smoothing must be in (0, 1], got {smoothing}")
-        if not 0 <= floor <= 1 / len(self.names):
+        if mode != "static" and not 0 <= floor <= 1 / len(self.names):
             raise ValueError(f"weights.tasks.floor must be in [0, 1/{len(self.names)}] for {len(self.names)} tasks, "
                              f"got {floor}")
         prior = {n: 1.0 for n in self.names} if prior is None else {n: float(prior.get(n, 0.0)) for n in self.names}
@@ -109,8 +109,10 @@ class TaskWeights:
 
     @property
     def weights(self) -> dict[str, float]:
-        """The current weights (sum 1, each at least ``floor``)."""
+        """The current weights (sum 1; in the adaptive modes each at least ``floor``)."""
         raw = dict(self.prior)
+        if self.mode == "static":
+            return raw
         if self.mode != "static" and self.scores:
             # a task not yet observed counts at the mean score of those observed
             mean = sum(self.scores.values()) / len(self.scores)
@@ -158,6 +160,10 @@ class TaskWeightScheduler(L.Callback):
         self.rule: TaskWeights | None = None
         self._restored: dict[str, Any] | None = None
 
+    def check(self, names: Any, prior: Any) -> None:
+        """The settings against the tasks (``floor`` at most 1 / their number) before anything trains."""
+        TaskWeights(names, self.mode, self.smoothing, self.floor, prior=prior)
+
     def _datamodule(self, trainer: L.Trainer) -> Any:
         dm = trainer.datamodule
         if dm is None or getattr(dm, "mixture", None) is None:
@@ -179,6 +185,10 @@ class TaskWeightScheduler(L.Callback):
         return weights
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self.mode != "static" and not hasattr(getattr(pl_module, "rewards", None), "tasks"):
+            raise ValueError(f"TaskWeightScheduler(mode={self.mode!r}) reads each task's metrics, which only a task "
+                             "mixture's rewards log: give the module reward_fns=mixture.rewards(...) (TaskMixture."
+                             "rewards), not one composer or list for every task")
         self._apply(trainer)  # the prior, or a resumed run's weights, before the first batch is drawn
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any, **kwargs: Any) -> None:

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import random
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from .sources import load_rows
+
+log = logging.getLogger(__name__)
 
 OPERATIONS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
 
@@ -66,6 +70,11 @@ class ArithmeticTask(_TaskRewards):
     def _problems(self) -> list[tuple[int, str, int]]:
         low, high = (0 if self.min_digits == 1 else 10 ** (self.min_digits - 1)), 10**self.digits - 1
         total = (high - low + 1) ** 2 * len(self.operations)
+        if self.val_size >= total:
+            digits = f"{self.min_digits}..{self.digits}" if self.min_digits < self.digits else self.digits
+            raise ValueError(f"task.val_size={self.val_size} takes every one of the {total} distinct problems "
+                             f"({digits}-digit operands, operations {self.operations}), leaving none to train on: "
+                             "lower task.val_size or widen the task (task.digits)")
         need = self.train_size + self.val_size
         rng = random.Random(self.seed)
         if total <= 4 * need:  # small space: enumerate and shuffle
@@ -393,9 +402,17 @@ class TaskMixture:
         train: list[dict[str, Any]] = []
         val: list[dict[str, Any]] = []
         for name, task in self.tasks.items():
-            task_train, task_val = task.splits()
+            try:
+                task_train, task_val = task.splits()
+            except ValueError as e:  # a task names its settings task.<key>: here they are task.tasks.<name>.<key>
+                message = re.sub(r"\btask\.(?=\w)", f"task.tasks.{name}.", str(e))
+                raise ValueError(message if message != str(e) else f"task.tasks.{name}: {e}") from e
             if not task_train:
                 raise ValueError(f"task.tasks.{name} has no training rows")
+            if not task_val:
+                log.warning("task.tasks.%s has no validation rows: its accuracy (val/%s/accuracy) is not measured, "
+                            "val/accuracy and best.ckpt leave it out, and weights=progress cannot weigh it", name,
+                            name)
             for part, rows in ((train, task_train), (val, task_val)):
                 for i, row in enumerate(rows):
                     if self.column in row and row[self.column] != name:
@@ -411,6 +428,9 @@ class TaskMixture:
         from ..rewards import MixtureRewards
 
         overrides = dict(overrides or {})
+        unknown = sorted(set(overrides) - set(self.tasks))
+        if unknown:
+            raise ValueError(f"rewards given for unknown tasks {unknown}; the tasks: {list(self.tasks)}")
         composers = {}
         for name, task in self.tasks.items():
             if name in overrides:

@@ -68,6 +68,13 @@ class SupervisedAnchor:
             raise ValueError(f"anchor.decay_steps must be >= 1 or null, got {self.decay_steps}")
         self.value = float(self.coef)  # the current lambda
 
+    def check_rows(self, rows: Any) -> None:
+        """Before training: some of the training ``rows`` hold :attr:`column` (a row without it, or with ``None``, is
+        left out of the anchor; none with it would fail the first step)."""
+        if rows and not any(row.get(self.column) is not None for row in rows):
+            raise ValueError(f"anchor.column={self.column!r}: no training row has a value in that column (the rows' "
+                             f"columns: {sorted(rows[0])})")
+
     # ------------------------------------------------------------------------------------------------------------
     def at_step(self, step: int, total_steps: int | None = None) -> float:
         """Set and return ``lambda`` for optimizer step ``step`` (``constant`` and ``linear-decay``; ``adaptive``

@@ -432,11 +432,12 @@ def _format_hint(exc: Exception, completion: Any) -> str:
 
 
 def check_reward_rows(rewards: Any, datamodule: Any) -> None:
-    """:meth:`RewardComposer.check_rows` on a data module's training and validation rows (``train_rows``,
-    ``val_rows``), where ``rewards`` is one composer for every row (not a task mixture's)."""
-    if not isinstance(rewards, RewardComposer):
+    """``rewards.check_rows`` (a :class:`RewardComposer`'s, or a task mixture's, which checks each task's rows with
+    that task's composer) on a data module's training and validation rows (``train_rows``, ``val_rows``)."""
+    check = getattr(rewards, "check_rows", None)
+    if check is None:  # plain reward functions: nothing declares what a row needs
         return
     for split, rows in (("training", getattr(datamodule, "train_rows", None)),
                         ("validation", getattr(datamodule, "val_rows", None))):
         if rows:
-            rewards.check_rows(rows, split)
+            check(rows, split)

@@ -94,6 +94,15 @@ class MixtureRewards:
         for task, composer in self.composers.items():
             composer.set_weights(weights[self._columns[task]])
 
+    def check_rows(self, rows: Sequence[Mapping[str, Any]], split: str) -> None:
+        """:meth:`RewardComposer.check_rows` of each task's composer on that task's rows (counted within the task, which
+        the ValueError names: ``task.tasks.<name>``): another task's rows cannot lend it a column it lacks, as they
+        do in a batch that mixes them (the missing value would be ``None``)."""
+        for task, composer in self.composers.items():
+            mine = [row for row in rows if row.get(self.column) == task]
+            if mine:
+                composer.check_rows(mine, f"task.tasks.{task}'s {split}")
+
     def task_ids(self, columns: Mapping[str, Any], n: int | None = None) -> Tensor:
         """``[N]`` the index in :attr:`tasks` of each row's task, from ``columns[column]``."""
         if self.column not in columns:

@@ -150,17 +150,31 @@ class ValueModel(nn.Module):
         return (torch.matmul(hidden, self.value_head.weight[0]) + self.value_head.bias[0]).float()
 
 
+def check_critic_source(config: CriticConfig) -> None:
+    """Before anything loads: ``share_trunk`` and ``name_or_path`` not both, and ``name_or_path`` a folder with a
+    model's config or a hub id (:func:`~polopt_lightning.models.check_source`, naming ``critic.name_or_path``)."""
+    from ..models import MODEL_FILES_HINT, check_source
+
+    if config.name_or_path is None:
+        return
+    if config.share_trunk:
+        raise ValueError(f"critic.share_trunk=true puts the value head on the policy's trunk, and critic.name_or_path="
+                         f"{config.name_or_path!r} names another model: set one of them")
+    check_source(config.name_or_path, "critic.name_or_path", "config.json", MODEL_FILES_HINT)
+
+
 def build_critic(policy: nn.Module, config: CriticConfig) -> ValueModel:
     """The critic ``config`` asks for: a value head on ``policy``'s own trunk (``share_trunk``), or on a copy of it
     (``name_or_path=None``) or on a pretrained model's trunk, in the policy's floating dtype."""
+    check_critic_source(config)
     if config.share_trunk:
-        if config.name_or_path is not None:
-            raise ValueError(f"critic.share_trunk=true puts the value head on the policy's trunk, and critic.name_or_path="
-                             f"{config.name_or_path!r} names another model: set one of them")
         base = peft_base(policy)
         return ValueModel(base.base_model, base.config.hidden_size, shared=True)
-    critic = (ValueModel.from_policy(policy) if config.name_or_path is None
-              else ValueModel.from_pretrained(config.name_or_path))
+    try:
+        critic = (ValueModel.from_policy(policy) if config.name_or_path is None
+                  else ValueModel.from_pretrained(config.name_or_path))
+    except OSError as exc:  # a hub id neither cached nor reachable, or a folder without weights
+        raise OSError(f"critic.name_or_path={config.name_or_path!r}: could not be loaded ({exc})") from exc
     dtype = next((p.dtype for p in policy.parameters() if p.is_floating_point()), torch.float32)
     if config.name_or_path is not None:
         critic.backbone.to(dtype)
