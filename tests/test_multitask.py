@@ -346,6 +346,22 @@ def test_module_anchor_adds_lambda_times_the_reference_nll_gradient(tiny):
         assert torch.allclose(with_anchor[name] - without[name], param.grad, atol=1e-6), name
 
 
+def test_an_anchor_column_no_row_has_is_refused_as_fit_starts(tiny, tmp_path):
+    """The drop-in module: ``anchor.column`` that no training row holds is refused when ``fit`` starts, before any
+    rollout (it had failed at the first step); rows where it is ``None`` are left out, not refused."""
+    model, tok = tiny
+    rows = [{"prompt": "1+2=", "answer": "3", "solution": None}, {"prompt": "4+4=", "answer": "8"}]
+    SupervisedAnchor(column="solution").check_rows([*rows, {"prompt": "p", "solution": "x"}])  # one row holds it
+    module = PolicyOptimizationModule(copy.deepcopy(model), tok, reward_fns=[ExactMatchReward()],
+                                      experience={"num_generations": 2}, anchor={"column": "solution"}, seed=0)
+    trainer = L.Trainer(max_steps=2, accelerator="cpu", logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(tmp_path))
+    with pytest.raises(ValueError, match=r"anchor.column='solution': no training row has a value in that column \(the "
+                                         r"rows' columns: \['answer', 'prompt', 'solution'\]\)"):
+        trainer.fit(module, datamodule=PromptDataModule(train=rows, tokenizer=tok, batch_size=2))
+    assert module.global_step == 0
+
+
 def _fake_trainer(monitor=None, metrics=None, step=0):
     return SimpleNamespace(callbacks=[monitor] if monitor else [], callback_metrics=metrics or {}, global_step=step,
                            max_steps=100, loggers=[], sanity_checking=False)
