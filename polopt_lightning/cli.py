@@ -294,7 +294,10 @@ def train(cfg: DictConfig) -> dict[str, Any]:
             Updater(None, objective, None, engine, update, TorchLoop())  # (a token-level sampler correction for GSPO)
         critic_used = objective is not None and experience is not None and needs_critic(objective, experience)
         if critic_used and critic is not None:
-            check_critic_source(critic)  # a missing critic.name_or_path now, not after the warm start
+            try:  # a missing critic.name_or_path now, not after the warm start
+                check_critic_source(critic)
+            except OSError as err:  # no folder, not a hub id: the one line naming the key, as for a bad value
+                raise ConfigError(str(err)) from None
             max_steps = int(cfg.trainer.get("max_steps") or -1)
             if 0 < max_steps <= critic.warmup_steps:
                 log.warning("critic.warmup_steps=%d >= trainer.max_steps=%d: every step trains the critic alone, the "
