@@ -342,7 +342,11 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     # after minutes of supervised steps
     with _settings_refused():
         task = instantiate(task_cfg, _convert_="all") if task_cfg else None  # a mixture gets its tasks built
-        datamodule = PromptDataModule(task=task, tokenizer=tokenizer, **OmegaConf.to_container(cfg.data, resolve=True))
+        # a multi-turn rollout's tools: the chat template shows the model their schemas, as TRL's and verl's do
+        datamodule = PromptDataModule(task=task, tokenizer=tokenizer, tools=getattr(engine, "tools", None) or (),
+                                      **OmegaConf.to_container(cfg.data, resolve=True))
+        if hasattr(engine, "set_tokenizer"):  # a multi-turn rollout renders turns with the chat template: one it
+            engine.set_tokenizer(tokenizer)  # lacks is refused now, not after the warm start
         rewards = _rewards(cfg, task, task_rewards)
         check_reward_rows(rewards["reward_fns"], datamodule)  # a row without its answer: now, not when first drawn
         if anchor is not None:
@@ -867,8 +871,14 @@ def _name_close_keys() -> None:
 
 
 def main() -> None:
+    import os
     import sys
 
+    # the folder the command runs in is importable, as under `python -m polopt_lightning` (whose sys.path starts with
+    # it), so rollout.tools=[mytools.add] and reward functions' _target_ find a module beside the command; last, so a
+    # file there cannot shadow an installed package
+    if "" not in sys.path and os.getcwd() not in sys.path:
+        sys.path.append(os.getcwd())
     said: list[str] = []
     argv = renamed(sys.argv[1:], said)
     _name_close_keys()

@@ -108,6 +108,8 @@ def test_tool_errors_and_hangs_become_tool_messages():
         "error: the tool timed out after 0.2 s"
     assert time.perf_counter() - start < 2
     assert env.step("the answer is 46").done and env.calls == 5
+    # counted for train/tool_error_frac and train/tool_timeouts: all but the first call failed, one by its timeout
+    assert (env.errors, env.timeouts) == (4, 1) and env.first_error.startswith("error: ValueError")
 
 
 def test_a_result_that_cannot_come_back_or_is_not_json_is_an_error_naming_the_tool():
@@ -121,6 +123,7 @@ def test_a_result_that_cannot_come_back_or_is_not_json_is_an_error_naming_the_to
     first, second = env.step("[numbers(), lines()]").observation.split("\n")
     assert first.startswith("error: tool 'numbers' returned a set, which is not JSON")
     assert second.startswith("error: tool 'lines' returned a generator, which cannot be sent back from its process")
+    assert env.errors == 2 and env.first_error == first
 
 
 def test_guessing_game_answers_each_guess_and_rewards_finding_it():
@@ -249,6 +252,8 @@ def test_a_turns_tool_calls_run_at_once_across_the_batch_and_a_hung_one_is_kille
     wall = time.perf_counter() - start
     results = [c[1]["content"] for c in out.conversations]
     assert results[3] == "error: the tool timed out after 1.5 s" and out.extras["tool_calls"] == [2, 2, 2, 1]
+    assert out.extras["tool_errors"] == out.extras["tool_timeouts"] == [0, 0, 0, 1]
+    assert out.extras["tool_error"] == [None, None, None, "error: the tool timed out after 1.5 s"]
     calls = [[line.split() for line in r.split("\n")] for r in results[:3]]
     assert all([label for label, _, _ in c] == ["long", "short"] for c in calls)  # the calls' order, not the ends'
     longs = [c[0] for c in calls]
@@ -346,3 +351,135 @@ def test_the_tool_task_learns_to_call_the_tool_and_beats_the_no_tool_baseline(tm
     print(f"tool task, seed 0, 20 rollouts: with the tool {results['tool']['val_accuracy_before']:.3f} -> {tool:.3f}, "
           f"without {results['no_tool']['val_accuracy_before']:.3f} -> {none:.3f}")
     assert tool > results["tool"]["val_accuracy_before"] and tool > none + 0.3
+
+
+def test_a_rollouts_tool_errors_are_counted_and_most_of_them_failing_is_said(caplog):
+    """``train/tool_error_frac`` (of the calls) and ``train/tool_timeouts`` (per completion): a tool that fails on every
+    call had trained silently (its errors reach the model as tool messages, the run goes on); where most of a rollout's
+    calls failed, a warning quotes the first error."""
+    import logging
+
+    from polopt_lightning.step.experience import ExperienceMaker
+
+    def rollout(errors, timeouts, first):
+        conversations = [[{"role": "assistant", "content": "[add()]"}, {"role": "tool", "content": "x"}]] * 2
+        return RolloutBatch(prompt_ids=torch.zeros(2, 1, dtype=torch.long), prompt_mask=torch.ones(2, 1),
+                            completion_ids=torch.zeros(2, 1, dtype=torch.long), completion_mask=torch.ones(2, 1),
+                            sampling_logprobs=torch.zeros(2, 1), finished=torch.ones(2, dtype=torch.bool), group_size=2,
+                            conversations=conversations,
+                            extras={"tool_calls": [2, 2], "env_reward": [0.0, 0.0], "tool_errors": errors,
+                                    "tool_timeouts": timeouts, "tool_error": first})
+
+    with caplog.at_level(logging.WARNING, logger="polopt_lightning"):
+        metrics = ExperienceMaker.turn_metrics(rollout([2, 1], [1, 0], ["error: RuntimeError: boom", None]), "cpu")
+    assert float(metrics["train/tool_error_frac"]) == 0.75 and float(metrics["train/tool_timeouts"]) == 0.5
+    assert "3 of this rollout's 4 tool calls came back as an error, e.g. error: RuntimeError: boom" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="polopt_lightning"):
+        metrics = ExperienceMaker.turn_metrics(rollout([1, 1], [0, 0], ["error: x", "error: y"]), "cpu")
+    assert float(metrics["train/tool_error_frac"]) == 0.5 and not caplog.text  # half: not most
+
+
+def test_the_command_line_shows_the_tools_schemas_in_chat_prompts(tmp_path, monkeypatch, caplog):
+    """``polopt-train rollout=tools rollout.tools=[...]`` with chat prompts: the template renders the tools for the
+    model (the data module had been built without them, so a chat model never saw their schemas); a template that
+    renders no tools is said."""
+    import json
+    import logging
+
+    from polopt_lightning import cli
+
+    from .helpers import FAST, compose_with, set_hydra
+
+    seen = {}
+
+    def stop(cfg, model, tokenizer, datamodule, *args):
+        seen["tools"] = [fn.__name__ for fn in datamodule.tools]
+        seen["prompt"] = datamodule.prompt_text(datamodule.train_rows[0]["prompt"])
+        raise KeyboardInterrupt  # enough: the warm start is where the rows are first used
+
+    monkeypatch.setattr(cli, "_warm_start", stop)
+    (tmp_path / "t.jsonl").write_text("".join(json.dumps({"prompt": [{"role": "user", "content": f"{i}+{i}="}],
+                                                          "answer": str(2 * i)}) + "\n" for i in range(6)))
+    fast = [o for o in FAST if not o.startswith("task.")]
+    for template, shown in ((TEMPLATE, True), ("chatml", False)):
+        (tmp_path / "tpl.jinja").write_text(template)
+        template_arg = f"data.chat_template={tmp_path / 'tpl.jinja'}" if shown else "data.chat_template=chatml"
+        cfg = compose_with(fast + ["task=jsonl", f"task.train={tmp_path}/t.jsonl", "reward=exact_match", "rollout=tools",
+                                   "rollout.tools=[polopt_lightning.rollout.environments.add]", template_arg],
+                           tmp_path / f"run_{shown}")
+        set_hydra(cfg)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="polopt_lightning"), pytest.raises(KeyboardInterrupt):
+            cli.train(cfg)
+        assert seen["tools"] == ["add"]
+        assert seen["prompt"].startswith("tools: add\n0+0=") == shown
+        assert ("the chat template does not render tools: the model is not shown the schemas of add" in caplog.text) \
+            == (not shown)
+
+
+def test_polopt_train_imports_a_tool_module_beside_the_command(tmp_path):
+    """``polopt-train`` (the console script) finds ``mytools`` in the folder it runs in, as ``python -m
+    polopt_lightning`` does: it had said "No module named 'mytools'". Here the tool then fails its schema check (no
+    docstring), which only an imported function can."""
+    import subprocess
+    from pathlib import Path
+
+    (tmp_path / "mytools.py").write_text("def add(a, b):\n    return a + b\n")
+    script = Path(sys.executable).parent / "polopt-train"
+    proc = subprocess.run([str(script), "rollout=tools", "rollout.tools=[mytools.add]", f"hydra.run.dir={tmp_path}/run"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1 and "No module named" not in proc.stderr, proc.stderr[-2000:]
+    assert "tool 'add': Cannot generate JSON schema for add because it has no docstring" in proc.stderr, proc.stderr[-2000:]
+
+
+def test_bad_multi_turn_settings_and_environments_name_the_culprit():
+    """A timeout of 0 or less (every call had timed out, or the sandbox refused mid-run under another key), two tools
+    of one name (one had shadowed the other), a module where a function is meant, an environment whose step returns
+    something else than an EnvStep."""
+    from polopt_lightning.rollout.environments import add
+    from polopt_lightning.rollout.multi_turn import resolve, step_environments
+
+    tok = tokenizer()
+    for timeout in (0, -1):
+        with pytest.raises(ValueError, match=rf"rollout.timeout must be > 0 seconds or null \(no limit\), got {timeout}"):
+            MultiTurnEngine("tools", tools=[add], timeout=timeout, tokenizer=tok)
+
+    def other(a: int, b: int) -> int:
+        """Add otherwise.
+
+        Args:
+            a: one.
+            b: the other.
+        """
+        return a + b
+
+    other.__name__ = "add"
+    with pytest.raises(ValueError, match=r"rollout.tools: the model calls a tool by its name, and \['add'\] name more"):
+        MultiTurnEngine("tools", tools=[add, other], tokenizer=tok)
+    with pytest.raises(ValueError, match=r"rollout.tools: 'mytools' is no import path of an object in a module"):
+        resolve("mytools", "rollout.tools")
+
+    class Silent(AlwaysLower):
+        def step(self, message):
+            return None
+
+    with pytest.raises(TypeError, match=r"Silent.step returned NoneType, not an EnvStep"):
+        step_environments([Silent()], ["hello"])
+
+
+def test_a_multi_turn_run_without_a_chat_template_is_refused_before_the_warm_start(tmp_path, monkeypatch):
+    """The tiny default tokenizer has no chat template; a multi-turn rollout needs one: the one line naming the key,
+    before the warm start's supervised steps (it came after them, inside a traceback)."""
+    from polopt_lightning import cli
+
+    from .helpers import FAST, compose_with, set_hydra
+
+    monkeypatch.setattr(cli, "_warm_start", lambda *a, **k: (_ for _ in ()).throw(AssertionError("warm start ran")))
+    cfg = compose_with(FAST + ["rollout=tools", "rollout.environment=polopt_lightning.rollout.environments.GuessingGame"],
+                       tmp_path)
+    set_hydra(cfg)
+    with pytest.raises(cli.ConfigError, match=r"^a multi-turn rollout renders the environment's messages with the "
+                                              r"tokenizer's chat template, and this tokenizer has none: set "
+                                              r"data.chat_template"):
+        cli.train(cfg)

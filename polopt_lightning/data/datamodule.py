@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -17,6 +18,8 @@ from ..chat import is_conversation
 from .sampling import PADDING, MixtureSampler, PromptSampler, ResumableLoader, ShardSampler, allocate, process_rank
 from .sources import load_rows
 from .tasks import TaskMixture
+
+log = logging.getLogger(__name__)
 
 TRUNCATION = ("left", "error")
 # chat templates by name for data.chat_template (Qwen's and many others' ChatML)
@@ -119,6 +122,7 @@ class PromptDataModule(L.LightningDataModule):
         self.chat_template = chat_template
         self.tools = list(tools)
         self._warned_truncation = False
+        self._tools_checked = False  # whether the prompts were seen to show the tools' schemas (said once otherwise)
         # a mixture's samplers: the training loader's, and the one of dynamic sampling's extra batches
         self._train_sampler: MixtureSampler | None = None
         self._extra_sampler: MixtureSampler | None = None
@@ -152,6 +156,11 @@ class PromptDataModule(L.LightningDataModule):
         """The text the model reads for ``prompt``: a string as it is; chat messages through the tokenizer's chat
         template, with the generation prompt, or continuing the last message when it is the assistant's."""
         if isinstance(prompt, str):
+            if self.tools and not self._tools_checked:
+                self._tools_checked = True
+                log.info("the prompts are strings, shown as they are: the tools' schemas (%s) reach the model only "
+                         "through chat prompts whose template renders them (a warm start or the prompt itself may "
+                         "teach the calls instead)", ", ".join(fn.__name__ for fn in self.tools))
             return prompt
         if not is_conversation(prompt):
             raise TypeError(f"data.prompt_column={self.prompt_column!r}: a prompt must be a string or a list of chat "
@@ -166,6 +175,14 @@ class PromptDataModule(L.LightningDataModule):
             from ..rollout.multi_turn import tool_schema
 
             tools = [tool_schema(fn) for fn in self.tools]
+            if not self._tools_checked:
+                self._tools_checked = True
+                probe = [{"role": "user", "content": "q"}]
+                if (self.tokenizer.apply_chat_template(probe, tools=tools, tokenize=False, add_generation_prompt=True)
+                        == self.tokenizer.apply_chat_template(probe, tokenize=False, add_generation_prompt=True)):
+                    log.warning("the chat template does not render tools: the model is not shown the schemas of %s "
+                                "(use a template that renders `tools`, as Qwen's and Llama 3's do, or describe the "
+                                "tools in the prompts)", ", ".join(fn.__name__ for fn in self.tools))
         if prompt[-1].get("role") == "assistant":  # the assistant's turn begun: continued, not a new turn
             return self.tokenizer.apply_chat_template(prompt, tools=tools, tokenize=False, continue_final_message=True)
         return self.tokenizer.apply_chat_template(prompt, tools=tools, tokenize=False, add_generation_prompt=True)

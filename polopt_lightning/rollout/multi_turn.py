@@ -167,7 +167,14 @@ class ToolEnvironment(Environment):
             raise ValueError(f"rollout.format must be one of {sorted(TOOL_CALL_FORMATS)} or a parser, got {format!r}")
         self.parse = TOOL_CALL_FORMATS[format] if isinstance(format, str) else format
         self.runner = runner if runner is not None else ToolRunner()
-        self.calls = 0
+        # this episode's calls, those that came back as an error (malformed, unknown, raised, timed out, no JSON), the
+        # timed out among them, and the first error's message (logged: train/tool_errors, the rollout's warning)
+        self.calls, self.errors, self.timeouts, self.first_error = 0, 0, 0, None
+
+    def _error(self, message: str) -> str:
+        self.errors += 1
+        self.first_error = self.first_error or message
+        return message
 
     def plan(self, message: str) -> list[str | ToolCall] | None:
         """The message's calls, each a :class:`ToolCall` to run or, when it cannot run (malformed, an unknown tool),
@@ -179,9 +186,10 @@ class ToolEnvironment(Environment):
         for call in calls:
             self.calls += 1
             if "error" in call:
-                planned.append(f"error: {call['error']}")
+                planned.append(self._error(f"error: {call['error']}"))
             elif call["name"] not in self.tools:
-                planned.append(f"error: unknown tool {call['name']!r}; tools: {', '.join(sorted(self.tools))}")
+                planned.append(self._error(f"error: unknown tool {call['name']!r}; tools: "
+                                           f"{', '.join(sorted(self.tools))}"))
             else:
                 planned.append(ToolCall(self.tools[call["name"]], call["arguments"], self.timeout, call["name"]))
         return planned
@@ -190,7 +198,14 @@ class ToolEnvironment(Environment):
         """The observation of a :meth:`plan`: its calls' results (``results``, one per :class:`ToolCall` in it, in
         order) and its ready messages, one line per call in the message's order."""
         ran = iter(results)
-        return EnvStep(observation="\n".join(p if isinstance(p, str) else tool_message(next(ran)) for p in planned))
+        return EnvStep(observation="\n".join(p if isinstance(p, str) else self._message(next(ran)) for p in planned))
+
+    def _message(self, result: ToolResult) -> str:
+        """A call's tool message, counted as an error where it is one (a raise, a timeout, a value with no JSON)."""
+        message = tool_message(result)
+        self.timeouts += int(result.timed_out)
+        failed = not result.ok or (not isinstance(result.value, str) and message.startswith("error: "))
+        return self._error(message) if failed else message
 
     def step(self, message: str) -> EnvStep:
         planned = self.plan(message)
@@ -213,7 +228,11 @@ def step_environments(envs: Sequence[Environment], messages: Sequence[str]) -> l
             else:
                 batches.setdefault(id(env.runner), (env.runner, []))[1].append((j, env, planned))
         else:
-            steps[j] = env.step(message)
+            step = env.step(message)
+            if not isinstance(step, EnvStep):
+                raise TypeError(f"{type(env).__name__}.step returned {type(step).__name__}, not an EnvStep (its "
+                                 "observation, reward and done)")
+            steps[j] = step
     for runner, batch in batches.values():
         results = iter(runner.run([p for _, _, planned in batch for p in planned if isinstance(p, ToolCall)]))
         for j, env, planned in batch:
@@ -234,6 +253,9 @@ class Episode:
     reward: float = 0.0
     turn_rewards: list[float | None] = field(default_factory=list)  # each policy turn's reward from the environment
     tool_calls: int = 0
+    tool_errors: int = 0  # calls that came back as an error
+    tool_timeouts: int = 0
+    tool_error: str | None = None  # the first error's message
     done: bool = False
     finished: bool = False  # its last turn ended with EOS
 
@@ -280,6 +302,8 @@ def resolve(spec: Any, key: str) -> Any:
     import importlib
 
     module, _, name = spec.rpartition(".")
+    if not module:
+        raise ValueError(f"{key}: {spec!r} is no import path of an object in a module (package.module.name)")
     try:
         return getattr(importlib.import_module(module), name)
     except (ImportError, AttributeError, ValueError) as err:
@@ -328,9 +352,15 @@ class MultiTurnEngine(RolloutEngine):
 
         if max_turns < 1 or max_tokens < 1:
             raise ValueError(f"rollout.max_turns and rollout.max_tokens must be >= 1, got {max_turns}, {max_tokens}")
+        if timeout is not None and not timeout > 0:
+            raise ValueError(f"rollout.timeout must be > 0 seconds or null (no limit), got {timeout}")
         self.tools = [resolve(fn, "rollout.tools") for fn in tools]
         for fn in self.tools:
             tool_schema(fn)  # a tool without types or docstring fails now, naming it
+        names = [fn.__name__ for fn in self.tools]
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:
+            raise ValueError(f"rollout.tools: the model calls a tool by its name, and {twice} name more than one")
         self.runner = (tool_runner if isinstance(tool_runner, ToolRunner)
                        else ToolRunner(tool_runner, tool_workers, sandbox=sandbox))
         if any(is_untrusted(fn) for fn in self.tools):
@@ -431,6 +461,9 @@ class MultiTurnEngine(RolloutEngine):
             active = [i for i, step in zip(answered, steps) if self.answer_turn(episodes[i], step, turn)]
         for episode in episodes:
             episode.tool_calls = getattr(episode.env, "calls", 0)
+            episode.tool_errors = getattr(episode.env, "errors", 0)
+            episode.tool_timeouts = getattr(episode.env, "timeouts", 0)
+            episode.tool_error = getattr(episode.env, "first_error", None)
         return assemble(episodes, prompt_ids, prompt_mask, G, pad_token_id)
 
 
@@ -467,4 +500,5 @@ def assemble(episodes: list[Episode], prompt_ids: Tensor, prompt_mask: Tensor, G
         finished=torch.tensor([e.done and e.finished for e in episodes], device=device), group_size=G,
         context_mask=context.to(device), conversations=[e.messages for e in episodes],
         extras={"env_reward": [e.reward for e in episodes], "turn_rewards": [e.turn_rewards for e in episodes],
-                "tool_calls": [e.tool_calls for e in episodes]})
+                "tool_calls": [e.tool_calls for e in episodes], "tool_errors": [e.tool_errors for e in episodes],
+                "tool_timeouts": [e.tool_timeouts for e in episodes], "tool_error": [e.tool_error for e in episodes]})

@@ -4,6 +4,7 @@ advantage scale, overlong filtering, the anchor's targets) and runs the draws; t
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -35,6 +36,8 @@ from .advantages import (
     turn_token_rewards,
     zero_std_groups,
 )
+
+log = logging.getLogger(__name__)
 
 WHITENINGS = ("completion", "token")
 TURN_CREDITS = ("episode", "turn")
@@ -463,14 +466,26 @@ class ExperienceMaker:
     @staticmethod
     def turn_metrics(rollout: RolloutBatch, device: torch.device) -> dict[str, Tensor]:
         """A multi-turn rollout's means per completion over every process: ``train/tool_calls``, ``train/turns`` (the
-        policy's), ``train/env_reward``."""
+        policy's), ``train/env_reward``; of the tool calls, the share that came back as an error
+        (``train/tool_error_frac``: malformed, unknown tool, raised, timed out, no JSON; NaN without calls) and the
+        timed out per completion (``train/tool_timeouts``). Where most of a rollout's calls failed, a warning with the
+        first error's message (the model sees it as the tool's answer, so the run goes on)."""
         n = len(rollout.conversations or [])
-        sums = torch.tensor([float(sum(rollout.extras.get("tool_calls", [0] * n))),
+        extras = rollout.extras
+        sums = torch.tensor([float(sum(extras.get("tool_calls", [0] * n))),
                              float(sum(sum(m["role"] == "assistant" for m in c) for c in rollout.conversations or [])),
-                             float(sum(rollout.extras.get("env_reward", [0.0] * n))), float(n)], device=device)
-        calls, turns, reward, count = all_reduce(sums).unbind()
+                             float(sum(extras.get("env_reward", [0.0] * n))), float(n),
+                             float(sum(extras.get("tool_errors", [0] * n))),
+                             float(sum(extras.get("tool_timeouts", [0] * n)))], device=device)
+        calls, turns, reward, count, errors, timeouts = all_reduce(sums).unbind()
         count = count.clamp(min=1)
-        return {"train/tool_calls": calls / count, "train/turns": turns / count, "train/env_reward": reward / count}
+        if calls > 0 and errors > calls / 2:
+            first = next((e for e in extras.get("tool_error", []) if e), "(on another process)")
+            log.warning("%d of this rollout's %d tool calls came back as an error, e.g. %s", int(errors), int(calls),
+                        first[:300])
+        return {"train/tool_calls": calls / count, "train/turns": turns / count, "train/env_reward": reward / count,
+                "train/tool_error_frac": errors / calls if calls > 0 else torch.full_like(calls, float("nan")),
+                "train/tool_timeouts": timeouts / count}
 
     def anchor_targets(self, batch: Mapping[str, Any], device: torch.device) -> dict[str, Tensor]:
         """Each prompt's reference answer as ``answer + EOS`` token ids ``[P, Ta]`` with their mask (zero where the
