@@ -60,7 +60,7 @@ def prepare(task: str, seed: int, folder: Path, val_size: int | None, extra: lis
     model, tokenizer = instantiate(cfg.model)
     task_obj = instantiate(_container(cfg, "task"), _convert_="all")
     data = PromptDataModule(task=task_obj, tokenizer=tokenizer, **OmegaConf.to_container(cfg.data, resolve=True))
-    warm = _warm_start(cfg, model, tokenizer, data, "none")
+    warm = _warm_start(cfg, model, tokenizer, data, "none", False)
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     (folder / "rows.json").write_text(json.dumps({"train": list(data.train_rows), "val": list(data.val_rows),

@@ -224,14 +224,18 @@ def test_decoding_under_the_mode_packs_the_body_in_onednns_layout_and_keeps_the_
     assert close(blocked, plain, rel=1e-5)
 
 
-@pytest.mark.parametrize("native_bf16", [(), ("amx_bf16",)], ids=["no-native-bf16", "native-bf16"])
-def test_under_autocast_the_fp32_policy_samples_itself_through_onednn_unless_the_cpu_has_bf16(native_bf16,
+@pytest.mark.parametrize("flags,speedup", [((), 1.0), (("amx_bf16",), 5.0), (("avx512_bf16",), 0.75)],
+                         ids=["no-native-bf16", "native-bf16", "amx-hidden"])
+def test_under_autocast_the_fp32_policy_samples_itself_through_onednn_unless_the_cpu_has_bf16(flags, speedup,
                                                                                                 monkeypatch, caplog):
     """A bf16-mixed step on the CPU: inside the mode, on a CPU without native bf16 products, the policy samples in
     fp32 with autocast off (faster than an emulated bf16 copy, without its memory); on a CPU with AMX or AVX512-BF16
     (stood in for here) it samples a bf16 copy, which reads half the bytes a token (1.5x faster rollouts at 0.5B on
-    AMX); outside the mode, or for the default tiny model, it gets the bf16 copy either way."""
-    monkeypatch.setattr(precision, "cpu_bf16", lambda: native_bf16)
+    AMX), unless its bf16 products measure slower than float32's (an Intel core whose AMX is unavailable: 0.75x);
+    outside the mode, or for the default tiny model, it gets the bf16 copy either way."""
+    monkeypatch.setattr(precision, "cpu_bf16", lambda: flags)
+    monkeypatch.setattr(precision, "cpu_bf16_speedup", lambda: speedup)
+    native_bf16 = bool(flags) and speedup >= precision.BF16_CPU_MIN_SPEEDUP
     model, tok = onednn_model()
     ids = torch.tensor([tok("12+34=")["input_ids"]] * 2)
     mask = torch.ones_like(ids)

@@ -90,6 +90,31 @@ def test_on_a_cpu_bf16_is_chosen_only_for_models_large_enough_for_it_to_pay():
     assert precision.auto_precision("cpu", CPUINFO.format(extra=""), model=wide)[0] == "32-true"  # no bf16: float32
 
 
+def test_on_this_machine_bf16_is_taken_only_where_its_products_measure_faster(monkeypatch):
+    """Where the flags say bf16 is native but the products measure slower than float32's (an Intel core whose AMX a VM
+    or kernel hides runs them through AVX512-BF16 at 0.58-0.83x; emulated in docs/performance.md), ``auto`` takes
+    float32, saying so; where they measure faster it takes bf16 and says by how much. Another CPU's cpuinfo is judged
+    by its flags alone (nothing measured)."""
+    from polopt_lightning.models import build_tiny_model
+
+    wide, _ = build_tiny_model(hidden_size=512, num_layers=1, intermediate_size=1376, seed=0)
+    monkeypatch.setattr(precision, "cpu_flags", lambda cpuinfo=None: {"avx512_bf16", "avx512f"} if cpuinfo is None
+                        else {"amx_bf16"})
+    monkeypatch.setattr(precision, "cpu_bf16_speedup", lambda: 0.75)
+    assert precision.auto_precision("cpu", model=wide) == (
+        "32-true", "the CPU has avx512_bf16, but its bfloat16 products measured 0.75x float32's here (fewer than 1.3x: "
+                   "AMX unavailable to this process?): float32")
+    assert precision.auto_precision("cpu", "flags : amx_bf16", model=wide)[0] == "bf16-mixed"  # not measured
+    monkeypatch.setattr(precision, "cpu_bf16_speedup", lambda: 2.0)
+    chosen, why = precision.auto_precision("cpu", model=wide)
+    assert chosen == "bf16-mixed" and why.endswith("; its bfloat16 products measured 2.00x float32's here")
+
+
+def test_the_bf16_product_probe_measures_a_rate_ratio_once():
+    precision.cpu_bf16_speedup.cache_clear()
+    first = precision.cpu_bf16_speedup()
+    assert first > 0 and precision.cpu_bf16_speedup() == first  # measured once a process
+
 def test_the_size_rule_counts_gpt2s_conv1d_layers_and_says_where_it_found_no_linear_layer():
     """GPT-2's layers are transformers' ``Conv1D`` (a transposed linear): counted, so a small GPT-2 trains in float32
     as a small Llama does (a newcomer's find: it got bf16, its size never checked); a model with no layer the rule

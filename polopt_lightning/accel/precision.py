@@ -3,7 +3,8 @@ Trainer is made (Lightning itself has no such value), and the check of ``trainer
 
 bfloat16 mixed precision (``bf16-mixed``: float32 master weights and optimizer state, bf16 products, float32
 log-softmax) where the device has bf16 arithmetic: a CUDA device that supports it, a CPU with AMX (``amx_bf16``) or
-AVX512-BF16 (``avx512_bf16``) for a model large enough that bf16 pays there (:data:`BF16_CPU_MIN_WEIGHTS`); float32
+AVX512-BF16 (``avx512_bf16``) for a model large enough that bf16 pays there (:data:`BF16_CPU_MIN_WEIGHTS`), where the
+process's bf16 products measure faster than float32's (:data:`BF16_CPU_MIN_SPEEDUP`: AMX may be hidden); float32
 (``32-true``) elsewhere, where bf16 products are emulated (AVX2, AVX-512 without BF16) and slower than float32's, and
 for small models on the CPU. The CPU trainer's default (``conf/trainer/cpu.yaml``). Where it pays and what it costs:
 docs/performance.md.
@@ -27,6 +28,33 @@ BF16_CPU_FLAGS = ("amx_bf16", "avx512_bf16")
 #: largest linear layer (the output head aside) has fewer weights than this trains in float32 under ``auto`` (the
 #: measurements that set it: docs/performance.md, "Precision by the hardware").
 BF16_CPU_MIN_WEIGHTS = 2**19
+
+
+#: where the flags say bf16 is native, ``auto`` takes it on this machine only if its bf16 products measure at least this
+#: many times float32's (:func:`cpu_bf16_speedup`): an Intel core whose AMX is not available (a VM or a kernel that
+#: hides it) multiplies through AVX512-BF16 at 0.58x float32's rate, where an AMD EPYC's AVX512-BF16 gives 2.0x and AMX
+#: 6.3x (docs/performance.md, "Precision by the hardware")
+BF16_CPU_MIN_SPEEDUP = 1.3
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_bf16_speedup() -> float:
+    """The rate of this process's bfloat16 matrix products over its float32 ones (``torch.mm``, ``[256, 1024] x
+    [1024, 1024]``, the best of 5 timings each after 2 warm-up products; about 0.05 s), measured once."""
+    import time
+
+    rates = []
+    for dtype in (torch.float32, torch.bfloat16):
+        a, b = torch.randn(256, 1024, dtype=dtype), torch.randn(1024, 1024, dtype=dtype)
+        for _ in range(2):
+            a @ b
+        best = float("inf")
+        for _ in range(5):
+            start = time.perf_counter()
+            a @ b
+            best = min(best, time.perf_counter() - start)
+        rates.append(1 / max(best, 1e-9))
+    return rates[1] / rates[0]
 
 
 def largest_linear(model: Any) -> int | None:
@@ -70,7 +98,9 @@ def bf16_flags(flags: set[str]) -> tuple[str, ...]:
 def auto_precision(accelerator: str = "auto", cpuinfo: str | None = None, model: Any = None) -> tuple[str, str]:
     """``(precision, why)`` for ``trainer.precision=auto`` on ``accelerator`` (``cpu``, ``gpu``/``cuda`` or ``auto``:
     CUDA where available): ``"bf16-mixed"`` where the device multiplies bfloat16 natively (on a CPU: for a ``model``
-    whose largest linear layer has at least :data:`BF16_CPU_MIN_WEIGHTS` weights), else ``"32-true"``."""
+    whose largest linear layer has at least :data:`BF16_CPU_MIN_WEIGHTS` weights, and, on this machine, where its bf16
+    products measure at least :data:`BF16_CPU_MIN_SPEEDUP` times float32's), else ``"32-true"``. ``cpuinfo`` stands
+    for another CPU's ``/proc/cpuinfo`` (its flags decide; nothing is measured)."""
     cuda = accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available())
     if cuda:
         if not torch.cuda.is_available():
@@ -80,6 +110,7 @@ def auto_precision(accelerator: str = "auto", cpuinfo: str | None = None, model:
         return "32-true", f"{torch.cuda.get_device_name()} has no native bfloat16 arithmetic"
     if accelerator not in ("cpu", "auto"):
         return "32-true", f"trainer.accelerator={accelerator}: no rule for it, float32"
+    here = cpuinfo is None
     flags = cpu_flags(cpuinfo)
     if flags is None:
         return "32-true", f"the CPU's features cannot be read on {sys.platform}: float32"
@@ -92,9 +123,15 @@ def auto_precision(accelerator: str = "auto", cpuinfo: str | None = None, model:
         if size is not None and size < BF16_CPU_MIN_WEIGHTS:
             return "32-true", (f"{cpu}, but the model's largest linear layer has {size:,} weights (fewer than "
                                f"{BF16_CPU_MIN_WEIGHTS:,}): bfloat16's casts would cost more than its products save")
-        return "bf16-mixed", (f"{cpu} and the model's largest linear layer has {size:,} weights (at least "
-                              f"{BF16_CPU_MIN_WEIGHTS:,})" if size is not None else
-                              f"{cpu} (the model has no linear layer this rule knows: its size not checked)")
+        why = (f"{cpu} and the model's largest linear layer has {size:,} weights (at least {BF16_CPU_MIN_WEIGHTS:,})"
+               if size is not None else f"{cpu} (the model has no linear layer this rule knows: its size not checked)")
+        if here:
+            speedup = cpu_bf16_speedup()
+            if speedup < BF16_CPU_MIN_SPEEDUP:
+                return "32-true", (f"{cpu}, but its bfloat16 products measured {speedup:.2f}x float32's here (fewer "
+                                   f"than {BF16_CPU_MIN_SPEEDUP}x: AMX unavailable to this process?): float32")
+            why += f"; its bfloat16 products measured {speedup:.2f}x float32's here"
+        return "bf16-mixed", why
     return "32-true", (f"the CPU has neither {' nor '.join(BF16_CPU_FLAGS)}: float32; bfloat16 products are emulated "
                        "there, or not measured")
 

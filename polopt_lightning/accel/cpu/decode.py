@@ -85,7 +85,8 @@ class CPUDecoding:
         docs/performance.md, "Precision by the hardware"); else ``None``."""
         if device_type != "cpu" or not cpu_linear.applies(model):
             return None
-        native = torch.get_autocast_dtype("cpu") == torch.bfloat16 and bool(precision.cpu_bf16())
+        native = (torch.get_autocast_dtype("cpu") == torch.bfloat16 and bool(precision.cpu_bf16())
+                  and precision.cpu_bf16_speedup() >= precision.BF16_CPU_MIN_SPEEDUP)  # AMX hidden: not native here
         return None if native else torch.float32
 
     def context(self) -> AbstractContextManager:
