@@ -387,7 +387,8 @@ def test_assembled_episodes_keep_each_tokens_owner_in_the_masks_types_and_extras
         == (torch.long, torch.long, torch.long, torch.float32)
     assert out.finished.tolist() == [True, False]  # finished only when the episode is done and ended with EOS
     assert out.prompt_ids.tolist() == [[1, 2], [1, 2]] and out.group_size == 2
-    assert out.extras == {"env_reward": [1.5, 0.0], "turn_rewards": [[None, 1.0], []], "tool_calls": [1, 0]}
+    assert out.extras == {"env_reward": [1.5, 0.0], "turn_rewards": [[None, 1.0], []], "tool_calls": [1, 0],
+                          "tool_errors": [0, 0], "tool_timeouts": [0, 0], "tool_error": [None, None]}
     empty = assemble([Episode(env=None)], torch.tensor([[1]]), torch.tensor([[1]]), 1, pad=3)
     assert empty.completion_ids.tolist() == [[3]] and empty.completion_mask.tolist() == [[0]]  # one column of padding
     # a turn the token budget cuts ends the episode: no text for the environment
