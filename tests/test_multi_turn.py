@@ -353,12 +353,13 @@ def test_the_tool_task_learns_to_call_the_tool_and_beats_the_no_tool_baseline(tm
     assert tool > results["tool"]["val_accuracy_before"] and tool > none + 0.3
 
 
-def test_a_rollouts_tool_errors_are_counted_and_most_of_them_failing_is_said(caplog):
+def test_a_rollouts_tool_errors_are_counted_and_most_of_them_failing_is_said(caplog, monkeypatch):
     """``train/tool_error_frac`` (of the calls) and ``train/tool_timeouts`` (per completion): a tool that fails on every
     call had trained silently (its errors reach the model as tool messages, the run goes on); where most of a rollout's
     calls failed, a warning quotes the first error."""
     import logging
 
+    from polopt_lightning.step import experience
     from polopt_lightning.step.experience import ExperienceMaker
 
     def rollout(errors, timeouts, first):
@@ -370,10 +371,16 @@ def test_a_rollouts_tool_errors_are_counted_and_most_of_them_failing_is_said(cap
                             extras={"tool_calls": [2, 2], "env_reward": [0.0, 0.0], "tool_errors": errors,
                                     "tool_timeouts": timeouts, "tool_error": first})
 
+    monkeypatch.setattr(experience, "_FAILING_ROLLOUTS", [0])
     with caplog.at_level(logging.WARNING, logger="polopt_lightning"):
         metrics = ExperienceMaker.turn_metrics(rollout([2, 1], [1, 0], ["error: RuntimeError: boom", None]), "cpu")
     assert float(metrics["train/tool_error_frac"]) == 0.75 and float(metrics["train/tool_timeouts"]) == 0.5
     assert "3 of this rollout's 4 tool calls came back as an error, e.g. error: RuntimeError: boom" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="polopt_lightning"):  # said again at the 51st such rollout only
+        for _ in range(50):
+            ExperienceMaker.turn_metrics(rollout([2, 1], [1, 0], ["error: b", None]), "cpu")
+    assert caplog.text.count("came back as an error") == 1 and "so far: 51" in caplog.text
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="polopt_lightning"):
         metrics = ExperienceMaker.turn_metrics(rollout([1, 1], [0, 0], ["error: x", "error: y"]), "cpu")

@@ -38,6 +38,8 @@ from .advantages import (
 )
 
 log = logging.getLogger(__name__)
+# rollouts in this process where most tool calls failed (ExperienceMaker.turn_metrics says the first and every 50th)
+_FAILING_ROLLOUTS = [0]
 
 WHITENINGS = ("completion", "token")
 TURN_CREDITS = ("episode", "turn")
@@ -480,9 +482,12 @@ class ExperienceMaker:
         calls, turns, reward, count, errors, timeouts = all_reduce(sums).unbind()
         count = count.clamp(min=1)
         if calls > 0 and errors > calls / 2:
-            first = next((e for e in extras.get("tool_error", []) if e), "(on another process)")
-            log.warning("%d of this rollout's %d tool calls came back as an error, e.g. %s", int(errors), int(calls),
-                        first[:300])
+            _FAILING_ROLLOUTS[0] += 1
+            if _FAILING_ROLLOUTS[0] % 50 == 1:  # the first, then every 50th such rollout: a broken tool is said, not
+                first = next((e for e in extras.get("tool_error", []) if e), "(on another process)")  # every step
+                log.warning("%d of this rollout's %d tool calls came back as an error, e.g. %s (rollouts where most "
+                            "calls failed so far: %d; said again every 50)", int(errors), int(calls), first[:300],
+                            _FAILING_ROLLOUTS[0])
         return {"train/tool_calls": calls / count, "train/turns": turns / count, "train/env_reward": reward / count,
                 "train/tool_error_frac": errors / calls if calls > 0 else torch.full_like(calls, float("nan")),
                 "train/tool_timeouts": timeouts / count}
