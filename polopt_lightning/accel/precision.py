@@ -31,9 +31,8 @@ BF16_CPU_MIN_WEIGHTS = 2**19
 
 
 #: where the flags say bf16 is native, ``auto`` takes it on this machine only if its bf16 products measure at least this
-#: many times float32's (:func:`cpu_bf16_speedup`): an Intel core whose AMX is not available (a VM or a kernel that
-#: hides it) multiplies through AVX512-BF16 at 0.58x float32's rate, where an AMD EPYC's AVX512-BF16 gives 2.0x and AMX
-#: 6.3x (docs/performance.md, "Precision by the hardware")
+#: many times float32's (:func:`cpu_bf16_speedup`): the flags alone do not say whether AMX is available to the process
+#: (a VM or a kernel may hide it); the measurements that set it: docs/performance.md, "Precision by the hardware"
 BF16_CPU_MIN_SPEEDUP = 1.3
 
 
